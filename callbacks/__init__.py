@@ -1,0 +1,1 @@
+"""Callbacks that report what the FSDP engine does (shipped as ``fsdp_strategy.callbacks``)."""

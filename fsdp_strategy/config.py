@@ -1,0 +1,149 @@
+"""User-facing configuration: sharding strategy, mixed precision and CPU offload.
+
+Each type is a frozen, validated value. ``from_any`` converts what users pass (our type, a
+string, a dict or omegaconf ``DictConfig``, or torch's own FSDP types) and raises a
+``ValueError``/``TypeError`` that names the argument, the value and what is accepted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import torch
+
+_DTYPE_NAMES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "16": torch.float16,
+}
+
+
+def parse_dtype(value: Any, argument: str) -> torch.dtype | None:
+    """Turn ``None``, a floating ``torch.dtype`` or a name like ``"bf16"`` into a dtype."""
+    if value is None or isinstance(value, torch.dtype):
+        dtype = value
+    elif isinstance(value, str):
+        dtype = _DTYPE_NAMES.get(value.lower().removeprefix("torch."))
+        if dtype is None:
+            raise ValueError(
+                f"{argument}={value!r} is not a known dtype; accepted: {sorted(set(_DTYPE_NAMES))} "
+                "or a floating torch.dtype"
+            )
+    else:
+        raise TypeError(f"{argument} must be a torch.dtype, a dtype name or None, got {type(value).__name__}")
+    if dtype is not None and not dtype.is_floating_point:
+        raise ValueError(f"{argument}={dtype} is not a floating dtype; accepted: float32, bfloat16, float16")
+    return dtype
+
+
+class ShardingStrategy(str, Enum):
+    """What is sharded across the data-parallel ranks."""
+
+    FULL_SHARD = "FULL_SHARD"  # params, grads and optimizer state sharded; params freed after forward
+    SHARD_GRAD_OP = "SHARD_GRAD_OP"  # as FULL_SHARD, but params stay gathered from forward to backward
+    NO_SHARD = "NO_SHARD"  # everything replicated; grads all-reduced, as DDP
+    HYBRID_SHARD = "HYBRID_SHARD"  # FULL_SHARD inside a shard group, replicated across groups
+
+    @classmethod
+    def from_any(cls, value: Any, argument: str = "sharding_strategy") -> ShardingStrategy:
+        """Accept our enum, its name in any case, or torch's ``ShardingStrategy`` member."""
+        if isinstance(value, cls):
+            return value
+        name = value.name if isinstance(value, Enum) else value
+        if not isinstance(name, str):
+            raise TypeError(
+                f"{argument} must be a string or a ShardingStrategy, got {type(value).__name__} ({value!r})"
+            )
+        try:
+            return cls[name.upper()]
+        except KeyError:
+            raise ValueError(
+                f"{argument}={value!r} is not supported; accepted: {[member.value for member in cls]}"
+            ) from None
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        """Whether a non-root unit frees its gathered parameters right after its forward."""
+        return self in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
+
+
+def _mapping_of(value: Any, argument: str, fields: tuple[str, ...]) -> Mapping[str, Any]:
+    """Read a dict, an omegaconf config or an object with matching attributes as a mapping."""
+    if isinstance(value, Mapping) or type(value).__name__ == "DictConfig":
+        mapping = dict(value)
+        unknown = sorted(set(mapping) - set(fields))
+        if unknown:
+            raise ValueError(f"{argument} has unknown keys {unknown}; accepted keys: {list(fields)}")
+        return mapping
+    return {name: getattr(value, name) for name in fields if hasattr(value, name)}
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """Dtypes used while a unit is gathered; the sharded master weights keep their own dtype.
+
+    Costs: a cast of the local shard before each all-gather; low ``param_dtype`` halves the
+    all-gather bytes and the memory of gathered parameters.
+    """
+
+    param_dtype: torch.dtype | None = None  # dtype of gathered parameters (compute + all-gather); None: keep
+    reduce_dtype: torch.dtype | None = None  # dtype of the gradient reduction; None: the shard's dtype (fp32)
+    buffer_dtype: torch.dtype | None = None  # dtype buffers are cast to at setup; None: keep
+
+    def __post_init__(self) -> None:
+        for name in ("param_dtype", "reduce_dtype", "buffer_dtype"):
+            object.__setattr__(self, name, parse_dtype(getattr(self, name), f"mixed_precision.{name}"))
+
+    @classmethod
+    def from_any(cls, value: Any, argument: str = "mixed_precision") -> MixedPrecision | None:
+        """Accept None, ours, a dict/DictConfig, torch's FSDP1 ``MixedPrecision`` or FSDP2 policy."""
+        if value is None or isinstance(value, cls):
+            return value
+        known = ("MixedPrecision", "MixedPrecisionPolicy")
+        if not isinstance(value, Mapping) and type(value).__name__ not in (*known, "DictConfig"):
+            raise TypeError(
+                f"{argument} must be a MixedPrecision, torch's MixedPrecision, a dict or None, "
+                f"got {type(value).__name__}"
+            )
+        return cls(**_mapping_of(value, argument, ("param_dtype", "reduce_dtype", "buffer_dtype")))
+
+
+@dataclass(frozen=True)
+class CPUOffload:
+    """Keep sharded parameters, gradients and optimizer state in CPU memory.
+
+    Costs: a host-to-device copy of each shard before its all-gather and a device-to-host copy
+    of each reduced gradient shard; the optimizer step runs on the CPU.
+    """
+
+    offload_params: bool = False  # True: shards (and so gradients and optimizer state) live on the CPU
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.offload_params, bool):
+            raise TypeError(f"cpu_offload.offload_params must be a bool, got {self.offload_params!r}")
+
+    @classmethod
+    def from_any(cls, value: Any, argument: str = "cpu_offload") -> CPUOffload:
+        """Accept None/bool, ours, a dict/DictConfig, torch's ``CPUOffload`` or ``CPUOffloadPolicy``."""
+        if isinstance(value, cls):
+            return value
+        if value is None or isinstance(value, bool):
+            return cls(offload_params=bool(value))
+        name = type(value).__name__
+        if name == "CPUOffloadPolicy":
+            return cls(offload_params=True)
+        if name == "OffloadPolicy":
+            return cls(offload_params=False)
+        if isinstance(value, Mapping) or name in ("CPUOffload", "DictConfig"):
+            return cls(**_mapping_of(value, argument, ("offload_params",)))
+        raise TypeError(f"{argument} must be a bool, a CPUOffload, a dict or None, got {name} ({value!r})")

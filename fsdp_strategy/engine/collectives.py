@@ -1,0 +1,149 @@
+"""The engine's only ``torch.distributed`` calls, and the ledger that counts them.
+
+Every collective is issued with ``async_op=True`` and returned as a :class:`Pending` handle.
+On gloo the process group's worker threads run it while Python goes on; ``wait()`` blocks the
+host. On NCCL it runs on the process group's own communication stream (which first waits for
+the stream that issued it), and ``wait()`` makes the *current* stream wait on its completion
+event without blocking the host; NCCL records the tensors on its stream, so the caching
+allocator does not reuse them early. A group of size 1 does a local copy, counts nothing.
+
+Reductions are SUM followed by an explicit divide by the caller (see [Note: SUM then divide]).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+# [Note: SUM then divide]
+# Gradients are reduced with ReduceOp.SUM and divided by the data-parallel size afterwards.
+# gloo's ReduceOp.AVG was silently wrong in some torch releases (pytorch#162338), and an
+# explicit divide keeps HYBRID_SHARD (two reductions) exact: one divide by the product.
+
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class CollectiveKind(str, Enum):
+    """The collectives the engine issues."""
+
+    ALL_GATHER = "all_gather"  # gather a unit's shards before it runs
+    REDUCE_SCATTER = "reduce_scatter"  # reduce a unit's gradients into shards
+    ALL_REDUCE = "all_reduce"  # replicas' gradients (NO_SHARD / HYBRID_SHARD), clipping norms
+
+
+class CommGroup(NamedTuple):
+    """A process group and this rank's place in it (``group=None`` means a group of one)."""
+
+    group: Any
+    rank: int
+    size: int
+
+    @classmethod
+    def of(cls, group: Any) -> CommGroup:
+        """Describe ``group`` (None: this process alone)."""
+        if group is None:
+            return cls(None, 0, 1)
+        return cls(group, dist.get_rank(group), dist.get_world_size(group))
+
+
+@dataclass
+class KindTotals:
+    """Calls and bytes of one collective kind."""
+
+    calls: int = 0
+    payload_bytes: int = 0  # size of the full (gathered / to-be-scattered / reduced) buffer
+    wire_bytes: int = 0  # bytes each rank sends with a ring algorithm: payload x (N-1)/N (x2 all-reduce)
+
+    def add(self, payload: int, wire: int) -> None:
+        self.calls += 1
+        self.payload_bytes += payload
+        self.wire_bytes += wire
+
+
+@dataclass
+class CommLedger:
+    """Counts collective calls and bytes per kind (and per unit) since the last ``start_step``.
+
+    Costs: a dict update per collective; nothing is synchronized.
+    """
+
+    current: dict[str, KindTotals] = field(default_factory=lambda: defaultdict(KindTotals))
+    per_unit: dict[str, dict[str, KindTotals]] = field(
+        default_factory=lambda: defaultdict(lambda: defaultdict(KindTotals))
+    )
+    last_step: dict[str, KindTotals] = field(default_factory=dict)
+    last_step_per_unit: dict[str, dict[str, KindTotals]] = field(default_factory=dict)
+
+    def record(self, kind: CollectiveKind, unit: str, payload: int, wire: int) -> None:
+        """Count one call of ``kind`` for ``unit``."""
+        self.current[kind.value].add(payload, wire)
+        self.per_unit[unit][kind.value].add(payload, wire)
+
+    def start_step(self) -> None:
+        """Move the running counts to ``last_step`` and start counting from zero."""
+        self.last_step = dict(self.current)
+        self.last_step_per_unit = {unit: dict(kinds) for unit, kinds in self.per_unit.items()}
+        self.current = defaultdict(KindTotals)
+        self.per_unit = defaultdict(lambda: defaultdict(KindTotals))
+
+    def snapshot(self) -> dict[str, dict[str, int]]:
+        """The running counts as plain dicts: ``{kind: {"calls", "payload_bytes", "wire_bytes"}}``."""
+        return {kind: vars(totals).copy() for kind, totals in self.current.items()}
+
+
+class Pending:
+    """A collective in flight; ``wait()`` makes its result usable (idempotent)."""
+
+    def __init__(self, work: Any = None) -> None:
+        self._work = work
+
+    def wait(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def all_gather(
+    output: torch.Tensor, shard: torch.Tensor, comm: CommGroup, ledger: CommLedger, unit: str
+) -> Pending:
+    """Gather ``shard`` from every rank of ``comm`` into ``output`` (rank-major concatenation)."""
+    if comm.size == 1:
+        output.copy_(shard)
+        return Pending()
+    payload = _nbytes(output)
+    ledger.record(CollectiveKind.ALL_GATHER, unit, payload, payload * (comm.size - 1) // comm.size)
+    return Pending(_all_gather(output, shard, group=comm.group, async_op=True))
+
+
+def reduce_scatter(
+    output: torch.Tensor, full: torch.Tensor, comm: CommGroup, ledger: CommLedger, unit: str
+) -> Pending:
+    """SUM ``full`` over ``comm`` and leave this rank's 1/N slice in ``output``."""
+    if comm.size == 1:
+        output.copy_(full)
+        return Pending()
+    payload = _nbytes(full)
+    ledger.record(CollectiveKind.REDUCE_SCATTER, unit, payload, payload * (comm.size - 1) // comm.size)
+    return Pending(_reduce_scatter(output, full, op=dist.ReduceOp.SUM, group=comm.group, async_op=True))
+
+
+def all_reduce(
+    tensor: torch.Tensor, comm: CommGroup, ledger: CommLedger, unit: str, op: str = "sum"
+) -> Pending:
+    """Reduce ``tensor`` in place over ``comm`` with ``op`` ("sum" or "max")."""
+    if comm.size == 1:
+        return Pending()
+    payload = _nbytes(tensor)
+    ledger.record(CollectiveKind.ALL_REDUCE, unit, payload, 2 * payload * (comm.size - 1) // comm.size)
+    reduce_op = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
+    return Pending(dist.all_reduce(tensor, op=reduce_op, group=comm.group, async_op=True))

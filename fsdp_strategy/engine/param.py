@@ -1,0 +1,139 @@
+"""ShardedParam: one original parameter as a dim-0 shard at rest and a full tensor while gathered.
+
+[Note: shard layout]
+A parameter of shape ``(d0, *rest)`` is viewed as ``d0`` rows of ``prod(rest)`` elements
+(a 0-dim parameter as one row of one element). With ``c = ceil(d0 / N)`` over a shard group
+of N ranks, rank r keeps rows ``[r*c, (r+1)*c)`` (torch.chunk semantics), zero-padded to c
+rows, so every rank's shard has the same size. The gathered buffer is the rank-major
+concatenation of the N padded shards; the full parameter is its first ``d0`` rows.
+Padding rows stay zero: their gradients are zero, so optimizers leave them at zero.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+
+class ParamUse(NamedTuple):
+    """A place a parameter is registered: ``module._parameters[name]``."""
+
+    module: nn.Module
+    name: str
+
+
+def _free_storage(tensor: torch.Tensor) -> None:
+    storage = tensor.untyped_storage()
+    if storage.size() != 0:
+        storage.resize_(0)
+
+
+class ShardedParam:
+    """One parameter's shard, the full tensor it gathers into, and the swap between the two.
+
+    The sharded ``nn.Parameter`` (what the optimizer sees) and the unsharded one (what the
+    module computes with while gathered) are both created once and keep their identity; the
+    unsharded one's storage is allocated before each use and freed after (see
+    [Note: shard layout]). Costs at rest: ``c * prod(rest)`` elements of the original dtype.
+    """
+
+    def __init__(
+        self,
+        fqn: str,
+        param: nn.Parameter,
+        uses: list[ParamUse],
+        shard_rank: int,
+        shard_size: int,
+        storage_device: torch.device,
+        compute_device: torch.device,
+        param_dtype: torch.dtype | None,
+    ) -> None:
+        self.fqn = fqn
+        self.uses = uses
+        self.shape = param.shape
+        self.requires_grad = param.requires_grad
+        self.dim0 = param.shape[0] if param.dim() > 0 else 1
+        self.row_numel = math.prod(param.shape[1:])
+        self.row_shape = tuple(param.shape[1:])
+        self.world = shard_size
+        self.chunk_rows = math.ceil(self.dim0 / shard_size)
+        self.shard_numel = self.chunk_rows * self.row_numel
+        self.param_dtype = param_dtype or param.dtype
+
+        rows = param.detach().reshape(self.dim0, self.row_numel)
+        local = rows[shard_rank * self.chunk_rows : (shard_rank + 1) * self.chunk_rows]
+        shard = torch.zeros(self.chunk_rows, self.row_numel, dtype=param.dtype, device=storage_device)
+        shard[: local.shape[0]].copy_(local)
+        if storage_device.type == "cpu" and compute_device.type == "cuda":
+            shard = shard.pin_memory()
+        self.sharded = nn.Parameter(
+            shard.view(self.chunk_rows, *self.row_shape), requires_grad=self.requires_grad
+        )
+
+        self._padded_full = torch.empty(
+            self.world * self.shard_numel, dtype=self.param_dtype, device=compute_device
+        )
+        full = self._padded_full[: self.dim0 * self.row_numel].view(self.shape)
+        self.unsharded = nn.Parameter(full, requires_grad=self.requires_grad)
+        _free_storage(self._padded_full)
+
+    @property
+    def unsharded_allocated(self) -> bool:
+        """Whether the full parameter currently holds memory."""
+        return self._padded_full.untyped_storage().size() != 0
+
+    @property
+    def unsharded_nbytes(self) -> int:
+        """Bytes of the gathered parameter, padding included."""
+        return self._padded_full.numel() * self._padded_full.element_size()
+
+    def install(self, unsharded: bool) -> None:
+        """Register the unsharded (or sharded) parameter at every place the parameter is used."""
+        tensor = self.unsharded if unsharded else self.sharded
+        for use in self.uses:
+            use.module._parameters[use.name] = tensor
+
+    def fill_unsharded(self, gathered_rows: torch.Tensor) -> None:
+        """Allocate the full parameter and copy it out of its ``(N, shard_numel)`` slice of a gather."""
+        if not self.unsharded_allocated:
+            self._padded_full.untyped_storage().resize_(self.unsharded_nbytes)
+        # Autograd saved the full parameter at its forward version; refilling it for backward
+        # writes the same values, so the version counter must not move.
+        with torch.autograd._unsafe_preserve_version_counter(self._padded_full):
+            self._padded_full.view(self.world, self.shard_numel).copy_(gathered_rows)
+
+    def free_unsharded(self) -> None:
+        """Release the full parameter's memory (its gradient, if any, is kept)."""
+        _free_storage(self._padded_full)
+
+    def padded_grad_rows(self, grad: torch.Tensor) -> torch.Tensor:
+        """The full gradient as ``(N, shard_numel)``, zero rows added up to ``N * c`` rows."""
+        rows = grad.reshape(self.dim0, self.row_numel)
+        missing = self.world * self.chunk_rows - self.dim0
+        if missing:
+            rows = torch.cat([rows, rows.new_zeros(missing, self.row_numel)])
+        return rows.view(self.world, self.shard_numel)
+
+    def accumulate_sharded_grad(self, reduced: torch.Tensor) -> None:
+        """Add this parameter's slice of a reduced gradient shard into ``sharded.grad``."""
+        grad = reduced.view(self.sharded.shape).to(device=self.sharded.device, dtype=self.sharded.dtype)
+        if self.sharded.grad is None:
+            self.sharded.grad = grad
+        else:
+            self.sharded.grad += grad
+
+    def full_from_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """A full tensor of this parameter's shape from its ``(N, shard_numel)`` slice of a gather."""
+        return rows.reshape(self.world * self.chunk_rows, self.row_numel)[: self.dim0].reshape(self.shape)
+
+    def local_rows(self, full: torch.Tensor, shard_rank: int) -> torch.Tensor:
+        """This rank's zero-padded shard of a full tensor of this parameter's shape."""
+        rows = full.reshape(self.dim0, self.row_numel)[
+            shard_rank * self.chunk_rows : (shard_rank + 1) * self.chunk_rows
+        ]
+        shard = rows.new_zeros(self.chunk_rows, self.row_numel)
+        shard[: rows.shape[0]].copy_(rows)
+        return shard.view(self.sharded.shape)

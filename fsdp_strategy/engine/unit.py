@@ -1,0 +1,182 @@
+"""FSDPUnit: the parameters that are gathered together and reduced together.
+
+A unit does *what*: one all-gather of all its shards, the copy-out into full parameters, one
+reduce-scatter of all its gradients, the swap back to shards. It registers no hooks and
+decides no order; the Scheduler (runtime.py) decides *when*.
+"""
+
+from __future__ import annotations
+
+from enum import Enum, auto
+
+import torch
+from torch import nn
+
+from fsdp_strategy.engine import collectives
+from fsdp_strategy.engine.collectives import CommGroup, CommLedger, Pending
+from fsdp_strategy.engine.param import ShardedParam
+
+
+class ShardedState(Enum):
+    """Where a unit's parameters are."""
+
+    SHARDED = auto()  # only the shards exist; modules hold the sharded parameters
+    GATHERING = auto()  # an all-gather is in flight; modules still hold the sharded parameters
+    UNSHARDED = auto()  # full parameters are filled and registered in the modules
+
+
+class PendingReduce:
+    """A unit's gradient reduce-scatter in flight; ``finish()`` adds the result into the shards."""
+
+    def __init__(self, unit: FSDPUnit, work: Pending, output: torch.Tensor) -> None:
+        self.unit = unit
+        self.work = work
+        self.output = output
+
+    def finish(self) -> None:
+        self.work.wait()
+        self.unit.apply_reduced_grads(self.output)
+
+
+class FSDPUnit:
+    """One unit: its ShardedParams, their flat layout, and gather / reduce / reshard.
+
+    Costs: while gathered, the full parameters in ``param_dtype``; during a gather, also the
+    flat gather buffer (as large again) until the copy-out ends; during a reduction, a flat
+    gradient buffer of the unit's trainable full size in ``reduce_dtype``.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        module: nn.Module,
+        params: list[ShardedParam],
+        shard_comm: CommGroup,
+        replicate_comm: CommGroup,
+        reduce_dtype: torch.dtype | None,
+        device: torch.device,
+        ledger: CommLedger,
+    ) -> None:
+        self.name = name
+        self.module = module
+        self.params = params
+        self.trainable = [p for p in params if p.requires_grad]
+        self.has_frozen = len(self.trainable) != len(params)
+        self.shard_comm = shard_comm
+        self.replicate_comm = replicate_comm
+        self.device = device
+        self.ledger = ledger
+        self.state = ShardedState.SHARDED
+        self._gather: tuple[Pending, torch.Tensor] | None = None
+        self._grads_ready: set[int] = set()
+        self._param_dtype = params[0].param_dtype if params else torch.float32
+        self._reduce_dtype = reduce_dtype or (params[0].sharded.dtype if params else torch.float32)
+        dtypes = {p.param_dtype for p in params}
+        if len(dtypes) > 1:
+            names = {p.fqn: str(p.param_dtype) for p in params}
+            raise ValueError(
+                f"unit {name!r} mixes parameter dtypes {names}; a unit gathers one flat buffer of one dtype. "
+                "Cast the module to one dtype, or wrap the differing parameters in their own unit"
+            )
+
+    @property
+    def shard_numel(self) -> int:
+        """Elements of this rank's flat shard (all parameters, padding included)."""
+        return sum(p.shard_numel for p in self.params)
+
+    def unshard(self) -> None:
+        """Start the all-gather of the unit's shards (no-op unless the unit is sharded)."""
+        if self.state is not ShardedState.SHARDED or not self.params:
+            return
+        sizes = [p.shard_numel for p in self.params]
+        flat_shard = torch.empty(sum(sizes), dtype=self._param_dtype, device=self.device)
+        torch._foreach_copy_(
+            list(flat_shard.split(sizes)), [p.sharded.detach().view(-1) for p in self.params]
+        )
+        gathered = torch.empty(
+            flat_shard.numel() * self.shard_comm.size, dtype=self._param_dtype, device=self.device
+        )
+        work = collectives.all_gather(gathered, flat_shard, self.shard_comm, self.ledger, self.name)
+        self._gather = (work, gathered)
+        self.state = ShardedState.GATHERING
+
+    def gather_full(self, shards: list[torch.Tensor]) -> list[torch.Tensor]:
+        """All-gather one shard-shaped tensor per parameter (in its own dtype) into full tensors.
+
+        Used for checkpoints: the fp32 master weights and optimizer state, not ``param_dtype``.
+        Costs: the unit's full size in that dtype, on the compute device, until returned.
+        """
+        if not self.params:
+            return []
+        sizes = [p.shard_numel for p in self.params]
+        flat_shard = torch.cat([s.detach().reshape(-1).to(self.device) for s in shards])
+        gathered = flat_shard.new_empty(flat_shard.numel() * self.shard_comm.size)
+        collectives.all_gather(gathered, flat_shard, self.shard_comm, self.ledger, self.name).wait()
+        rows = gathered.view(self.shard_comm.size, -1).split(sizes, dim=1)
+        return [param.full_from_rows(param_rows) for param, param_rows in zip(self.params, rows)]
+
+    def wait_unshard(self) -> None:
+        """Make the full parameters usable: start the gather if needed, wait, copy out, register."""
+        self.unshard()
+        if self.state is not ShardedState.GATHERING:
+            return
+        work, gathered = self._gather
+        self._gather = None
+        work.wait()
+        rows = gathered.view(self.shard_comm.size, -1).split([p.shard_numel for p in self.params], dim=1)
+        with torch.no_grad():
+            for param, param_rows in zip(self.params, rows):
+                param.fill_unsharded(param_rows)
+                param.install(unsharded=True)
+        self.state = ShardedState.UNSHARDED
+
+    def reshard(self) -> None:
+        """Register the shards again and free the full parameters (and any gather in flight)."""
+        if self._gather is not None:
+            self._gather[0].wait()
+            self._gather = None
+        if self.state is ShardedState.UNSHARDED:
+            for param in self.params:
+                param.install(unsharded=False)
+                param.free_unsharded()
+        self.state = ShardedState.SHARDED
+
+    def mark_grad_ready(self, param: ShardedParam) -> bool:
+        """Note that ``param`` has its gradient; True once every trainable parameter has one."""
+        self._grads_ready.add(id(param))
+        return len(self._grads_ready) == len(self.trainable)
+
+    @property
+    def has_unreduced_grads(self) -> bool:
+        """Whether some full gradient of this unit waits to be reduced."""
+        return any(p.unsharded.grad is not None for p in self.trainable)
+
+    def reduce_grads(self) -> PendingReduce | None:
+        """Flatten the full gradients (zeros for missing ones), start ONE reduce-scatter, free them."""
+        self._grads_ready.clear()
+        if not self.has_unreduced_grads:
+            return None
+        sizes = [p.shard_numel for p in self.trainable]
+        world = self.shard_comm.size
+        flat = torch.empty(world, sum(sizes), dtype=self._reduce_dtype, device=self.device)
+        for param, columns in zip(self.trainable, flat.split(sizes, dim=1)):
+            grad = param.unsharded.grad
+            if grad is None:
+                columns.zero_()
+            else:
+                columns.copy_(param.padded_grad_rows(grad))
+            param.unsharded.grad = None
+        output = torch.empty(sum(sizes), dtype=self._reduce_dtype, device=self.device)
+        work = collectives.reduce_scatter(output, flat.view(-1), self.shard_comm, self.ledger, self.name)
+        return PendingReduce(self, work, output)
+
+    def apply_reduced_grads(self, output: torch.Tensor) -> None:
+        """Reduce across replicas if any, divide by the data-parallel size, add into the shards."""
+        collectives.all_reduce(output, self.replicate_comm, self.ledger, self.name).wait()
+        output.div_(self.shard_comm.size * self.replicate_comm.size)  # [Note: SUM then divide]
+        for param, piece in zip(self.trainable, output.split([p.shard_numel for p in self.trainable])):
+            param.accumulate_sharded_grad(piece)
+
+    def clear_grad_marks(self) -> None:
+        """Forget which gradients arrived (at the end of every backward)."""
+        self._grads_ready.clear()

@@ -1,0 +1,102 @@
+"""Wrap policies: which modules become FSDP units, and which get activation checkpointing.
+
+A policy is one of
+- a set (or list/tuple) of module classes: every instance becomes a unit;
+- an int: a module becomes a unit once the parameters not already in a unit below it reach
+  that many elements (torch's ``size_based_auto_wrap_policy`` rule);
+- a callable ``(module, recurse, nonwrapped_numel) -> bool`` as torch's policies
+  (``recurse=True`` asks whether to look inside, ``recurse=False`` whether to wrap);
+- torch's ``ModuleWrapPolicy`` (its class set is used).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+PolicyFn = Callable[[nn.Module, bool, int], bool]
+
+_ACCEPTED = (
+    "a set of nn.Module classes, an int (minimum parameter count), a callable (module, recurse, "
+    "nonwrapped_numel) -> bool, torch's ModuleWrapPolicy, or None"
+)
+
+
+def _class_policy(
+    classes: tuple[type[nn.Module], ...], module: nn.Module, recurse: bool, nonwrapped_numel: int
+) -> bool:
+    return True if recurse else isinstance(module, classes)
+
+
+def _size_policy(min_num_params: int, module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
+    if recurse:
+        return True
+    return nonwrapped_numel >= min_num_params and not isinstance(module, (nn.ModuleList, nn.ModuleDict))
+
+
+def as_policy_fn(policy: Any, argument: str = "auto_wrap_policy") -> PolicyFn | None:
+    """Validate a user policy and return it as a callable, or None for "no units below the root"."""
+    if policy is None:
+        return None
+    module_classes = getattr(policy, "_module_classes", None)
+    if module_classes is not None:
+        policy = set(module_classes)
+    if isinstance(policy, bool):
+        raise TypeError(f"{argument}={policy!r} is not supported; accepted: {_ACCEPTED}")
+    if isinstance(policy, int):
+        if policy < 1:
+            raise ValueError(f"{argument}={policy!r}: a minimum parameter count must be >= 1")
+        return functools.partial(_size_policy, policy)
+    if isinstance(policy, (set, frozenset, list, tuple)):
+        bad = [item for item in policy if not (isinstance(item, type) and issubclass(item, nn.Module))]
+        if bad or not policy:
+            raise TypeError(
+                f"{argument}={policy!r} must contain nn.Module classes only; got {bad or 'an empty set'}"
+            )
+        return functools.partial(_class_policy, tuple(policy))
+    if callable(policy) and not isinstance(policy, type):
+        return policy
+    raise TypeError(
+        f"{argument}={policy!r} ({type(policy).__name__}) is not supported; accepted: {_ACCEPTED}"
+    )
+
+
+def _numel(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def select_unit_modules(root: nn.Module, policy: PolicyFn | None) -> list[nn.Module]:
+    """Return the modules that become units below ``root``, in pre-order (parents first)."""
+    chosen: list[nn.Module] = []
+    if policy is None:
+        return chosen
+
+    def visit(module: nn.Module) -> int:
+        if not policy(module, True, _numel(module)):
+            return 0
+        wrapped = sum(visit(child) for child in module.children())
+        if module is not root and policy(module, False, _numel(module) - wrapped):
+            chosen.append(module)
+            return _numel(module)
+        return wrapped
+
+    visit(root)
+    order = {id(module): index for index, module in enumerate(root.modules())}
+    return sorted(chosen, key=lambda module: order[id(module)])
+
+
+def apply_activation_checkpointing(root: nn.Module, policy: Any) -> list[nn.Module]:
+    """Recompute the forward of each selected module in backward instead of storing activations.
+
+    The module's ``forward`` is replaced on the instance (no wrapper module), so parameter names
+    do not change. Costs: one extra forward of those modules during backward.
+    """
+    policy_fn = as_policy_fn(policy, argument="activation_checkpointing_policy")
+    modules = select_unit_modules(root, policy_fn)
+    for module in modules:
+        module.forward = functools.partial(checkpoint, module.forward, use_reentrant=False)
+    return modules
