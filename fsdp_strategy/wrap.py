@@ -54,15 +54,11 @@ def as_policy_fn(policy: Any, argument: str = "auto_wrap_policy") -> PolicyFn | 
     if isinstance(policy, (set, frozenset, list, tuple)):
         bad = [item for item in policy if not (isinstance(item, type) and issubclass(item, nn.Module))]
         if bad or not policy:
-            raise TypeError(
-                f"{argument}={policy!r} must contain nn.Module classes only; got {bad or 'an empty set'}"
-            )
+            raise TypeError(f"{argument}={policy!r} must contain nn.Module classes only; got {bad or 'an empty set'}")
         return functools.partial(_class_policy, tuple(policy))
     if callable(policy) and not isinstance(policy, type):
         return policy
-    raise TypeError(
-        f"{argument}={policy!r} ({type(policy).__name__}) is not supported; accepted: {_ACCEPTED}"
-    )
+    raise TypeError(f"{argument}={policy!r} ({type(policy).__name__}) is not supported; accepted: {_ACCEPTED}")
 
 
 def _numel(module: nn.Module) -> int:

@@ -37,8 +37,7 @@ def comm_groups(
     if device_mesh is not None:
         if sharding_strategy is not ShardingStrategy.HYBRID_SHARD:
             raise ValueError(
-                "device_mesh is only used with sharding_strategy='HYBRID_SHARD', "
-                f"got {sharding_strategy.value!r}"
+                f"device_mesh is only used with sharding_strategy='HYBRID_SHARD', got {sharding_strategy.value!r}"
             )
         if device_mesh.ndim != 2:
             raise ValueError(f"device_mesh must be 2-D (replicate, shard), got {device_mesh.ndim} dimensions")

@@ -113,9 +113,7 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def all_gather(
-    output: torch.Tensor, shard: torch.Tensor, comm: CommGroup, ledger: CommLedger, unit: str
-) -> Pending:
+def all_gather(output: torch.Tensor, shard: torch.Tensor, comm: CommGroup, ledger: CommLedger, unit: str) -> Pending:
     """Gather ``shard`` from every rank of ``comm`` into ``output`` (rank-major concatenation)."""
     if comm.size == 1:
         output.copy_(shard)
@@ -125,9 +123,7 @@ def all_gather(
     return Pending(_all_gather(output, shard, group=comm.group, async_op=True))
 
 
-def reduce_scatter(
-    output: torch.Tensor, full: torch.Tensor, comm: CommGroup, ledger: CommLedger, unit: str
-) -> Pending:
+def reduce_scatter(output: torch.Tensor, full: torch.Tensor, comm: CommGroup, ledger: CommLedger, unit: str) -> Pending:
     """SUM ``full`` over ``comm`` and leave this rank's 1/N slice in ``output``."""
     if comm.size == 1:
         output.copy_(full)
@@ -137,9 +133,7 @@ def reduce_scatter(
     return Pending(_reduce_scatter(output, full, op=dist.ReduceOp.SUM, group=comm.group, async_op=True))
 
 
-def all_reduce(
-    tensor: torch.Tensor, comm: CommGroup, ledger: CommLedger, unit: str, op: str = "sum"
-) -> Pending:
+def all_reduce(tensor: torch.Tensor, comm: CommGroup, ledger: CommLedger, unit: str, op: str = "sum") -> Pending:
     """Reduce ``tensor`` in place over ``comm`` with ``op`` ("sum" or "max")."""
     if comm.size == 1:
         return Pending()

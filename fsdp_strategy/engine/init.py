@@ -20,9 +20,7 @@ def _meta_names(prefix: str, module: nn.Module) -> list[str]:
 def meta_tensor_names(root: nn.Module) -> list[str]:
     """Qualified names of every parameter and buffer of ``root`` still on the meta device."""
     return [
-        name
-        for prefix, module in root.named_modules()
-        for name in _meta_names(f"{prefix}." if prefix else "", module)
+        name for prefix, module in root.named_modules() for name in _meta_names(f"{prefix}." if prefix else "", module)
     ]
 
 

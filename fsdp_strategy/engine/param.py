@@ -59,6 +59,7 @@ class ShardedParam:
         self.row_numel = math.prod(param.shape[1:])
         self.row_shape = tuple(param.shape[1:])
         self.world = shard_size
+        self.shard_rank = shard_rank
         self.chunk_rows = math.ceil(self.dim0 / shard_size)
         self.shard_numel = self.chunk_rows * self.row_numel
         self.param_dtype = param_dtype or param.dtype
@@ -69,13 +70,9 @@ class ShardedParam:
         shard[: local.shape[0]].copy_(local)
         if storage_device.type == "cpu" and compute_device.type == "cuda":
             shard = shard.pin_memory()
-        self.sharded = nn.Parameter(
-            shard.view(self.chunk_rows, *self.row_shape), requires_grad=self.requires_grad
-        )
+        self.sharded = nn.Parameter(shard.view(self.chunk_rows, *self.row_shape), requires_grad=self.requires_grad)
 
-        self._padded_full = torch.empty(
-            self.world * self.shard_numel, dtype=self.param_dtype, device=compute_device
-        )
+        self._padded_full = torch.empty(self.world * self.shard_numel, dtype=self.param_dtype, device=compute_device)
         full = self._padded_full[: self.dim0 * self.row_numel].view(self.shape)
         self.unsharded = nn.Parameter(full, requires_grad=self.requires_grad)
         _free_storage(self._padded_full)

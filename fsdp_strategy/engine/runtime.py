@@ -86,18 +86,12 @@ class Scheduler:
 
     def _register_hooks(self) -> None:
         for unit in self.units:
-            unit.module.register_forward_pre_hook(
-                functools.partial(self._pre_forward, unit), with_kwargs=True
-            )
+            unit.module.register_forward_pre_hook(functools.partial(self._pre_forward, unit), with_kwargs=True)
             unit.module.register_forward_hook(functools.partial(self._post_forward, unit))
             for param in unit.trainable:
-                param.unsharded.register_post_accumulate_grad_hook(
-                    functools.partial(self._on_grad_ready, unit, param)
-                )
+                param.unsharded.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, unit, param))
 
-    def _pre_forward(
-        self, unit: FSDPUnit, module: nn.Module, args: tuple, kwargs: dict
-    ) -> tuple[tuple, dict]:
+    def _pre_forward(self, unit: FSDPUnit, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if self.state is TrainingState.BACKWARD:
             return args, kwargs
         if unit is self.root_unit:

@@ -90,12 +90,8 @@ class FSDPUnit:
             return
         sizes = [p.shard_numel for p in self.params]
         flat_shard = torch.empty(sum(sizes), dtype=self._param_dtype, device=self.device)
-        torch._foreach_copy_(
-            list(flat_shard.split(sizes)), [p.sharded.detach().view(-1) for p in self.params]
-        )
-        gathered = torch.empty(
-            flat_shard.numel() * self.shard_comm.size, dtype=self._param_dtype, device=self.device
-        )
+        torch._foreach_copy_(list(flat_shard.split(sizes)), [p.sharded.detach().view(-1) for p in self.params])
+        gathered = torch.empty(flat_shard.numel() * self.shard_comm.size, dtype=self._param_dtype, device=self.device)
         work = collectives.all_gather(gathered, flat_shard, self.shard_comm, self.ledger, self.name)
         self._gather = (work, gathered)
         self.state = ShardedState.GATHERING

@@ -1,0 +1,16 @@
+"""fsdp-strategy: a Lightning strategy with its own Fully Sharded Data Parallel engine.
+
+Importing this package registers "fsdp_custom" (and its variants) with Lightning, so
+``Trainer(strategy="fsdp_custom")`` works.
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from fsdp_strategy.config import CPUOffload, MixedPrecision, ShardingStrategy
+from fsdp_strategy.precision import FSDPCustomPrecision
+from fsdp_strategy.strategy import FSDPCustomStrategy
+
+__all__ = ["CPUOffload", "FSDPCustomPrecision", "FSDPCustomStrategy", "MixedPrecision", "ShardingStrategy"]
+__version__ = "0.1.0"
+
+FSDPCustomStrategy.register_strategies(StrategyRegistry)

@@ -1,0 +1,165 @@
+"""Full (unsharded) state dicts of a sharded model and its optimizer, gathered unit by unit.
+
+``full_state_dict`` all-gathers one unit at a time and keeps the result on the CPU (on rank 0
+only, by default), so the extra device memory is about one unit, not the model. Loading
+goes the other way: each rank copies its own rows out of the full tensors. Optimizer state is
+keyed by parameter name, so it does not depend on the order in which parameters were given.
+Every function here is a collective: call it on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from fsdp_strategy.engine import get_scheduler
+from fsdp_strategy.engine.param import ShardedParam
+from fsdp_strategy.engine.unit import FSDPUnit
+
+
+def _is_rank0() -> bool:
+    return torch.distributed.get_rank() == 0 if torch.distributed.is_initialized() else True
+
+
+def _gather_unit(unit: FSDPUnit, shards: list[torch.Tensor], keep: bool) -> list[torch.Tensor]:
+    fulls = unit.gather_full(shards)
+    return [full.cpu().clone() for full in fulls] if keep else []
+
+
+@torch.no_grad()
+def full_state_dict(module: nn.Module, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+    """The model's state dict with full parameters on the CPU (in their master dtype).
+
+    With ``rank0_only`` the other ranks take part in the gathers and return ``{}``.
+    Costs: one all-gather per unit; device memory of one unit at a time.
+    """
+    scheduler = get_scheduler(module)
+    keep = not rank0_only or _is_rank0()
+    full: dict[int, torch.Tensor] = {}
+    for unit in scheduler.units:
+        tensors = _gather_unit(unit, [p.sharded for p in unit.params], keep)
+        full.update({id(p.sharded): tensor for p, tensor in zip(unit.params, tensors)})
+    if not keep:
+        return {}
+    return {
+        name: full[id(value)] if id(value) in full else value.detach().cpu().clone()
+        for name, value in module.state_dict(keep_vars=True).items()
+    }
+
+
+@torch.no_grad()
+def load_full_state_dict(module: nn.Module, state_dict: Mapping[str, Any], strict: bool = True) -> None:
+    """Copy a full state dict into the shards (each rank takes its rows) and the buffers.
+
+    Raises KeyError naming missing/unexpected keys (with ``strict``) and ValueError naming a
+    key whose shape does not match.
+    """
+    scheduler = get_scheduler(module)
+    by_name = {use_name: p for p in scheduler.sharded_params() for use_name in _use_names(module, p)}
+    expected = set(module.state_dict(keep_vars=True))
+    missing, unexpected = sorted(expected - set(state_dict)), sorted(set(state_dict) - expected)
+    if strict and (missing or unexpected):
+        raise KeyError(f"state dict does not match the model: missing keys {missing}, unexpected keys {unexpected}")
+    own = module.state_dict(keep_vars=True)
+    for name, value in state_dict.items():
+        if name not in own:
+            continue
+        param = by_name.get(name)
+        shape = param.shape if param is not None else own[name].shape
+        if tuple(value.shape) != tuple(shape):
+            raise ValueError(f"key {name!r}: checkpoint shape {tuple(value.shape)} != model shape {tuple(shape)}")
+        if param is not None:
+            param.sharded.copy_(param.local_rows(value, param.shard_rank))
+        else:
+            own[name].copy_(value)
+
+
+def _use_names(module: nn.Module, param: ShardedParam) -> list[str]:
+    prefixes = {id(m): name for name, m in module.named_modules(remove_duplicate=False)}
+    return [f"{prefixes[id(use.module)]}.{use.name}".lstrip(".") for use in param.uses]
+
+
+def _fqn_by_param(module: nn.Module) -> dict[int, ShardedParam]:
+    return {id(p.sharded): p for p in get_scheduler(module).sharded_params()}
+
+
+@torch.no_grad()
+def full_optimizer_state_dict(
+    module: nn.Module, optimizer: torch.optim.Optimizer, rank0_only: bool = True
+) -> dict[str, Any]:
+    """The optimizer's state with full tensors, keyed by parameter name (a collective).
+
+    Shard-shaped state (e.g. Adam's moments) is gathered unit by unit like the parameters;
+    other state (e.g. ``step``) is taken as is.
+    """
+    scheduler = get_scheduler(module)
+    keep = not rank0_only or _is_rank0()
+    params = _fqn_by_param(module)
+    per_param = {id(p): state for p, state in optimizer.state.items()}
+    out_state: dict[str, dict[str, Any]] = {}
+    gathered: dict[str, list[str]] = {}
+    for unit in scheduler.units:
+        states = [per_param.get(id(p.sharded), {}) for p in unit.params]
+        keys = sorted({k for p, s in zip(unit.params, states) for k, v in s.items() if _shard_shaped(v, p)})
+        for key in keys:
+            shards = [
+                s[key] if key in s else torch.zeros_like(p.sharded, dtype=torch.float32)
+                for p, s in zip(unit.params, states)
+            ]
+            for p, s, full in zip(unit.params, states, _gather_unit(unit, shards, keep)):
+                if key in s:
+                    out_state.setdefault(p.fqn, {})[key] = full
+                    gathered.setdefault(p.fqn, []).append(key)
+        if keep:
+            for p, s in zip(unit.params, states):
+                for key, value in s.items():
+                    if key not in keys:
+                        out_state.setdefault(p.fqn, {})[key] = value.clone() if torch.is_tensor(value) else value
+    if not keep:
+        return {}
+    groups = []
+    for group in optimizer.param_groups:
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        groups.append({**hyper, "params": [params[id(p)].fqn for p in group["params"]]})
+    return {"state": out_state, "param_groups": groups, "gathered_keys": gathered}
+
+
+def _shard_shaped(value: Any, param: ShardedParam) -> bool:
+    return torch.is_tensor(value) and value.shape == param.sharded.shape
+
+
+@torch.no_grad()
+def load_full_optimizer_state_dict(
+    module: nn.Module, optimizer: torch.optim.Optimizer, state_dict: Mapping[str, Any]
+) -> None:
+    """Load a name-keyed full optimizer state into ``optimizer`` (each rank takes its rows)."""
+    by_fqn = {p.fqn: p for p in get_scheduler(module).sharded_params()}
+    params = _fqn_by_param(module)
+    groups = state_dict["param_groups"]
+    gathered = state_dict.get("gathered_keys", {})
+    if len(groups) != len(optimizer.param_groups):
+        raise ValueError(
+            f"optimizer state has {len(groups)} param groups, the optimizer has {len(optimizer.param_groups)}"
+        )
+    index_of: dict[str, int] = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            index_of[params[id(p)].fqn] = len(index_of)
+    state: dict[int, dict[str, Any]] = {}
+    for fqn, entry in state_dict["state"].items():
+        if fqn not in index_of:
+            raise KeyError(f"optimizer state names parameter {fqn!r}, which the optimizer does not hold")
+        param = by_fqn[fqn]
+        full_keys = gathered.get(fqn, ())
+        state[index_of[fqn]] = {
+            key: param.local_rows(value, param.shard_rank) if key in full_keys else value
+            for key, value in entry.items()
+        }
+    torch_groups = []
+    for saved, group in zip(groups, optimizer.param_groups):
+        hyper = {k: v for k, v in saved.items() if k != "params"}
+        torch_groups.append({**hyper, "params": [index_of[params[id(p)].fqn] for p in group["params"]]})
+    optimizer.load_state_dict({"state": state, "param_groups": torch_groups})

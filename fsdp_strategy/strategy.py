@@ -1,0 +1,393 @@
+"""FSDPCustomStrategy: Lightning glue around the engine. No sharding logic lives here.
+
+It takes Lightning ``FSDPStrategy``'s arguments with the same names and meanings, launches
+ranks like Lightning's DDP (``python train.py`` spawns the others; torchrun/SLURM are used as
+they are), shards the LightningModule with ``shard_model`` at setup, and maps Lightning's
+hooks (precision, clipping, accumulation, checkpoints) onto the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager, nullcontext
+from datetime import timedelta
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies.fsdp import _move_torchmetrics_to_device
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import _PATH, ReduceOp
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from torch.optim import Optimizer
+
+from fsdp_strategy import checkpoint as ckpt
+from fsdp_strategy.config import CPUOffload, MixedPrecision, ShardingStrategy
+from fsdp_strategy.engine import Scheduler, get_scheduler, shard_model
+from fsdp_strategy.engine.collectives import CommLedger
+from fsdp_strategy.precision import FSDPCustomPrecision
+from fsdp_strategy.wrap import apply_activation_checkpointing, as_policy_fn
+
+log = logging.getLogger(__name__)
+
+_STATE_DICT_TYPES = ("full", "sharded")
+
+
+def _validate_mesh(device_mesh: Any, sharding_strategy: ShardingStrategy) -> Any:
+    if device_mesh is None:
+        if sharding_strategy is ShardingStrategy.HYBRID_SHARD:
+            raise ValueError("sharding_strategy='HYBRID_SHARD' needs device_mesh=(replicate, shard), got None")
+        return None
+    if sharding_strategy is not ShardingStrategy.HYBRID_SHARD:
+        raise ValueError(
+            f"device_mesh={device_mesh!r} is only used with sharding_strategy='HYBRID_SHARD', "
+            f"got {sharding_strategy.value!r}"
+        )
+    if isinstance(device_mesh, (tuple, list)):
+        if len(device_mesh) != 2 or not all(isinstance(n, int) and n >= 1 for n in device_mesh):
+            raise ValueError(f"device_mesh={device_mesh!r} must be (replicate, shard): two positive ints")
+        return tuple(device_mesh)
+    if type(device_mesh).__name__ != "DeviceMesh":
+        raise TypeError(f"device_mesh must be a (replicate, shard) tuple or a DeviceMesh, got {type(device_mesh)}")
+    return device_mesh
+
+
+class FSDPCustomStrategy(ParallelStrategy):
+    """Fully Sharded Data Parallel with this project's own engine.
+
+    Arguments (names and meanings as Lightning's ``FSDPStrategy``):
+        sharding_strategy: "FULL_SHARD" (default), "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD",
+            or the enum (ours or torch's).
+        auto_wrap_policy: which modules become units: a set of classes, an int (minimum
+            parameter count) or a callable ``(module, recurse, nonwrapped_numel) -> bool``.
+            None: the whole model is one unit.
+        mixed_precision: :class:`MixedPrecision` (or torch's, or a dict); overrides the one
+            derived from ``Trainer(precision=...)``.
+        cpu_offload: True or :class:`CPUOffload`: shards, gradients and optimizer state on CPU.
+        activation_checkpointing_policy: modules to recompute in backward (same forms as
+            ``auto_wrap_policy``).
+        state_dict_type: "full" (one file, gathered to rank 0) or "sharded" (a DCP folder).
+        device_mesh: ``(replicate, shard)`` sizes or a 2-D ``DeviceMesh``, for HYBRID_SHARD.
+        process_group_backend: "gloo", "nccl", ...; default: by device.
+        timeout: timeout of every collective (a rank that dies fails the others after it).
+
+    Costs: per rank, 1/N of parameters, gradients and optimizer state at rest, plus the
+    units gathered at the moment (the running one, the root and one prefetched).
+    """
+
+    strategy_name = "fsdp_custom"
+    _registered_strategies: list[str] = []
+
+    def __init__(
+        self,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        cpu_offload: bool | CPUOffload | Any = None,
+        mixed_precision: MixedPrecision | Any = None,
+        auto_wrap_policy: Any = None,
+        activation_checkpointing_policy: Any = None,
+        sharding_strategy: str | ShardingStrategy | Any = "FULL_SHARD",
+        state_dict_type: Literal["full", "sharded"] = "full",
+        device_mesh: tuple[int, int] | Any = None,
+        **kwargs: Any,
+    ) -> None:
+        if kwargs:
+            raise TypeError(
+                f"FSDPCustomStrategy got unexpected arguments {sorted(kwargs)}; accepted: sharding_strategy, "
+                "auto_wrap_policy, mixed_precision, cpu_offload, activation_checkpointing_policy, state_dict_type, "
+                "device_mesh, process_group_backend, timeout"
+            )
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self.num_nodes = 1
+        self.sharding_strategy = ShardingStrategy.from_any(sharding_strategy)
+        self.mixed_precision = MixedPrecision.from_any(mixed_precision)
+        self.cpu_offload = CPUOffload.from_any(cpu_offload)
+        as_policy_fn(auto_wrap_policy)
+        as_policy_fn(activation_checkpointing_policy, argument="activation_checkpointing_policy")
+        self.auto_wrap_policy = auto_wrap_policy
+        self.activation_checkpointing_policy = activation_checkpointing_policy
+        if state_dict_type not in _STATE_DICT_TYPES:
+            raise ValueError(f"state_dict_type={state_dict_type!r} is not supported; accepted: {_STATE_DICT_TYPES}")
+        self._state_dict_type = state_dict_type
+        self._device_mesh = _validate_mesh(device_mesh, self.sharding_strategy)
+        if process_group_backend is not None and not isinstance(process_group_backend, str):
+            raise TypeError(
+                f"process_group_backend must be a string like 'gloo' or 'nccl', got {process_group_backend!r}"
+            )
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+
+    # ---- Lightning plumbing --------------------------------------------------------------
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    @property
+    def is_distributed(self) -> bool:
+        """Always True, so Lightning adds a DistributedSampler."""
+        return True
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return False
+
+    @property
+    def precision_plugin(self) -> FSDPCustomPrecision:
+        plugin = self._precision_plugin
+        return plugin if plugin is not None else FSDPCustomPrecision("32-true")
+
+    @precision_plugin.setter
+    def precision_plugin(self, precision_plugin: Precision | None) -> None:
+        self._precision_plugin = None if precision_plugin is None else FSDPCustomPrecision.from_plugin(precision_plugin)
+
+    @property
+    def scheduler(self) -> Scheduler:
+        """The engine's scheduler of the sharded model (after setup)."""
+        assert self.model is not None, "the model is sharded in setup(); no scheduler before"
+        return get_scheduler(self.model)
+
+    @property
+    def comm_ledger(self) -> CommLedger:
+        """Calls and bytes per collective kind: ``last_step`` (the previous step) and ``current``."""
+        return self.scheduler.ledger
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        self.set_world_ranks()
+        if isinstance(self._device_mesh, tuple) and self._device_mesh[0] * self._device_mesh[1] != self.world_size:
+            raise ValueError(
+                f"device_mesh={self._device_mesh} multiplies to {self._device_mesh[0] * self._device_mesh[1]}, "
+                f"but the world size is {self.world_size} (num_nodes x devices)"
+            )
+        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device
+        )
+        assert self.cluster_environment is not None
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
+        if isinstance(self._device_mesh, tuple):
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self._device_mesh = init_device_mesh(
+                self.root_device.type, self._device_mesh, mesh_dim_names=("replicate", "shard")
+            )
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    @contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """Create the model on the meta device (``empty_init``) or the CPU; setup shards it to the device."""
+        device_context = torch.device("meta") if empty_init else nullcontext()
+        with device_context, self.precision_plugin.tensor_init_context():
+            yield
+
+    def model_to_device(self) -> None:
+        """Nothing: ``setup`` moves each unit's shards to the device as it shards them."""
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        self.model = self.precision_plugin.convert_module(self.model)
+        if self.activation_checkpointing_policy is not None:
+            apply_activation_checkpointing(self.model, self.activation_checkpointing_policy)
+        shard_model(
+            self.model,
+            sharding_strategy=self.sharding_strategy,
+            auto_wrap_policy=self.auto_wrap_policy,
+            mixed_precision=self.mixed_precision or self.precision_plugin.mixed_precision_config,
+            cpu_offload=self.cpu_offload,
+            device=self.root_device,
+            device_mesh=self._device_mesh,
+        )
+        _move_torchmetrics_to_device(self.model, self.root_device)
+        units = self.scheduler.units
+        rank_zero_info(
+            f"fsdp_custom: {self.sharding_strategy.value} over {self.world_size} ranks, {len(units)} units "
+            f"({', '.join(unit.name for unit in units[:8])}{', ...' if len(units) > 8 else ''})"
+        )
+        self.precision_plugin.attach(self.root_device.type, self.scheduler.clip_grad_norm_)
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        self._reset_optimizers_and_schedulers()
+        super().setup_optimizers(trainer)
+
+    # ---- steps run through the root's forward, so the engine's root hooks fire ----------
+
+    def _redirect(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        assert self.model is not None and self.lightning_module is not None
+        return self._forward_redirection(self.model, self.lightning_module, method, *args, **kwargs)
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.train_step_context():
+            return self._redirect("training_step", *args, **kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.val_step_context():
+            return self._redirect("validation_step", *args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.test_step_context():
+            return self._redirect("test_step", *args, **kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.predict_step_context():
+            return self._redirect("predict_step", *args, **kwargs)
+
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Skip the reduce-scatter on non-final micro-batches of gradient accumulation."""
+        with self.scheduler.no_sync():
+            yield
+        rank_zero_only(log.debug)(f"no_sync holds {self.scheduler.unsharded_grad_bytes()} bytes of full gradients")
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self.comm_ledger.start_step()
+        super().on_train_batch_start(batch, batch_idx)
+
+    # ---- collectives for Lightning --------------------------------------------------------
+
+    def barrier(self, name: str | None = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if torch.distributed.get_backend() == "nccl":
+            torch.distributed.barrier(device_ids=[self.root_device.index])
+        else:
+            torch.distributed.barrier()
+
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not _distributed_is_initialized():
+            return obj
+        container = [obj]
+        torch.distributed.broadcast_object_list(container, src, group=_group.WORLD)
+        return container[0]
+
+    def reduce(self, tensor: Tensor | Any, group: Any = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    def teardown(self) -> None:
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+
+    # ---- checkpoints -------------------------------------------------------------------
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The full model state on rank 0 ({} elsewhere); gathered unit by unit (a collective)."""
+        assert self.model is not None
+        return ckpt.full_state_dict(self.model, rank0_only=True)
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The full optimizer state keyed by parameter name on rank 0 ({} elsewhere)."""
+        assert self.model is not None
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        return ckpt.full_optimizer_state_dict(self.model, optimizer, rank0_only=True)
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """Nothing: ``load_checkpoint`` already loaded the weights into the shards."""
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Nothing: ``load_checkpoint`` already loaded the optimizer states."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any = None) -> None:
+        if self.is_global_zero:
+            self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        """Read a full checkpoint on every rank and load model and optimizer state into the shards."""
+        assert self.model is not None and self.lightning_module is not None
+        path = self.broadcast(checkpoint_path)
+        checkpoint = torch.load(path, map_location="cpu", weights_only=bool(weights_only), mmap=True)
+        ckpt.load_full_state_dict(self.model, checkpoint.pop("state_dict"), strict=self.lightning_module.strict_loading)
+        optimizer_states = checkpoint.get("optimizer_states")
+        if optimizer_states is not None and self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
+            if len(optimizer_states) != len(self.optimizers):
+                raise ValueError(
+                    f"checkpoint {path} holds {len(optimizer_states)} optimizer states, the model configures "
+                    f"{len(self.optimizers)} optimizers"
+                )
+            for optimizer, state in zip(self.optimizers, optimizer_states):
+                ckpt.load_full_optimizer_state_dict(self.model, optimizer, state)
+        return checkpoint
+
+    @classmethod
+    def get_registered_strategies(cls) -> list[str]:
+        return cls._registered_strategies
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register "fsdp_custom" and its variants with Lightning."""
+        variants = {
+            "fsdp_custom": ("FSDP with the fsdp-strategy engine (FULL_SHARD)", {}),
+            "fsdp_custom_cpu_offload": ("fsdp_custom with CPU offload", {"cpu_offload": True}),
+            "fsdp_custom_shard_grad_op": ("fsdp_custom, SHARD_GRAD_OP", {"sharding_strategy": "SHARD_GRAD_OP"}),
+            "fsdp_custom_no_shard": ("fsdp_custom, NO_SHARD (replicated, like DDP)", {"sharding_strategy": "NO_SHARD"}),
+        }
+        for name, (description, init_params) in variants.items():
+            if name in strategy_registry:
+                continue
+            strategy_registry.register(name, cls, description=description, **init_params)
+            cls._registered_strategies.append(name)
