@@ -28,14 +28,15 @@ class ShardedState(Enum):
 class PendingReduce:
     """A unit's gradient reduce-scatter in flight; ``finish()`` adds the result into the shards."""
 
-    def __init__(self, unit: FSDPUnit, work: Pending, output: torch.Tensor) -> None:
+    def __init__(self, unit: FSDPUnit, work: Pending, output: torch.Tensor, present: list[bool]) -> None:
         self.unit = unit
         self.work = work
         self.output = output
+        self.present = present
 
     def finish(self) -> None:
         self.work.wait()
-        self.unit.apply_reduced_grads(self.output)
+        self.unit.apply_reduced_grads(self.output, self.present)
 
 
 class FSDPUnit:
@@ -148,15 +149,23 @@ class FSDPUnit:
         return any(p.unsharded.grad is not None for p in self.trainable)
 
     def reduce_grads(self) -> PendingReduce | None:
-        """Flatten the full gradients (zeros for missing ones), start ONE reduce-scatter, free them."""
+        """Flatten the full gradients (zeros for missing ones), start ONE reduce-scatter, free them.
+
+        [Note: missing gradients] A parameter without a gradient on this rank is reduced as
+        zeros and keeps ``sharded.grad`` as it was (None after ``zero_grad``), so optimizers
+        skip it as they would unsharded. As with DDP, every rank is assumed to give gradients
+        to the same parameters.
+        """
         self._grads_ready.clear()
         if not self.has_unreduced_grads:
             return None
         sizes = [p.shard_numel for p in self.trainable]
         world = self.shard_comm.size
         flat = torch.empty(world, sum(sizes), dtype=self._reduce_dtype, device=self.device)
+        present = []
         for param, columns in zip(self.trainable, flat.split(sizes, dim=1)):
             grad = param.unsharded.grad
+            present.append(grad is not None)
             if grad is None:
                 columns.zero_()
             else:
@@ -164,14 +173,16 @@ class FSDPUnit:
             param.unsharded.grad = None
         output = torch.empty(sum(sizes), dtype=self._reduce_dtype, device=self.device)
         work = collectives.reduce_scatter(output, flat.view(-1), self.shard_comm, self.ledger, self.name)
-        return PendingReduce(self, work, output)
+        return PendingReduce(self, work, output, present)
 
-    def apply_reduced_grads(self, output: torch.Tensor) -> None:
+    def apply_reduced_grads(self, output: torch.Tensor, present: list[bool]) -> None:
         """Reduce across replicas if any, divide by the data-parallel size, add into the shards."""
         collectives.all_reduce(output, self.replicate_comm, self.ledger, self.name).wait()
         output.div_(self.shard_comm.size * self.replicate_comm.size)  # [Note: SUM then divide]
-        for param, piece in zip(self.trainable, output.split([p.shard_numel for p in self.trainable])):
-            param.accumulate_sharded_grad(piece)
+        pieces = output.split([p.shard_numel for p in self.trainable])
+        for param, piece, has_grad in zip(self.trainable, pieces, present):
+            if has_grad:  # [Note: missing gradients]
+                param.accumulate_sharded_grad(piece)
 
     def clear_grad_marks(self) -> None:
         """Forget which gradients arrived (at the end of every backward)."""
