@@ -41,7 +41,7 @@ from torch.optim import Optimizer
 
 from fsdp_strategy import checkpoint as ckpt
 from fsdp_strategy.config import CPUOffload, MixedPrecision, ShardingStrategy
-from fsdp_strategy.engine import Scheduler, get_scheduler, shard_model
+from fsdp_strategy.engine import Scheduler, get_scheduler, is_sharded, shard_model
 from fsdp_strategy.engine.collectives import CommLedger
 from fsdp_strategy.precision import FSDPCustomPrecision
 from fsdp_strategy.wrap import apply_activation_checkpointing, as_policy_fn
@@ -243,11 +243,20 @@ class FSDPCustomStrategy(ParallelStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
-        self.model = self.precision_plugin.convert_module(self.model)
+        if not is_sharded(self.model):  # validate/test after fit reuse the sharded model
+            self._shard(self.model)
+        self.precision_plugin.attach(self.root_device.type, self.scheduler.clip_grad_norm_)
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+
+    def _shard(self, model: torch.nn.Module) -> None:
+        self.model = model = self.precision_plugin.convert_module(model)
         if self.activation_checkpointing_policy is not None:
-            apply_activation_checkpointing(self.model, self.activation_checkpointing_policy)
+            apply_activation_checkpointing(model, self.activation_checkpointing_policy)
         shard_model(
-            self.model,
+            model,
             sharding_strategy=self.sharding_strategy,
             auto_wrap_policy=self.auto_wrap_policy,
             mixed_precision=self.mixed_precision or self.precision_plugin.mixed_precision_config,
@@ -255,17 +264,12 @@ class FSDPCustomStrategy(ParallelStrategy):
             device=self.root_device,
             device_mesh=self._device_mesh,
         )
-        _move_torchmetrics_to_device(self.model, self.root_device)
+        _move_torchmetrics_to_device(model, self.root_device)
         units = self.scheduler.units
         rank_zero_info(
             f"fsdp_custom: {self.sharding_strategy.value} over {self.world_size} ranks, {len(units)} units "
             f"({', '.join(unit.name for unit in units[:8])}{', ...' if len(units) > 8 else ''})"
         )
-        self.precision_plugin.attach(self.root_device.type, self.scheduler.clip_grad_norm_)
-        self.barrier()
-        if trainer.state.fn == TrainerFn.FITTING:
-            self.setup_optimizers(trainer)
-        self.setup_precision_plugin()
 
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         self._reset_optimizers_and_schedulers()

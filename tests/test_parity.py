@@ -20,6 +20,7 @@ from torch import nn
 from fsdp_strategy import MixedPrecision
 from fsdp_strategy.checkpoint import full_state_dict
 from fsdp_strategy.engine import get_scheduler, shard_model
+from fsdp_strategy.wrap import apply_activation_checkpointing
 
 STEPS = 10
 PER_RANK = 2
@@ -46,8 +47,11 @@ def _train_pair(rank: int, world: int, config: dict, accumulate: int = 1) -> dic
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh("cpu", config["mesh"], mesh_dim_names=("replicate", "shard"))
+    if config.get("checkpointing"):
+        apply_activation_checkpointing(model, {Block})
     shard_model(
         model,
+        cpu_offload=config.get("offload"),
         sharding_strategy=config["strategy"],
         auto_wrap_policy={Block, nn.Embedding},
         mixed_precision=config.get("mp"),
@@ -107,6 +111,8 @@ def _world2_body(rank: int, world: int) -> dict:
         "SHARD_GRAD_OP": _train_pair(rank, world, {"strategy": "SHARD_GRAD_OP"}),
         "NO_SHARD": _train_pair(rank, world, {"strategy": "NO_SHARD"}),
         "accumulate": _train_pair(rank, world, {"strategy": "FULL_SHARD"}, accumulate=2),
+        "offload": _train_pair(rank, world, {"strategy": "FULL_SHARD", "offload": True}),
+        "checkpointing": _train_pair(rank, world, {"strategy": "FULL_SHARD", "checkpointing": True}),
         "bf16": _train_pair(
             rank,
             world,
@@ -118,7 +124,7 @@ def _world2_body(rank: int, world: int) -> dict:
 def test_parity_world_2(tmp_path):
     results = run_ranks(_world2_body, 2, tmp_path)
     for rank_result in results:
-        for name in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "accumulate"):
+        for name in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "accumulate", "offload", "checkpointing"):
             _check_fp32(rank_result[name])
         assert rank_result["accumulate"]["reduce_scatters_no_sync"] == 0
         # bf16 keeps 8 mantissa bits (relative rounding 2**-8 = 0.4 %) in the gathered weights

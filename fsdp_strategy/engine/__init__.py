@@ -25,7 +25,7 @@ from fsdp_strategy.engine.runtime import Scheduler
 from fsdp_strategy.engine.unit import FSDPUnit
 from fsdp_strategy.wrap import as_policy_fn, select_unit_modules
 
-__all__ = ["shard_model", "get_scheduler", "comm_groups", "Scheduler"]
+__all__ = ["shard_model", "get_scheduler", "is_sharded", "comm_groups", "Scheduler"]
 
 _SCHEDULER_ATTR = "_fsdp_custom_scheduler"
 
@@ -102,7 +102,7 @@ def shard_model(
     Modules still on the meta device are materialized unit by unit with ``reset_parameters``.
     Costs at rest: 1/N of the parameters plus padding; while running, the units gathered now.
     """
-    if getattr(module, _SCHEDULER_ATTR, None) is not None:
+    if is_sharded(module):
         raise ValueError(f"{type(module).__name__} is already sharded; shard_model is applied once")
     strategy = ShardingStrategy.from_any(sharding_strategy)
     precision = MixedPrecision.from_any(mixed_precision) or MixedPrecision()
@@ -173,6 +173,11 @@ def _place_buffers(root: nn.Module, device: torch.device, dtype: torch.dtype | N
             if buffer is not None:
                 cast = dtype if (dtype is not None and buffer.is_floating_point()) else buffer.dtype
                 module._buffers[name] = buffer.to(device=device, dtype=cast)
+
+
+def is_sharded(module: nn.Module) -> bool:
+    """Whether ``shard_model`` was applied to ``module``."""
+    return getattr(module, _SCHEDULER_ATTR, None) is not None
 
 
 def get_scheduler(module: nn.Module) -> Scheduler:

@@ -1,0 +1,58 @@
+"""Configuration values: conversions from strings, dicts, omegaconf and torch's types; clear errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from torch.distributed.fsdp import CPUOffload as TorchCPUOffload
+from torch.distributed.fsdp import MixedPrecision as TorchMixedPrecision
+from torch.distributed.fsdp import ShardingStrategy as TorchShardingStrategy
+
+from fsdp_strategy import CPUOffload, MixedPrecision, ShardingStrategy
+
+
+@pytest.mark.parametrize(
+    "value", ["FULL_SHARD", "full_shard", ShardingStrategy.FULL_SHARD, TorchShardingStrategy.FULL_SHARD]
+)
+def test_sharding_strategy_accepts_names_and_enums(value):
+    assert ShardingStrategy.from_any(value) is ShardingStrategy.FULL_SHARD
+
+
+def test_sharding_strategy_errors_name_value_and_choices():
+    with pytest.raises(ValueError, match=r"sharding_strategy='ZERO9'.*FULL_SHARD.*HYBRID_SHARD"):
+        ShardingStrategy.from_any("ZERO9")
+    with pytest.raises(TypeError, match="sharding_strategy must be a string"):
+        ShardingStrategy.from_any(3)
+
+
+def test_mixed_precision_conversions():
+    expected = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    assert MixedPrecision.from_any({"param_dtype": "bf16", "reduce_dtype": "float32"}) == expected
+    assert MixedPrecision.from_any(OmegaConf.create({"param_dtype": "bfloat16", "reduce_dtype": "fp32"})) == expected
+    assert MixedPrecision.from_any(TorchMixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)) == (
+        expected
+    )
+    assert MixedPrecision.from_any(None) is None
+
+
+def test_mixed_precision_errors():
+    with pytest.raises(ValueError, match="mixed_precision.param_dtype='int8' is not a known dtype"):
+        MixedPrecision.from_any({"param_dtype": "int8"})
+    with pytest.raises(ValueError, match="not a floating dtype"):
+        MixedPrecision(param_dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"unknown keys \['param'\]"):
+        MixedPrecision.from_any({"param": "bf16"})
+    with pytest.raises(TypeError, match="mixed_precision must be"):
+        MixedPrecision.from_any("bf16")
+
+
+def test_cpu_offload_conversions_and_errors():
+    assert CPUOffload.from_any(True) == CPUOffload(offload_params=True)
+    assert CPUOffload.from_any(None) == CPUOffload(offload_params=False)
+    assert CPUOffload.from_any(TorchCPUOffload(offload_params=True)).offload_params
+    assert CPUOffload.from_any({"offload_params": True}).offload_params
+    with pytest.raises(TypeError, match="cpu_offload must be a bool"):
+        CPUOffload.from_any("yes")
+    with pytest.raises(TypeError, match="offload_params must be a bool"):
+        CPUOffload(offload_params="yes")

@@ -1,0 +1,68 @@
+"""Shard layout: every shape splits into equal padded dim-0 shards that reassemble exactly."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from fsdp_strategy.engine.param import ParamUse, ShardedParam
+
+SHAPES = [(7, 3), (5,), (1, 4), (2, 3, 2), (), (4, 4), (3,)]
+
+
+def _shards(param: nn.Parameter, world: int) -> list[ShardedParam]:
+    holder = nn.Module()
+    holder.weight = param
+    cpu = torch.device("cpu")
+    return [
+        ShardedParam("weight", param, [ParamUse(holder, "weight")], rank, world, cpu, cpu, None)
+        for rank in range(world)
+    ]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_shards_are_equal_sized_chunks_that_reassemble(shape, world):
+    full = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape) + 1
+    shards = _shards(nn.Parameter(full.clone()), world)
+    dim0 = shape[0] if shape else 1
+    rows = math.ceil(dim0 / world)
+    row_numel = math.prod(shape[1:])
+    expected_chunks = list(full.reshape(dim0, row_numel).chunk(world)) if dim0 >= world else None
+    for rank, shard in enumerate(shards):
+        assert shard.sharded.shape == (rows, *shape[1:])
+        local = shard.sharded.detach().reshape(rows, row_numel)
+        start = rank * rows
+        real = max(0, min(rows, dim0 - start))
+        assert torch.equal(local[:real], full.reshape(dim0, row_numel)[start : start + real])
+        assert torch.count_nonzero(local[real:]) == 0  # padding is zero
+        if expected_chunks is not None and rank < len(expected_chunks):
+            assert torch.equal(local[: expected_chunks[rank].shape[0]], expected_chunks[rank])
+    gathered = torch.cat([s.sharded.detach().reshape(-1) for s in shards]).view(world, -1)
+    assert torch.equal(shards[0].full_from_rows(gathered), full)
+    for rank, shard in enumerate(shards):
+        assert torch.equal(shard.local_rows(full, rank), shard.sharded.detach())
+
+
+def test_unsharded_storage_is_freed_and_refilled():
+    (shard,) = _shards(nn.Parameter(torch.randn(5, 3)), 1)
+    assert not shard.unsharded_allocated
+    shard.fill_unsharded(shard.sharded.detach().reshape(1, -1))
+    assert shard.unsharded_allocated and torch.equal(shard.unsharded.detach(), shard.sharded.detach())
+    shard.install(unsharded=True)
+    assert shard.uses[0].module.weight is shard.unsharded
+    shard.install(unsharded=False)
+    shard.free_unsharded()
+    assert shard.unsharded.untyped_storage().size() == 0
+    assert shard.uses[0].module.weight is shard.sharded
+
+
+def test_padded_grad_rows_adds_zero_rows():
+    (shard, _) = _shards(nn.Parameter(torch.zeros(3, 2)), 2)
+    grad = torch.arange(6.0).reshape(3, 2)
+    rows = shard.padded_grad_rows(grad)
+    assert rows.shape == (2, 4)
+    assert torch.equal(rows.reshape(4, 2)[:3], grad) and torch.count_nonzero(rows.reshape(4, 2)[3]) == 0

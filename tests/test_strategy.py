@@ -1,0 +1,217 @@
+"""The Lightning strategy: real Trainer runs on forked gloo ranks, compared with a plain loop.
+
+The oracle replays Lightning's data order (a shuffled DistributedSampler, seed 0) on one
+unsharded copy of the model with the global batch of every step.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+from dist_utils import run_ranks
+from lightning.pytorch.strategies import StrategyRegistry
+from models import Block, TiedLM, lm_loss, make_batches
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from fsdp_strategy import FSDPCustomPrecision, FSDPCustomStrategy
+
+STEPS = 6
+PER_RANK = 2
+LIGHTNING_ENV = {"LOCAL_RANK": "{rank}", "NODE_RANK": "0"}
+
+
+class LitLM(L.LightningModule):
+    """TiedLM with AdamW in two param groups chosen by name (no decay for norms and biases)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = TiedLM()
+        self.losses: list[float] = []
+        self.comm: list[dict] = []
+
+    def training_step(self, batch, batch_idx):
+        loss = lm_loss(self.net, batch[0])
+        self.losses.append(loss.detach().clone())
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", lm_loss(self.net, batch[0]), sync_dist=True)
+
+    def test_step(self, batch, batch_idx):
+        self.log("test_loss", lm_loss(self.net, batch[0]), sync_dist=True)
+
+    def predict_step(self, batch, batch_idx):
+        return self.net(batch[0][:, :-1]).argmax(-1)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        self.comm.append(self.trainer.strategy.comm_ledger.snapshot())
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(param_groups(self), lr=1e-2)
+
+
+def param_groups(module: torch.nn.Module) -> list[dict]:
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    no_decay = [p for n, p in named if "norm" in n or n.endswith("bias")]
+    decay = [p for n, p in named if not ("norm" in n or n.endswith("bias"))]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _dataset(world: int, steps: int, accumulate: int) -> torch.Tensor:
+    return make_batches(steps * accumulate, PER_RANK * world).reshape(-1, make_batches(1, 1).shape[-1])
+
+
+def _reference(model: torch.nn.Module, data: torch.Tensor, world: int, steps: int, accumulate: int, clip: dict):
+    """Losses of a plain loop replaying Lightning's data order on the global batch."""
+    orders = [list(DistributedSampler(range(len(data)), world, r, shuffle=True, seed=0)) for r in range(world)]
+    optimizer = torch.optim.AdamW(param_groups(model), lr=1e-2)
+    losses = []
+    for step in range(steps):
+        batch = range(step * accumulate * PER_RANK, (step + 1) * accumulate * PER_RANK)
+        indices = [orders[r][i] for r in range(world) for i in batch]
+        loss = lm_loss(model, data[indices])
+        loss.backward()
+        params = [p for p in model.parameters() if p.requires_grad]
+        if clip.get("gradient_clip_algorithm") == "value":
+            torch.nn.utils.clip_grad_value_(params, clip["gradient_clip_val"])
+        elif clip:
+            torch.nn.utils.clip_grad_norm_(params, clip["gradient_clip_val"])
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _fit(rank: int, world: int, accumulate: int = 1, clip: dict | None = None, **trainer_kwargs) -> dict:
+    torch.manual_seed(0)
+    module = LitLM()
+    reference = copy.deepcopy(module.net)
+    data = _dataset(world, STEPS, accumulate)
+    strategy = trainer_kwargs.pop("strategy", None) or FSDPCustomStrategy(auto_wrap_policy={Block})
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=world,
+        max_steps=STEPS,
+        accumulate_grad_batches=accumulate,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **(clip or {}),
+        **trainer_kwargs,
+    )
+    trainer.fit(module, DataLoader(TensorDataset(data), batch_size=PER_RANK))
+    local = torch.stack(module.losses).view(STEPS, accumulate).sum(1) / accumulate
+    dist.all_reduce(local)
+    return {
+        "loss": (local / world).tolist(),
+        "ref_loss": _reference(reference, data, world, STEPS, accumulate, clip or {}),
+        "comm": module.comm,
+        "trainer": trainer,
+        "module": module,
+        "data": data,
+    }
+
+
+def _lightning_body(rank: int, world: int) -> dict:
+    norm = _fit(rank, world, clip={"gradient_clip_val": 0.05})
+    value = _fit(rank, world, clip={"gradient_clip_val": 0.01, "gradient_clip_algorithm": "value"})
+    accumulate = _fit(rank, world, accumulate=2)
+    bf16 = _fit(rank, world, precision="bf16-mixed")
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    # a modest initial scale, so no step is skipped for overflow and the run compares step by step
+    scaler = ShardedGradScaler(device="cpu", init_scale=2.0**8)
+    fp16 = _fit(rank, world, plugins=[FSDPCustomPrecision("16-mixed", scaler=scaler)])
+    bf16_true = _fit(rank, world, precision="bf16-true")
+
+    trainer, module, data = norm["trainer"], norm["module"], norm["data"]
+    loader = DataLoader(TensorDataset(data[:8]), batch_size=PER_RANK)
+    validated = trainer.validate(module, loader, verbose=False)[0]["val_loss"]
+    tested = trainer.test(module, loader, verbose=False)[0]["test_loss"]
+    predictions = trainer.predict(module, loader)
+    scaler = fp16["trainer"].strategy.precision_plugin.scaler
+    sharded_dtype = bf16_true["module"].net.blocks[0].up.weight.dtype
+    optimizer = trainer.optimizers[0]
+    shard_ids = {id(p.sharded) for p in trainer.strategy.scheduler.sharded_params()}
+    return {
+        "norm": {k: norm[k] for k in ("loss", "ref_loss")},
+        "value": {k: value[k] for k in ("loss", "ref_loss")},
+        "accumulate": {k: accumulate[k] for k in ("loss", "ref_loss", "comm")},
+        "bf16": {k: bf16[k] for k in ("loss", "ref_loss")},
+        "fp16": {k: fp16[k] for k in ("loss", "ref_loss")},
+        "bf16_true": {k: bf16_true[k] for k in ("loss", "ref_loss")},
+        "validated": validated,
+        "tested": tested,
+        "predictions": len(predictions),
+        "scaler": type(scaler).__name__,
+        "bf16_true_dtype": str(sharded_dtype),
+        "groups_are_shards": all(id(p) in shard_ids for g in optimizer.param_groups for p in g["params"]),
+        "group_sizes": [len(g["params"]) for g in optimizer.param_groups],
+    }
+
+
+def test_lightning_fit_matches_reference(tmp_path):
+    results = run_ranks(_lightning_body, 2, tmp_path, env=LIGHTNING_ENV, timeout=300)
+    result = results[0]
+    for name in ("norm", "value", "accumulate"):
+        assert result[name]["loss"] == pytest.approx(result[name]["ref_loss"], rel=1e-5), name
+    # every step's non-final micro-batch issues no reduce-scatter; the final one reduces all 3 units
+    calls = [c.get("reduce_scatter", {}).get("calls", 0) for c in result["accumulate"]["comm"]]
+    assert calls == [0, 3] * STEPS
+    # low precision: 8 (bf16) / 11 (fp16) mantissa bits over ~6 layers for 6 steps: within 3 %
+    for name in ("bf16", "fp16", "bf16_true"):
+        assert result[name]["loss"] == pytest.approx(result[name]["ref_loss"], rel=3e-2), name
+    assert result["scaler"] == "ShardedGradScaler"
+    assert result["bf16_true_dtype"] == "torch.bfloat16"
+    unsharded_groups = [len(g["params"]) for g in param_groups(LitLM())]
+    assert result["groups_are_shards"] and result["group_sizes"] == unsharded_groups
+    assert result["validated"] == pytest.approx(results[1]["validated"])
+    assert 0 < result["validated"] < 10 and 0 < result["tested"] < 10
+    assert result["predictions"] == 2
+
+
+def test_registered_names_and_variants():
+    for name in ("fsdp_custom", "fsdp_custom_cpu_offload", "fsdp_custom_shard_grad_op", "fsdp_custom_no_shard"):
+        assert name in StrategyRegistry
+    offload = L.Trainer(strategy="fsdp_custom_cpu_offload", accelerator="cpu", devices=2, logger=False).strategy
+    assert isinstance(offload, FSDPCustomStrategy) and offload.cpu_offload.offload_params
+    grad_op = L.Trainer(strategy="fsdp_custom_shard_grad_op", accelerator="cpu", devices=2, logger=False).strategy
+    assert grad_op.sharding_strategy.value == "SHARD_GRAD_OP"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"auto_wrap_policy": "Block"}, TypeError, "auto_wrap_policy='Block'"),
+        ({"sharding_strategy": "ZERO"}, ValueError, "sharding_strategy='ZERO'.*accepted"),
+        ({"activation_checkpointing_policy": 3.5}, TypeError, "activation_checkpointing_policy=3.5"),
+        ({"state_dict_type": "npz"}, ValueError, "state_dict_type='npz'.*accepted"),
+        ({"device_mesh": (2, 2)}, ValueError, "only used with sharding_strategy='HYBRID_SHARD'"),
+        ({"sharding_strategy": "HYBRID_SHARD"}, ValueError, "needs device_mesh"),
+        ({"sharding_strategy": "HYBRID_SHARD", "device_mesh": (2, 0)}, ValueError, "two positive ints"),
+        ({"limit_all_gathers": True}, TypeError, "unexpected arguments \\['limit_all_gathers'\\]"),
+        ({"cpu_offload": "yes"}, TypeError, "cpu_offload must be"),
+    ],
+)
+def test_bad_arguments_fail_at_construction(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        FSDPCustomStrategy(**kwargs)
+
+
+def test_bad_precision_names_value():
+    with pytest.raises(ValueError, match="precision='64-true' is not supported.*accepted"):
+        L.Trainer(strategy="fsdp_custom", accelerator="cpu", devices=2, precision="64-true")
+
+
+def test_device_mesh_not_matching_world_size_fails_before_process_group(tmp_path):
+    strategy = FSDPCustomStrategy(sharding_strategy="HYBRID_SHARD", device_mesh=(2, 2))
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, logger=False, default_root_dir=tmp_path)
+    with pytest.raises(ValueError, match=r"device_mesh=\(2, 2\) multiplies to 4, but the world size is 1"):
+        trainer.fit(LitLM(), DataLoader(TensorDataset(_dataset(1, 1, 1)), batch_size=2))
+    assert not dist.is_initialized()
