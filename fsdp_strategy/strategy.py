@@ -48,7 +48,7 @@ from fsdp_strategy.wrap import apply_activation_checkpointing, as_policy_fn
 
 log = logging.getLogger(__name__)
 
-_STATE_DICT_TYPES = ("full", "sharded")
+_STATE_DICT_TYPES = ("full",)
 
 
 def _validate_mesh(device_mesh: Any, sharding_strategy: ShardingStrategy) -> Any:
@@ -84,7 +84,7 @@ class FSDPCustomStrategy(ParallelStrategy):
         cpu_offload: True or :class:`CPUOffload`: shards, gradients and optimizer state on CPU.
         activation_checkpointing_policy: modules to recompute in backward (same forms as
             ``auto_wrap_policy``).
-        state_dict_type: "full" (one file, gathered to rank 0) or "sharded" (a DCP folder).
+        state_dict_type: "full": one checkpoint file, gathered unit by unit to rank 0.
         device_mesh: ``(replicate, shard)`` sizes or a 2-D ``DeviceMesh``, for HYBRID_SHARD.
         process_group_backend: "gloo", "nccl", ...; default: by device.
         timeout: timeout of every collective (a rank that dies fails the others after it).
@@ -110,7 +110,7 @@ class FSDPCustomStrategy(ParallelStrategy):
         auto_wrap_policy: Any = None,
         activation_checkpointing_policy: Any = None,
         sharding_strategy: str | ShardingStrategy | Any = "FULL_SHARD",
-        state_dict_type: Literal["full", "sharded"] = "full",
+        state_dict_type: Literal["full"] = "full",
         device_mesh: tuple[int, int] | Any = None,
         **kwargs: Any,
     ) -> None:

@@ -6,8 +6,6 @@ unsharded copy of the model with the global batch of every step.
 
 from __future__ import annotations
 
-import copy
-
 import lightning as L
 import pytest
 import torch
@@ -54,6 +52,19 @@ class LitLM(L.LightningModule):
         return torch.optim.AdamW(param_groups(self), lr=1e-2)
 
 
+class ConfiguredLM(LitLM):
+    """LitLM whose network is built in ``configure_model`` (under the strategy's init context)."""
+
+    def __init__(self) -> None:
+        L.LightningModule.__init__(self)
+        self.losses, self.comm = [], []
+
+    def configure_model(self) -> None:
+        if not hasattr(self, "net"):
+            torch.manual_seed(0)
+            self.net = TiedLM()
+
+
 def param_groups(module: torch.nn.Module) -> list[dict]:
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     no_decay = [p for n, p in named if "norm" in n or n.endswith("bias")]
@@ -86,10 +97,13 @@ def _reference(model: torch.nn.Module, data: torch.Tensor, world: int, steps: in
     return losses
 
 
-def _fit(rank: int, world: int, accumulate: int = 1, clip: dict | None = None, **trainer_kwargs) -> dict:
+def _fit(
+    rank: int, world: int, accumulate: int = 1, clip: dict | None = None, module_cls: type = LitLM, **trainer_kwargs
+) -> dict:
     torch.manual_seed(0)
-    module = LitLM()
-    reference = copy.deepcopy(module.net)
+    module = module_cls()
+    torch.manual_seed(0)
+    reference = TiedLM()
     data = _dataset(world, STEPS, accumulate)
     strategy = trainer_kwargs.pop("strategy", None) or FSDPCustomStrategy(auto_wrap_policy={Block})
     trainer = L.Trainer(
@@ -129,6 +143,7 @@ def _lightning_body(rank: int, world: int) -> dict:
     scaler = ShardedGradScaler(device="cpu", init_scale=2.0**8)
     fp16 = _fit(rank, world, plugins=[FSDPCustomPrecision("16-mixed", scaler=scaler)])
     bf16_true = _fit(rank, world, precision="bf16-true")
+    configured = _fit(rank, world, module_cls=ConfiguredLM)
 
     trainer, module, data = norm["trainer"], norm["module"], norm["data"]
     loader = DataLoader(TensorDataset(data[:8]), batch_size=PER_RANK)
@@ -146,6 +161,7 @@ def _lightning_body(rank: int, world: int) -> dict:
         "bf16": {k: bf16[k] for k in ("loss", "ref_loss")},
         "fp16": {k: fp16[k] for k in ("loss", "ref_loss")},
         "bf16_true": {k: bf16_true[k] for k in ("loss", "ref_loss")},
+        "configure_model": {k: configured[k] for k in ("loss", "ref_loss")},
         "validated": validated,
         "tested": tested,
         "predictions": len(predictions),
@@ -159,7 +175,7 @@ def _lightning_body(rank: int, world: int) -> dict:
 def test_lightning_fit_matches_reference(tmp_path):
     results = run_ranks(_lightning_body, 2, tmp_path, env=LIGHTNING_ENV, timeout=300)
     result = results[0]
-    for name in ("norm", "value", "accumulate"):
+    for name in ("norm", "value", "accumulate", "configure_model"):
         assert result[name]["loss"] == pytest.approx(result[name]["ref_loss"], rel=1e-5), name
     # every step's non-final micro-batch issues no reduce-scatter; the final one reduces all 3 units
     calls = [c.get("reduce_scatter", {}).get("calls", 0) for c in result["accumulate"]["comm"]]

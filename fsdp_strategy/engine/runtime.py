@@ -147,8 +147,6 @@ class Scheduler:
         for unit in self.units:
             unit.clear_grad_marks()
         self._reshard_all()
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
         self._callback_queued = False
         self.state = TrainingState.IDLE
 
