@@ -147,3 +147,23 @@ class CPUOffload:
         if isinstance(value, Mapping) or name in ("CPUOffload", "DictConfig"):
             return cls(**_mapping_of(value, argument, ("offload_params",)))
         raise TypeError(f"{argument} must be a bool, a CPUOffload, a dict or None, got {name} ({value!r})")
+
+
+def validate_device_mesh(device_mesh: Any, sharding_strategy: ShardingStrategy) -> Any:
+    """Check ``device_mesh`` against the strategy: None, a (replicate, shard) pair or a 2-D DeviceMesh."""
+    if device_mesh is None:
+        if sharding_strategy is ShardingStrategy.HYBRID_SHARD:
+            raise ValueError("sharding_strategy='HYBRID_SHARD' needs device_mesh=(replicate, shard), got None")
+        return None
+    if sharding_strategy is not ShardingStrategy.HYBRID_SHARD:
+        raise ValueError(
+            f"device_mesh={device_mesh!r} is only used with sharding_strategy='HYBRID_SHARD', "
+            f"got {sharding_strategy.value!r}"
+        )
+    if isinstance(device_mesh, (tuple, list)):
+        if len(device_mesh) != 2 or not all(isinstance(n, int) and n >= 1 for n in device_mesh):
+            raise ValueError(f"device_mesh={device_mesh!r} must be (replicate, shard): two positive ints")
+        return tuple(device_mesh)
+    if type(device_mesh).__name__ != "DeviceMesh":
+        raise TypeError(f"device_mesh must be a (replicate, shard) tuple or a DeviceMesh, got {type(device_mesh)}")
+    return device_mesh

@@ -12,6 +12,7 @@ import logging
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -40,7 +41,10 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from fsdp_strategy import checkpoint as ckpt
-from fsdp_strategy.config import CPUOffload, MixedPrecision, ShardingStrategy
+from fsdp_strategy.checkpoint import layout, sharded
+from fsdp_strategy.checkpoint.writer import CheckpointWriter
+from fsdp_strategy.config import CPUOffload, MixedPrecision, ShardingStrategy, validate_device_mesh
+from fsdp_strategy.data import make_resumable
 from fsdp_strategy.engine import Scheduler, get_scheduler, is_sharded, shard_model
 from fsdp_strategy.engine.collectives import CommLedger
 from fsdp_strategy.precision import FSDPCustomPrecision
@@ -48,26 +52,7 @@ from fsdp_strategy.wrap import apply_activation_checkpointing, as_policy_fn
 
 log = logging.getLogger(__name__)
 
-_STATE_DICT_TYPES = ("full",)
-
-
-def _validate_mesh(device_mesh: Any, sharding_strategy: ShardingStrategy) -> Any:
-    if device_mesh is None:
-        if sharding_strategy is ShardingStrategy.HYBRID_SHARD:
-            raise ValueError("sharding_strategy='HYBRID_SHARD' needs device_mesh=(replicate, shard), got None")
-        return None
-    if sharding_strategy is not ShardingStrategy.HYBRID_SHARD:
-        raise ValueError(
-            f"device_mesh={device_mesh!r} is only used with sharding_strategy='HYBRID_SHARD', "
-            f"got {sharding_strategy.value!r}"
-        )
-    if isinstance(device_mesh, (tuple, list)):
-        if len(device_mesh) != 2 or not all(isinstance(n, int) and n >= 1 for n in device_mesh):
-            raise ValueError(f"device_mesh={device_mesh!r} must be (replicate, shard): two positive ints")
-        return tuple(device_mesh)
-    if type(device_mesh).__name__ != "DeviceMesh":
-        raise TypeError(f"device_mesh must be a (replicate, shard) tuple or a DeviceMesh, got {type(device_mesh)}")
-    return device_mesh
+_STATE_DICT_TYPES = ("full", "sharded")
 
 
 class FSDPCustomStrategy(ParallelStrategy):
@@ -84,7 +69,9 @@ class FSDPCustomStrategy(ParallelStrategy):
         cpu_offload: True or :class:`CPUOffload`: shards, gradients and optimizer state on CPU.
         activation_checkpointing_policy: modules to recompute in backward (same forms as
             ``auto_wrap_policy``).
-        state_dict_type: "full": one checkpoint file, gathered unit by unit to rank 0.
+        state_dict_type: "full" (one file, gathered unit by unit to rank 0) or "sharded" (a DCP
+            folder each rank writes its shards into; loads at any world size).
+        async_save: write sharded checkpoints in the background (the step goes on).
         device_mesh: ``(replicate, shard)`` sizes or a 2-D ``DeviceMesh``, for HYBRID_SHARD.
         process_group_backend: "gloo", "nccl", ...; default: by device.
         timeout: timeout of every collective (a rank that dies fails the others after it).
@@ -110,15 +97,16 @@ class FSDPCustomStrategy(ParallelStrategy):
         auto_wrap_policy: Any = None,
         activation_checkpointing_policy: Any = None,
         sharding_strategy: str | ShardingStrategy | Any = "FULL_SHARD",
-        state_dict_type: Literal["full"] = "full",
+        state_dict_type: Literal["full", "sharded"] = "full",
         device_mesh: tuple[int, int] | Any = None,
+        async_save: bool = False,
         **kwargs: Any,
     ) -> None:
         if kwargs:
             raise TypeError(
                 f"FSDPCustomStrategy got unexpected arguments {sorted(kwargs)}; accepted: sharding_strategy, "
                 "auto_wrap_policy, mixed_precision, cpu_offload, activation_checkpointing_policy, state_dict_type, "
-                "device_mesh, process_group_backend, timeout"
+                "device_mesh, async_save, process_group_backend, timeout"
             )
         super().__init__(
             accelerator=accelerator,
@@ -138,7 +126,14 @@ class FSDPCustomStrategy(ParallelStrategy):
         if state_dict_type not in _STATE_DICT_TYPES:
             raise ValueError(f"state_dict_type={state_dict_type!r} is not supported; accepted: {_STATE_DICT_TYPES}")
         self._state_dict_type = state_dict_type
-        self._device_mesh = _validate_mesh(device_mesh, self.sharding_strategy)
+        if not isinstance(async_save, bool):
+            raise TypeError(f"async_save must be a bool, got {async_save!r}")
+        if async_save and state_dict_type != "sharded":
+            raise ValueError(
+                "async_save=True needs state_dict_type='sharded' (a full checkpoint is gathered to rank 0)"
+            )
+        self._writer = CheckpointWriter(async_save=async_save)
+        self._device_mesh = validate_device_mesh(device_mesh, self.sharding_strategy)
         if process_group_backend is not None and not isinstance(process_group_backend, str):
             raise TypeError(
                 f"process_group_backend must be a string like 'gloo' or 'nccl', got {process_group_backend!r}"
@@ -212,6 +207,7 @@ class FSDPCustomStrategy(ParallelStrategy):
         )
         assert self.cluster_environment is not None
         _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
+        self._writer.setup()
         if isinstance(self._device_mesh, tuple):
             from torch.distributed.device_mesh import init_device_mesh
 
@@ -331,6 +327,7 @@ class FSDPCustomStrategy(ParallelStrategy):
         return tensor
 
     def teardown(self) -> None:
+        self._writer.teardown()
         assert self.cluster_environment is not None and self.accelerator is not None
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
@@ -339,13 +336,18 @@ class FSDPCustomStrategy(ParallelStrategy):
     # ---- checkpoints -------------------------------------------------------------------
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The full model state on rank 0 ({} elsewhere); gathered unit by unit (a collective)."""
+        """Full: the gathered model state on rank 0 ({} elsewhere). Sharded: views of the shards."""
         assert self.model is not None
+        if self._state_dict_type == "sharded":
+            return sharded.model_state(self.model)
         return ckpt.full_state_dict(self.model, rank0_only=True)
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """The full optimizer state keyed by parameter name on rank 0 ({} elsewhere)."""
+        """Full: the gathered optimizer state keyed by parameter name on rank 0. Sharded: {} (the
+        save writes each rank's shards itself)."""
         assert self.model is not None
+        if self._state_dict_type == "sharded":
+            return {}
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
         return ckpt.full_optimizer_state_dict(self.model, optimizer, rank0_only=True)
@@ -356,26 +358,54 @@ class FSDPCustomStrategy(ParallelStrategy):
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Nothing: ``load_checkpoint`` already loaded the optimizer states."""
 
+    def _final_and_temporary(self, filepath: _PATH) -> tuple[Path, Path]:
+        final = Path(self.broadcast(str(filepath)))
+        temporary = Path(self.broadcast(str(layout.temporary_path(final)) if self.is_global_zero else None))
+        return final, temporary
+
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any = None) -> None:
-        if self.is_global_zero:
-            self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        """Write atomically: a temporary name, renamed once every rank is done ([Note: atomic commit])."""
+        final, temporary = self._final_and_temporary(filepath)
+        if self._state_dict_type == "full":
+            self._writer.save_full(
+                final, temporary, lambda path: self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options)
+            )
+            return
+        assert self.model is not None
+        checkpoint.pop("state_dict", None)
+        with_optimizers = checkpoint.pop("optimizer_states", None) is not None
+        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers] if with_optimizers else []
+        self._writer.save_sharded(final, temporary, self.model, optimizers, checkpoint)
+
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        """Delete a checkpoint file or folder (after any save in flight)."""
+        self._writer.remove(Path(filepath))
 
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        """Read a full checkpoint on every rank and load model and optimizer state into the shards."""
+        """Load a sharded folder (any world size) or a full file into the shards; return the rest."""
         assert self.model is not None and self.lightning_module is not None
-        path = self.broadcast(checkpoint_path)
-        checkpoint = torch.load(path, map_location="cpu", weights_only=bool(weights_only), mmap=True)
-        ckpt.load_full_state_dict(self.model, checkpoint.pop("state_dict"), strict=self.lightning_module.strict_loading)
-        optimizer_states = checkpoint.get("optimizer_states")
-        if optimizer_states is not None and self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
-            if len(optimizer_states) != len(self.optimizers):
-                raise ValueError(
-                    f"checkpoint {path} holds {len(optimizer_states)} optimizer states, the model configures "
-                    f"{len(self.optimizers)} optimizers"
-                )
-            for optimizer, state in zip(self.optimizers, optimizer_states):
-                ckpt.load_full_optimizer_state_dict(self.model, optimizer, state)
-        return checkpoint
+        self._writer.wait()
+        path = Path(self.broadcast(str(checkpoint_path)))
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        strict = self.lightning_module.strict_loading
+        if path.is_dir():
+            meta = layout.read_meta(path)
+            rank_zero_info(f"fsdp_custom: loading {path}: {sharded.describe_resharding(meta, self.model)}")
+            optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers] if fitting else []
+            return sharded.load_folder(path, self.model, optimizers, strict=strict)
+        if not path.exists():
+            raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
+        rank_zero_info(f"fsdp_custom: loading full checkpoint {path}: each of {self.world_size} ranks takes its rows")
+        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers] if fitting else []
+        return ckpt.load_full_checkpoint(path, self.model, optimizers, strict=strict)
+
+    def process_dataloader(self, dataloader: object) -> object:
+        """Make the training dataloader resumable mid-epoch, also on another world size (data.py)."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or not trainer.training:
+            return dataloader
+        progress = trainer.fit_loop.epoch_loop.batch_progress
+        return make_resumable(dataloader, lambda: progress.current.processed)
 
     @classmethod
     def get_registered_strategies(cls) -> list[str]:

@@ -155,7 +155,7 @@ def shard_model(
     if leftover:
         raise ValueError(f"parameters left on the meta device: {leftover}; materialize them before sharding")
     _place_buffers(module, compute_device, precision.buffer_dtype)
-    scheduler = Scheduler(module, units, strategy, precision, ledger, compute_device)
+    scheduler = Scheduler(module, units, strategy, precision, ledger, compute_device, device_mesh)
     module.__dict__[_SCHEDULER_ATTR] = scheduler
     return module
 

@@ -64,8 +64,10 @@ class Scheduler:
         mixed_precision: MixedPrecision,
         ledger: CommLedger,
         device: torch.device,
+        device_mesh: Any = None,
     ) -> None:
         self.root = root
+        self.device_mesh = device_mesh  # the HSDP (replicate, shard) mesh, if any
         self.units = units
         self.root_unit = units[0]
         self.sharding_strategy = sharding_strategy

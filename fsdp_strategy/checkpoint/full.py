@@ -10,11 +10,13 @@ Every function here is a collective: call it on every rank.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from fsdp_strategy.checkpoint.layout import CheckpointError
 from fsdp_strategy.engine import get_scheduler
 from fsdp_strategy.engine.param import ShardedParam
 from fsdp_strategy.engine.unit import FSDPUnit
@@ -51,35 +53,41 @@ def full_state_dict(module: nn.Module, rank0_only: bool = True) -> dict[str, tor
 
 
 @torch.no_grad()
-def load_full_state_dict(module: nn.Module, state_dict: Mapping[str, Any], strict: bool = True) -> None:
+def load_full_state_dict(
+    module: nn.Module, state_dict: Mapping[str, Any], strict: bool = True, source: str = "state dict"
+) -> None:
     """Copy a full state dict into the shards (each rank takes its rows) and the buffers.
 
-    Raises KeyError naming missing/unexpected keys (with ``strict``) and ValueError naming a
-    key whose shape does not match.
+    Raises CheckpointError naming ``source`` and the missing/unexpected keys (with ``strict``)
+    or a key whose shape does not match; nothing is copied then.
     """
     scheduler = get_scheduler(module)
-    by_name = {use_name: p for p in scheduler.sharded_params() for use_name in _use_names(module, p)}
-    expected = set(module.state_dict(keep_vars=True))
-    missing, unexpected = sorted(expected - set(state_dict)), sorted(set(state_dict) - expected)
-    if strict and (missing or unexpected):
-        raise KeyError(f"state dict does not match the model: missing keys {missing}, unexpected keys {unexpected}")
+    prefixes = {id(m): name for name, m in module.named_modules(remove_duplicate=False)}
+    by_name = {
+        f"{prefixes[id(use.module)]}.{use.name}".lstrip("."): p for p in scheduler.sharded_params() for use in p.uses
+    }
     own = module.state_dict(keep_vars=True)
+    missing, unexpected = sorted(set(own) - set(state_dict)), sorted(set(state_dict) - set(own))
+    if strict and (missing or unexpected):
+        raise CheckpointError(
+            f"{source}: checkpoint of another model: keys missing from it {missing}, unexpected keys {unexpected}"
+        )
+    for name, value in state_dict.items():
+        if name not in own:
+            continue
+        shape = by_name[name].shape if name in by_name else own[name].shape
+        if tuple(value.shape) != tuple(shape):
+            raise CheckpointError(
+                f"{source}: key {name!r} has shape {tuple(value.shape)} in the checkpoint, {tuple(shape)} in the model"
+            )
     for name, value in state_dict.items():
         if name not in own:
             continue
         param = by_name.get(name)
-        shape = param.shape if param is not None else own[name].shape
-        if tuple(value.shape) != tuple(shape):
-            raise ValueError(f"key {name!r}: checkpoint shape {tuple(value.shape)} != model shape {tuple(shape)}")
         if param is not None:
             param.sharded.copy_(param.local_rows(value, param.shard_rank))
         else:
             own[name].copy_(value)
-
-
-def _use_names(module: nn.Module, param: ShardedParam) -> list[str]:
-    prefixes = {id(m): name for name, m in module.named_modules(remove_duplicate=False)}
-    return [f"{prefixes[id(use.module)]}.{use.name}".lstrip(".") for use in param.uses]
 
 
 def _fqn_by_param(module: nn.Module) -> dict[int, ShardedParam]:
@@ -141,7 +149,7 @@ def load_full_optimizer_state_dict(
     groups = state_dict["param_groups"]
     gathered = state_dict.get("gathered_keys", {})
     if len(groups) != len(optimizer.param_groups):
-        raise ValueError(
+        raise CheckpointError(
             f"optimizer state has {len(groups)} param groups, the optimizer has {len(optimizer.param_groups)}"
         )
     index_of: dict[str, int] = {}
@@ -151,7 +159,7 @@ def load_full_optimizer_state_dict(
     state: dict[int, dict[str, Any]] = {}
     for fqn, entry in state_dict["state"].items():
         if fqn not in index_of:
-            raise KeyError(f"optimizer state names parameter {fqn!r}, which the optimizer does not hold")
+            raise CheckpointError(f"optimizer state names parameter {fqn!r}, which the optimizer does not hold")
         param = by_fqn[fqn]
         full_keys = gathered.get(fqn, ())
         state[index_of[fqn]] = {
@@ -163,3 +171,38 @@ def load_full_optimizer_state_dict(
         hyper = {k: v for k, v in saved.items() if k != "params"}
         torch_groups.append({**hyper, "params": [index_of[params[id(p)].fqn] for p in group["params"]]})
     optimizer.load_state_dict({"state": state, "param_groups": torch_groups})
+
+
+def load_full_checkpoint(
+    path: Path, module: nn.Module, optimizers: list[torch.optim.Optimizer], strict: bool = True
+) -> dict[str, Any]:
+    """Load a full checkpoint file into the shards (and the optimizers); return Lightning's rest.
+
+    Every rank reads the file (memory-mapped) and copies out its own rows, so it loads at any
+    world size. Errors name the file and the key.
+    """
+    checkpoint = load_file(path)
+    if "state_dict" not in checkpoint:
+        raise CheckpointError(f"{path}: key 'state_dict' is missing; not a Lightning checkpoint")
+    load_full_state_dict(module, checkpoint.pop("state_dict"), strict=strict, source=str(path))
+    optimizer_states = checkpoint.get("optimizer_states")
+    if optimizer_states is None or not optimizers:
+        return checkpoint
+    if len(optimizer_states) != len(optimizers):
+        raise CheckpointError(
+            f"{path}: key 'optimizer_states' holds {len(optimizer_states)} optimizers, the model configures "
+            f"{len(optimizers)}"
+        )
+    for optimizer, state in zip(optimizers, optimizer_states):
+        load_full_optimizer_state_dict(module, optimizer, state)
+    return checkpoint
+
+
+def load_file(path: Path) -> dict[str, Any]:
+    """Read a full checkpoint file on the CPU; a file that is not one is named in the error."""
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    except Exception as error:  # torch raises several types for damaged zip/pickle data
+        raise CheckpointError(f"{path}: not a readable checkpoint file ({type(error).__name__}: {error})") from None

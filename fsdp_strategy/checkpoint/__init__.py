@@ -1,0 +1,33 @@
+"""Checkpoints of sharded models: full files, sharded DCP folders, consolidation.
+
+- ``full_state_dict`` / ``load_full_state_dict`` and ``full_optimizer_state_dict`` /
+  ``load_full_optimizer_state_dict``: gather to (or scatter from) full tensors, unit by unit.
+- ``save_folder`` / ``load_folder``: a sharded folder written with torch.distributed.checkpoint;
+  loads at any world size.
+- ``consolidate(src, dst)``: a sharded folder to one file, streamed tensor by tensor.
+"""
+
+from fsdp_strategy.checkpoint.consolidation import consolidate
+from fsdp_strategy.checkpoint.full import (
+    full_optimizer_state_dict,
+    full_state_dict,
+    load_full_checkpoint,
+    load_full_optimizer_state_dict,
+    load_full_state_dict,
+)
+from fsdp_strategy.checkpoint.layout import CheckpointError, is_sharded_checkpoint, read_meta
+from fsdp_strategy.checkpoint.sharded import load_folder, save_folder
+
+__all__ = [
+    "CheckpointError",
+    "consolidate",
+    "full_optimizer_state_dict",
+    "full_state_dict",
+    "is_sharded_checkpoint",
+    "load_folder",
+    "load_full_checkpoint",
+    "load_full_optimizer_state_dict",
+    "load_full_state_dict",
+    "read_meta",
+    "save_folder",
+]

@@ -1,0 +1,163 @@
+"""Turn a sharded checkpoint folder into one file, tensor by tensor, with no process group.
+
+Each tensor is read on its own from the DCP files straight into its output tensor (in the
+output dtype), so besides the output itself only one stored chunk is in memory at a time:
+peak memory stays below the output size plus the largest tensor. With safetensors and a
+``max_shard_size`` the output itself is streamed: a shard file is written and freed as soon as
+it is full, so peak memory is one shard plus one tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from fsdp_strategy.checkpoint import layout
+from fsdp_strategy.checkpoint.layout import CheckpointError
+
+FORMATS = ("torch", "safetensors")
+
+
+def _entries(folder: Path) -> tuple[Any, dict[str, tuple]]:
+    metadata = dcp.FileSystemReader(str(folder)).read_metadata()
+    return metadata, dict(metadata.planner_data)
+
+
+def _read(folder: Path, metadata: Any, key: str, dtype: torch.dtype | None) -> torch.Tensor:
+    info = metadata.state_dict_metadata[key]
+    stored = info.properties.dtype
+    out_dtype = dtype if dtype is not None and stored.is_floating_point else stored
+    tensor = torch.empty(info.size, dtype=out_dtype)
+    dcp.load({key: tensor}, storage_reader=dcp.FileSystemReader(str(folder)), no_dist=True)
+    return tensor
+
+
+def iter_tensors(folder: Path, prefix: str, dtype: torch.dtype | None = None) -> Iterator[tuple[tuple, torch.Tensor]]:
+    """Yield ``(path, full tensor)`` for every stored tensor under ``prefix`` ("model", "optimizer_0")."""
+    metadata, paths = _entries(folder)
+    for key, path in paths.items():
+        if path[0] == prefix and hasattr(metadata.state_dict_metadata.get(key), "size"):
+            yield path[1:], _read(folder, metadata, key, dtype)
+
+
+def _optimizer_prefixes(folder: Path) -> list[str]:
+    _, paths = _entries(folder)
+    return sorted({p[0] for p in paths.values() if str(p[0]).startswith("optimizer_")}, key=lambda s: int(s[10:]))
+
+
+def parse_size(text: str | int | None) -> int | None:
+    """'500MB', '2GB', '1.5GiB' or a byte count -> bytes."""
+    if text is None or isinstance(text, int):
+        return text
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
+    upper = text.strip().upper()
+    for unit, factor in sorted(units.items(), key=lambda kv: -len(kv[0])):
+        if upper.endswith(unit):
+            return int(float(upper[: -len(unit)]) * factor)
+    if upper.isdigit():
+        return int(upper)
+    raise ValueError(f"max_shard_size={text!r} is not a size; use e.g. '500MB', '2GB' or a byte count")
+
+
+def consolidate(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    weights_only: bool = False,
+    dtype: torch.dtype | str | None = None,
+    output_format: str = "torch",
+    max_shard_size: int | str | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write the sharded checkpoint ``src`` as one file (or safetensors shards) at ``dst``.
+
+    "torch": ``torch.load(dst)["state_dict"]`` loads into the unsharded LightningModule
+    (``weights_only``: ``torch.load(dst)`` is that state dict); the rest of Lightning's state and
+    the optimizer states (full tensors, keyed by parameter name) come along unless
+    ``weights_only``. "safetensors": model weights only; with ``max_shard_size`` a folder of
+    ``model-0000i-of-0000n.safetensors`` files and ``model.safetensors.index.json``.
+    """
+    src, dst = Path(src), Path(dst)
+    if output_format not in FORMATS:
+        raise ValueError(f"output_format={output_format!r} is not supported; accepted: {FORMATS}")
+    from fsdp_strategy.config import parse_dtype
+
+    cast = parse_dtype(dtype, "dtype")
+    limit = parse_size(max_shard_size)
+    if limit is not None and output_format != "safetensors":
+        raise ValueError("max_shard_size needs output_format='safetensors'")
+    meta = layout.read_meta(src)
+    problems = layout.verify_files(src, meta["checksums"], sorted(meta["checksums"]))
+    if problems:
+        raise CheckpointError("checkpoint is damaged: " + "; ".join(problems))
+    if (dst.exists() or dst.is_symlink()) and not overwrite:
+        raise FileExistsError(f"{str(dst)!r} exists; pass overwrite=True (--overwrite) to replace it")
+    temporary = layout.temporary_path(dst)
+    try:
+        if output_format == "safetensors":
+            _write_safetensors(src, temporary, cast, limit)
+        else:
+            _write_torch(src, temporary, cast, weights_only)
+        layout.commit(temporary, dst)
+    finally:
+        layout.remove(temporary)
+    return dst
+
+
+def _write_torch(src: Path, out: Path, dtype: torch.dtype | None, weights_only: bool) -> None:
+    state_dict = {path[0]: tensor for path, tensor in iter_tensors(src, "model", dtype)}
+    if weights_only:
+        torch.save(state_dict, out)
+        return
+    lightning_state = torch.load(src / layout.LIGHTNING_FILE, map_location="cpu", weights_only=False)
+    lightning_state.pop("optimizer_layouts", None)
+    groups = lightning_state.pop("optimizer_groups", [])
+    optimizer_states = []
+    for index, prefix in enumerate(_optimizer_prefixes(src)):
+        state: dict[str, dict[str, torch.Tensor]] = {}
+        for path, tensor in iter_tensors(src, prefix):
+            fqn, key = path[-2], path[-1]
+            state.setdefault(fqn, {})[key] = tensor
+        optimizer_states.append({"state": state, "param_groups": groups[index] if index < len(groups) else []})
+    torch.save({**lightning_state, "state_dict": state_dict, "optimizer_states": optimizer_states}, out)
+
+
+def _write_safetensors(src: Path, out: Path, dtype: torch.dtype | None, limit: int | None) -> None:
+    from safetensors.torch import save_file
+
+    if limit is None:
+        save_file({path[0]: tensor.contiguous() for path, tensor in iter_tensors(src, "model", dtype)}, str(out))
+        return
+    out.mkdir(parents=True)
+    shards: list[dict[str, str]] = []
+    pending: dict[str, torch.Tensor] = {}
+    size = 0
+
+    def flush() -> None:
+        nonlocal pending, size
+        if pending:
+            name = f"part-{len(shards):05d}.safetensors"
+            save_file(pending, str(out / name))
+            shards.append({key: name for key in pending})
+            pending, size = {}, 0
+
+    for path, tensor in iter_tensors(src, "model", dtype):
+        nbytes = tensor.numel() * tensor.element_size()
+        if pending and size + nbytes > limit:
+            flush()
+        pending[path[0]] = tensor.contiguous()
+        size += nbytes
+    flush()
+    weight_map, total = {}, len(shards)
+    for index, mapping in enumerate(shards):
+        final = f"model-{index + 1:05d}-of-{total:05d}.safetensors"
+        os.replace(out / next(iter(mapping.values())), out / final)
+        weight_map.update({key: final for key in mapping})
+    index_file = {"metadata": {"format": "pt"}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index_file, indent=1, sort_keys=True))

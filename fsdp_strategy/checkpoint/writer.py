@@ -1,0 +1,118 @@
+"""CheckpointWriter: writes checkpoints atomically, in the foreground or in the background.
+
+Every write goes to a temporary name and is committed by rank 0 once all ranks are done (see
+[Note: atomic commit]). With ``async_save`` a sharded save stages the shards to CPU memory,
+returns, and writes on a background thread that talks over its own gloo process group (so its
+collectives never interleave with training's); the next save, a removal, a load or the end of
+training waits for it. Costs of async: a CPU copy of this rank's shards while it is written.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from fsdp_strategy.checkpoint import layout, sharded
+
+log = logging.getLogger(__name__)
+
+
+def _barrier(process_group: Any = None) -> None:
+    if dist.is_initialized():
+        dist.barrier(group=process_group)
+
+
+def _is_rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+class CheckpointWriter:
+    """Saves one checkpoint at a time; ``wait()`` blocks until the last one is committed."""
+
+    def __init__(self, async_save: bool = False) -> None:
+        self.async_save = async_save
+        self._group: Any = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def setup(self) -> None:
+        """Create the background writer's own process group (a collective: every rank calls it)."""
+        if self.async_save and dist.is_initialized() and self._group is None:
+            self._group = dist.new_group(backend="gloo")
+
+    def wait(self) -> None:
+        """Block until the checkpoint being written in the background is committed; re-raise its error."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(f"the background checkpoint save failed: {error}") from error
+
+    def save_full(self, final: Path, temporary: Path, write: Callable[[Path], None]) -> None:
+        """Rank 0 writes one file with ``write(temporary)``; committed after every rank arrives."""
+        self.wait()
+        if _is_rank0():
+            write(temporary)
+        _barrier()
+        if _is_rank0():
+            layout.commit(temporary, final)
+        _barrier()
+
+    def save_sharded(
+        self, final: Path, temporary: Path, module: nn.Module, optimizers: list, lightning_state: dict
+    ) -> None:
+        """Every rank writes its shards into ``temporary``; rank 0 commits it to ``final``."""
+        self.wait()
+        temporary.mkdir(parents=True, exist_ok=True)
+        if not self.async_save:
+            sharded.save_folder(temporary, module, optimizers, lightning_state)
+            _barrier()
+            if _is_rank0():
+                layout.commit(temporary, final)
+            _barrier()
+            return
+        state, optimizer_info = sharded.prepare_state(module, optimizers)
+        meta = sharded.build_meta(module)
+        extra = {**copy.deepcopy(lightning_state), **optimizer_info}
+        planner = dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True)
+        future = dcp.async_save(
+            state, storage_writer=dcp.FileSystemWriter(str(temporary)), planner=planner, process_group=self._group
+        )
+        self._thread = threading.Thread(
+            target=self._finish, args=(future, temporary, final, meta, extra), name="fsdp-checkpoint", daemon=True
+        )
+        self._thread.start()
+
+    def _finish(self, future: Any, temporary: Path, final: Path, meta: dict, extra: dict) -> None:
+        try:
+            (future.upload_completion if hasattr(future, "upload_completion") else future).result()
+            sharded.finish_folder(temporary, meta, extra, self._group)
+            _barrier(self._group)
+            if _is_rank0():
+                layout.commit(temporary, final)
+            _barrier(self._group)
+        except BaseException as error:  # noqa: BLE001 - reported by the next wait()
+            log.error("background checkpoint save to %s failed: %s", final, error)
+            self._error = error
+
+    def remove(self, path: Path) -> None:
+        """Delete a checkpoint (file or folder) on rank 0, after any save in flight."""
+        self.wait()
+        if _is_rank0():
+            layout.remove(path)
+
+    def teardown(self) -> None:
+        """Finish the save in flight and release the background process group."""
+        self.wait()
+        if self._group is not None and dist.is_initialized():
+            dist.destroy_process_group(self._group)
+        self._group = None

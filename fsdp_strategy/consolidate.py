@@ -1,0 +1,44 @@
+"""``fsdp-consolidate SRC DST``: a sharded checkpoint folder to one file, no process group needed.
+
+fsdp-consolidate runs/ckpt/last.ckpt model.pt --weights-only --dtype bf16
+python -m fsdp_strategy.consolidate runs/ckpt/last.ckpt out --format safetensors --max-shard-size 2GB
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from fsdp_strategy.checkpoint.consolidation import FORMATS, consolidate
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the command line and consolidate; returns the exit status."""
+    parser = argparse.ArgumentParser(prog="fsdp-consolidate", description=__doc__.splitlines()[0])
+    parser.add_argument("src", help="a sharded checkpoint folder (state_dict_type='sharded')")
+    parser.add_argument("dst", help="the output file (or folder, with --max-shard-size)")
+    parser.add_argument("--weights-only", action="store_true", help="only the model's state dict")
+    parser.add_argument("--dtype", default=None, help="cast floating tensors, e.g. bf16, fp16, fp32")
+    parser.add_argument("--format", default="torch", choices=FORMATS, help="torch (default) or safetensors")
+    parser.add_argument("--max-shard-size", default=None, help="safetensors: split into files of this size")
+    parser.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    args = parser.parse_args(argv)
+    try:
+        out = consolidate(
+            args.src,
+            args.dst,
+            weights_only=args.weights_only,
+            dtype=args.dtype,
+            output_format=args.format,
+            max_shard_size=args.max_shard_size,
+            overwrite=args.overwrite,
+        )
+    except (OSError, ValueError) as error:
+        print(f"fsdp-consolidate: error: {error}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

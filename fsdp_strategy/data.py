@@ -1,0 +1,89 @@
+"""Resume mid-epoch at the same position, also on another number of ranks.
+
+Lightning gives a training dataloader a ``DistributedSampler``; on a resume from a checkpoint
+taken in the middle of an epoch it would replay the epoch from its first batch. The strategy
+swaps that sampler for :class:`ResumableDistributedSampler` (same order, same arguments) and
+makes the dataloader stateful, so the checkpoint records how many samples of the epoch the
+whole job consumed, and a resumed run skips exactly those, whatever its world size.
+
+[Note: global sample order]
+A DistributedSampler gives rank r the positions ``r, r + W, r + 2W, ...`` of one global
+(shuffled, padded) order, so after k batches of B samples the job has consumed exactly the
+first ``k * B * W`` positions. The rest is dealt round-robin to the ranks of the resumed job.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+
+class ResumableDistributedSampler(DistributedSampler):
+    """A DistributedSampler that can start its current epoch after the first ``skip`` samples.
+
+    Costs: nothing beyond DistributedSampler; ``len()`` stays the full epoch's length.
+    """
+
+    skip = 0  # global samples of ``skip_epoch`` already consumed (see [Note: global sample order])
+    skip_epoch = -1
+
+    def global_order(self) -> list[int]:
+        """The epoch's order over the dataset, padded or cut as DistributedSampler does."""
+        if self.shuffle:
+            generator = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(len(self.dataset), generator=generator).tolist()
+        else:
+            order = list(range(len(self.dataset)))
+        if self.drop_last:
+            return order[: self.total_size]
+        padding = self.total_size - len(order)
+        return order + (order * math.ceil(padding / max(1, len(order))))[:padding]
+
+    def __iter__(self) -> Iterator[int]:
+        order = self.global_order()
+        if self.epoch == self.skip_epoch and self.skip:
+            rest = order[self.skip :]
+            rest += rest[: (-len(rest)) % self.num_replicas]  # keep the ranks' counts equal
+            return iter(rest[self.rank :: self.num_replicas])
+        return iter(order[self.rank : self.total_size : self.num_replicas])
+
+    def resume_from(self, epoch: int, consumed: int) -> None:
+        """Skip the first ``consumed`` global samples when ``epoch`` is iterated next."""
+        self.skip_epoch, self.skip = epoch, consumed
+
+
+def make_resumable(dataloader: Any, consumed_batches: Callable[[], int]) -> Any:
+    """Return ``dataloader`` rebuilt around a ResumableDistributedSampler, with state hooks.
+
+    ``consumed_batches()`` tells how many batches of the current epoch each rank has taken.
+    Dataloaders without a plain DistributedSampler are returned unchanged.
+    """
+    sampler = getattr(dataloader, "sampler", None)
+    if not isinstance(dataloader, DataLoader) or type(sampler) is not DistributedSampler:
+        return dataloader
+    from lightning.pytorch.utilities.data import _update_dataloader
+
+    resumable = ResumableDistributedSampler(
+        sampler.dataset, sampler.num_replicas, sampler.rank, sampler.shuffle, sampler.seed, sampler.drop_last
+    )
+    resumable.epoch = sampler.epoch
+    loader = _update_dataloader(dataloader, resumable)
+    batch_size = loader.batch_size or 1
+
+    def state_dict() -> dict[str, int]:
+        return {
+            "epoch": resumable.epoch,
+            "consumed_samples": consumed_batches() * batch_size * resumable.num_replicas,
+            "world_size": resumable.num_replicas,
+        }
+
+    def load_state_dict(state: dict[str, int]) -> None:
+        resumable.resume_from(state["epoch"], state["consumed_samples"])
+
+    loader.state_dict = state_dict
+    loader.load_state_dict = load_state_dict
+    return loader
