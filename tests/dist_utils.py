@@ -7,13 +7,16 @@ a rank still running at the deadline is killed and named.
 
 from __future__ import annotations
 
+import io
 import multiprocessing as mp
 import os
+import queue as queue_module
+import time
 import traceback
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -25,7 +28,9 @@ def _child(rank: int, world: int, rendezvous: str, fn: Callable, args: tuple, qu
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
         result = fn(rank, world, *args)
-        queue.put((rank, "ok", result))
+        buffer = io.BytesIO()
+        torch.save(result, buffer)  # by value: tensors must not travel as shared-memory handles
+        queue.put((rank, "ok", buffer.getvalue()))
     except BaseException:  # noqa: B036 - everything must reach the parent
         queue.put((rank, "error", traceback.format_exc()))
     finally:
@@ -34,9 +39,19 @@ def _child(rank: int, world: int, rendezvous: str, fn: Callable, args: tuple, qu
 
 
 def run_ranks(
-    fn: Callable, world: int, tmp_path: Path, *args: Any, timeout: float = 120.0, env: dict | None = None
+    fn: Callable,
+    world: int,
+    tmp_path: Path,
+    *args: Any,
+    timeout: float = 120.0,
+    env: dict | None = None,
+    allow_failure: bool = False,
 ) -> list[Any]:
-    """Run ``fn(rank, world, *args)`` on ``world`` forked ranks; return each rank's result."""
+    """Run ``fn(rank, world, *args)`` on ``world`` forked ranks; return each rank's result.
+
+    A rank that raises or dies fails the call (its traceback or exit code in the message);
+    with ``allow_failure`` the failures come back as ``RankFailure`` results instead.
+    """
     context = mp.get_context("fork")
     queue = context.Queue()
     rendezvous = str(tmp_path / f"rendezvous-{uuid.uuid4().hex}")
@@ -47,25 +62,38 @@ def run_ranks(
     for process in processes:
         process.start()
     results: dict[int, Any] = {}
-    errors: list[str] = []
+    deadline = time.monotonic() + timeout
     try:
-        while len(results) + len(errors) < world:
+        while len(results) < world:
             try:
-                rank, status, payload = queue.get(timeout=timeout)
-            except Exception:
+                rank, status, payload = queue.get(timeout=0.5)
+                if status == "ok":
+                    results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+                else:
+                    results[rank] = RankFailure(rank, payload)
+                continue
+            except queue_module.Empty:
+                pass
+            for rank, process in enumerate(processes):
+                if rank not in results and not process.is_alive() and queue.empty():
+                    results[rank] = RankFailure(rank, f"died with exit code {process.exitcode}")
+            if time.monotonic() > deadline:
                 hung = [r for r in range(world) if r not in results]
-                raise TimeoutError(f"ranks {hung} did not finish within {timeout:.0f} s") from None
-            if status == "ok":
-                results[rank] = payload
-            else:
-                errors.append(f"rank {rank} failed:\n{payload}")
-                break
+                raise TimeoutError(f"ranks {hung} did not finish within {timeout:.0f} s")
     finally:
         for process in processes:
-            process.join(timeout=5 if not errors else 1)
+            process.join(timeout=5)
             if process.is_alive():
                 process.kill()
                 process.join()
-    if errors:
-        raise AssertionError("\n".join(errors))
+    failures = [r for r in results.values() if isinstance(r, RankFailure)]
+    if failures and not allow_failure:
+        raise AssertionError("\n".join(f"rank {f.rank} failed:\n{f.error}" for f in failures))
     return [results[rank] for rank in range(world)]
+
+
+class RankFailure(NamedTuple):
+    """What a rank that raised or died left behind."""
+
+    rank: int
+    error: str

@@ -46,7 +46,8 @@ class LitLM(L.LightningModule):
         return self.net(batch[0][:, :-1]).argmax(-1)
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
-        self.comm.append(self.trainer.strategy.comm_ledger.snapshot())
+        if isinstance(self.trainer.strategy, FSDPCustomStrategy):
+            self.comm.append(self.trainer.strategy.comm_ledger.snapshot())
 
     def configure_optimizers(self):
         return torch.optim.AdamW(param_groups(self), lr=1e-2)

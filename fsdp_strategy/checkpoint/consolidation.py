@@ -20,6 +20,7 @@ import torch.distributed.checkpoint as dcp
 
 from fsdp_strategy.checkpoint import layout
 from fsdp_strategy.checkpoint.layout import CheckpointError
+from fsdp_strategy.config import parse_dtype
 
 FORMATS = ("torch", "safetensors")
 
@@ -80,14 +81,14 @@ def consolidate(
     "torch": ``torch.load(dst)["state_dict"]`` loads into the unsharded LightningModule
     (``weights_only``: ``torch.load(dst)`` is that state dict); the rest of Lightning's state and
     the optimizer states (full tensors, keyed by parameter name) come along unless
-    ``weights_only``. "safetensors": model weights only; with ``max_shard_size`` a folder of
+    ``weights_only``, so ``Trainer(strategy="ddp").fit(ckpt_path=dst)`` resumes from it (DDP has
+    no mid-epoch data position: resume from a checkpoint taken at an epoch's end for exactness).
+    "safetensors": model weights only; with ``max_shard_size`` a folder of
     ``model-0000i-of-0000n.safetensors`` files and ``model.safetensors.index.json``.
     """
     src, dst = Path(src), Path(dst)
     if output_format not in FORMATS:
         raise ValueError(f"output_format={output_format!r} is not supported; accepted: {FORMATS}")
-    from fsdp_strategy.config import parse_dtype
-
     cast = parse_dtype(dtype, "dtype")
     limit = parse_size(max_shard_size)
     if limit is not None and output_format != "safetensors":
@@ -118,6 +119,8 @@ def _write_torch(src: Path, out: Path, dtype: torch.dtype | None, weights_only: 
     lightning_state = torch.load(src / layout.LIGHTNING_FILE, map_location="cpu", weights_only=False)
     lightning_state.pop("optimizer_layouts", None)
     groups = lightning_state.pop("optimizer_groups", [])
+    # the data position belongs to fsdp_strategy's resumable sampler; a DDP or plain run has none to load
+    lightning_state.get("loops", {}).get("fit_loop", {}).get("state_dict", {}).pop("combined_loader", None)
     optimizer_states = []
     for index, prefix in enumerate(_optimizer_prefixes(src)):
         state: dict[str, dict[str, torch.Tensor]] = {}

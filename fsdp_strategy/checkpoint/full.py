@@ -27,8 +27,8 @@ def _is_rank0() -> bool:
 
 
 def _gather_unit(unit: FSDPUnit, shards: list[torch.Tensor], keep: bool) -> list[torch.Tensor]:
-    fulls = unit.gather_full(shards)
-    return [full.cpu().clone() for full in fulls] if keep else []
+    fulls = unit.gather_full(shards, keep=keep)  # fresh tensors (copied out of the gather buffer)
+    return [full.to("cpu") for full in fulls]
 
 
 @torch.no_grad()

@@ -58,8 +58,8 @@ def remove(path: Path) -> None:
         path.unlink()
 
 
-def file_crc32(path: Path, chunk: int = 1 << 22) -> int:
-    """CRC32 of a file, read in 4 MiB chunks."""
+def file_crc32(path: Path, chunk: int = 1 << 20) -> int:
+    """CRC32 of a file, read in 1 MiB chunks (bounded memory for any file size)."""
     value = 0
     with open(path, "rb") as handle:
         while block := handle.read(chunk):

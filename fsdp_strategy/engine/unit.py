@@ -97,10 +97,11 @@ class FSDPUnit:
         self._gather = (work, gathered)
         self.state = ShardedState.GATHERING
 
-    def gather_full(self, shards: list[torch.Tensor]) -> list[torch.Tensor]:
+    def gather_full(self, shards: list[torch.Tensor], keep: bool = True) -> list[torch.Tensor]:
         """All-gather one shard-shaped tensor per parameter (in its own dtype) into full tensors.
 
         Used for checkpoints: the fp32 master weights and optimizer state, not ``param_dtype``.
+        With ``keep=False`` this rank only contributes its shards and gets ``[]``.
         Costs: the unit's full size in that dtype, on the compute device, until returned.
         """
         if not self.params:
@@ -109,6 +110,8 @@ class FSDPUnit:
         flat_shard = torch.cat([s.detach().reshape(-1).to(self.device) for s in shards])
         gathered = flat_shard.new_empty(flat_shard.numel() * self.shard_comm.size)
         collectives.all_gather(gathered, flat_shard, self.shard_comm, self.ledger, self.name).wait()
+        if not keep:
+            return []
         rows = gathered.view(self.shard_comm.size, -1).split(sizes, dim=1)
         return [param.full_from_rows(param_rows) for param, param_rows in zip(self.params, rows)]
 

@@ -1,0 +1,290 @@
+"""Sharded and full checkpoints of the engine: resharding on load, torch's DCP tools,
+consolidation (formats, options, bounded memory), and every kind of bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from dist_utils import run_ranks
+from models import Block, TiedLM, lm_loss, make_batches
+from torch import nn
+
+from fsdp_strategy.checkpoint import (
+    CheckpointError,
+    consolidate,
+    full_optimizer_state_dict,
+    full_state_dict,
+    load_folder,
+    load_full_checkpoint,
+    save_folder,
+)
+from fsdp_strategy.engine import shard_model
+
+
+def _trained(rank: int, world: int, dim: int = 10, steps: int = 2):
+    torch.manual_seed(0)
+    model = TiedLM(dim=dim)
+    shard_model(model, auto_wrap_policy={Block, nn.Embedding})
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    for batch in make_batches(steps, 2 * world):
+        lm_loss(model, batch[rank::world]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model, optimizer
+
+
+def _fresh(seed: int = 1, dim: int = 10):
+    torch.manual_seed(seed)
+    model = TiedLM(dim=dim)
+    shard_model(model, auto_wrap_policy={Block, nn.Embedding})
+    return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+
+
+def _save_body(rank: int, world: int, folder: str) -> dict:
+    model, optimizer = _trained(rank, world)
+    save_folder(Path(folder), model, [optimizer], {"epoch": 3})
+    return {"model": full_state_dict(model), "optim": full_optimizer_state_dict(model, optimizer)}
+
+
+def _load_body(rank: int, world: int, folder: str) -> dict:
+    model, optimizer = _fresh()
+    rest = load_folder(Path(folder), model, [optimizer])
+    return {"model": full_state_dict(model), "optim": full_optimizer_state_dict(model, optimizer), "rest": rest}
+
+
+def _assert_same_state(loaded: dict, saved: dict) -> None:
+    assert loaded["model"].keys() == saved["model"].keys()
+    for name, tensor in saved["model"].items():
+        assert torch.equal(loaded["model"][name], tensor), name
+    assert loaded["optim"]["state"].keys() == saved["optim"]["state"].keys()
+    for fqn, entries in saved["optim"]["state"].items():
+        for key, value in entries.items():
+            assert torch.equal(loaded["optim"]["state"][fqn][key], value), (fqn, key)
+    assert loaded["optim"]["param_groups"] == saved["optim"]["param_groups"]
+
+
+@pytest.fixture(scope="module")
+def saved_world2(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sharded")
+    folder = root / "ckpt"
+    saved = run_ranks(_save_body, 2, root, str(folder))[0]
+    return folder, saved
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_sharded_checkpoint_loads_at_any_world_size(saved_world2, tmp_path, world):
+    folder, saved = saved_world2
+    loaded = run_ranks(_load_body, world, tmp_path, str(folder))[0]
+    _assert_same_state(loaded, saved)
+    assert loaded["rest"]["epoch"] == 3
+
+
+def test_folder_is_an_ordinary_dcp_checkpoint(saved_world2, tmp_path):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    folder, saved = saved_world2
+    dcp_to_torch_save(str(folder), str(tmp_path / "plain.pt"))
+    plain = torch.load(tmp_path / "plain.pt", weights_only=False)
+    for name, tensor in saved["model"].items():
+        assert torch.equal(plain["model"][name], tensor), name
+    meta = json.loads((folder / "fsdp_meta.json").read_text())
+    assert meta["world_size"] == 2 and meta["format_version"] == 1
+    assert meta["plan"]["params"]["blocks.0.up.weight"]["shape"] == [21, 10]
+
+
+def test_consolidate_torch_format_loads_into_plain_module(saved_world2, tmp_path):
+    folder, saved = saved_world2
+    out = consolidate(folder, tmp_path / "full.pt")
+    checkpoint = torch.load(out, weights_only=False)
+    plain = TiedLM()
+    plain.load_state_dict(checkpoint["state_dict"], strict=True)
+    assert plain.head.weight is plain.embed.weight
+    for name, tensor in saved["model"].items():
+        assert torch.equal(plain.state_dict()[name], tensor), name
+    assert checkpoint["epoch"] == 3
+    optimizer = torch.optim.AdamW([p for p in plain.parameters() if p.requires_grad], lr=1e-2)
+    optimizer.load_state_dict(checkpoint["optimizer_states"][0])  # name-keyed state, same parameter order
+    state = optimizer.state[plain.blocks[0].up.weight]
+    assert torch.equal(state["exp_avg"], saved["optim"]["state"]["blocks.0.up.weight"]["exp_avg"])
+
+
+def test_consolidate_options_and_cli(saved_world2, tmp_path):
+    folder, saved = saved_world2
+    weights = torch.load(consolidate(folder, tmp_path / "w.pt", weights_only=True, dtype="bf16"))
+    assert set(weights) == set(saved["model"])
+    assert weights["blocks.0.up.weight"].dtype == torch.bfloat16
+    assert torch.equal(weights["blocks.0.up.weight"], saved["model"]["blocks.0.up.weight"].bfloat16())
+
+    from safetensors.torch import load_file
+
+    sharded_out = consolidate(folder, tmp_path / "st", output_format="safetensors", max_shard_size="2KB")
+    index = json.loads((sharded_out / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 1 and files[0].startswith("model-00001-of-")
+    merged = {k: v for name in files for k, v in load_file(str(sharded_out / name)).items()}
+    assert all(torch.equal(merged[k], v) for k, v in saved["model"].items())
+
+    cli = subprocess.run(
+        ["fsdp-consolidate", str(folder), str(tmp_path / "cli.pt"), "--weights-only"], capture_output=True, text=True
+    )
+    assert cli.returncode == 0, cli.stderr
+    module = subprocess.run(
+        [sys.executable, "-m", "fsdp_strategy.consolidate", str(folder), str(tmp_path / "cli.pt")],
+        capture_output=True,
+        text=True,
+    )
+    assert module.returncode == 2 and "exists" in module.stderr  # nothing is overwritten by default
+    assert torch.equal(torch.load(tmp_path / "cli.pt")["embed.weight"], saved["model"]["embed.weight"])
+
+
+def _peak(src, dst, **options) -> int:
+    """Peak memory growth (bytes) of one consolidation, in a fresh process (tests/peak_memory.py)."""
+    script = Path(__file__).with_name("peak_memory.py")
+    done = subprocess.run(
+        [sys.executable, str(script), str(src), str(dst), json.dumps(options)], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return int(done.stdout.strip().splitlines()[-1])
+
+
+def _big_save_body(rank: int, world: int, folder: str) -> int:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(16)])  # 16 x 1 MiB weights
+    shard_model(model, auto_wrap_policy={nn.Linear})
+    save_folder(Path(folder), model, [], {})
+    return sum(p.numel() * p.element_size() for p in model.state_dict().values()) * world
+
+
+def test_consolidation_memory_is_bounded_by_output_plus_largest_tensor(tmp_path):
+    folder = tmp_path / "big"
+    run_ranks(_big_save_body, 2, tmp_path, str(folder))
+    output = sum(p.numel() * 4 for p in nn.Sequential(*[nn.Linear(512, 512) for _ in range(16)]).parameters())
+    largest = 512 * 512 * 4
+    peak = _peak(folder, tmp_path / "big.pt", weights_only=True)
+    assert peak < output + largest, (peak, output, largest)
+    streamed = _peak(folder, tmp_path / "big_st", output_format="safetensors", max_shard_size=2 * largest)
+    # safetensors serializes a shard to bytes before writing it: two shards (of two tensors) + one tensor
+    assert streamed < 2 * (2 * largest) + largest, (streamed, largest)
+
+
+def _bad_input_body(rank: int, world: int, root: str) -> dict:
+    root = Path(root)
+    model, optimizer = _trained(rank, world)
+    save_folder(root / "good", model, [optimizer], {})
+    torch.distributed.barrier()
+    messages = {}
+
+    def attempt(name, load) -> None:
+        fresh, fresh_optimizer = _fresh()
+        before = full_state_dict(fresh, rank0_only=False)
+        try:
+            load(fresh, fresh_optimizer)
+            messages[name] = "no error"
+        except (CheckpointError, FileNotFoundError) as error:
+            messages[name] = f"{type(error).__name__}: {error}"
+        after = full_state_dict(fresh, rank0_only=False)
+        messages[name + ":unchanged"] = all(torch.equal(before[k], after[k]) for k in before)
+
+    def damaged(kind: str) -> Path:
+        folder = root / kind
+        if rank == 0:
+            __import__("shutil").copytree(root / "good", folder)
+            shard = folder / "__1_0.distcp"
+            if kind == "truncated":
+                shard.write_bytes(shard.read_bytes()[:-100])
+            elif kind == "corrupted":
+                data = bytearray(shard.read_bytes())
+                data[len(data) // 2] ^= 0xFF
+                shard.write_bytes(bytes(data))
+            elif kind == "missing":
+                shard.unlink()
+            elif kind == "version":
+                meta = json.loads((folder / "fsdp_meta.json").read_text())
+                meta["format_version"] = 99
+                (folder / "fsdp_meta.json").write_text(json.dumps(meta))
+        torch.distributed.barrier()
+        return folder
+
+    for kind in ("truncated", "corrupted", "missing", "version"):
+        folder = damaged(kind)
+        attempt(kind, lambda m, o, folder=folder: load_folder(folder, m, [o]))
+    attempt("nonexistent", lambda m, o: load_folder(root / "nope", m, [o]))
+
+    torch.manual_seed(0)
+    other = TiedLM(dim=12)
+    shard_model(other, auto_wrap_policy={Block})
+    save_folder(root / "other", other, [], {})
+    attempt("other_model", lambda m, o: load_folder(root / "other", m, [o]))
+
+    full_file = root / "full.ckpt"
+    state = full_state_dict(model)
+    if rank == 0:
+        torch.save({"state_dict": state}, full_file)
+        (root / "cut.ckpt").write_bytes(full_file.read_bytes()[:200])
+        smaller = {k: v for k, v in state.items() if k != "scale"}
+        torch.save({"state_dict": smaller}, root / "missing_key.ckpt")
+    torch.distributed.barrier()
+    attempt("full_as_sharded", lambda m, o: load_folder(full_file, m, [o]))
+    attempt("full_truncated", lambda m, o: load_full_checkpoint(root / "cut.ckpt", m, [o]))
+    attempt("full_missing_key", lambda m, o: load_full_checkpoint(root / "missing_key.ckpt", m, [o]))
+    good, good_optimizer = _fresh()
+    load_folder(root / "good", good, [good_optimizer])  # the good checkpoint still loads after all that
+    messages["good_loads"] = torch.equal(
+        full_state_dict(good, rank0_only=False)["embed.weight"],
+        state.get("embed.weight", full_state_dict(good, rank0_only=False)["embed.weight"]),
+    )
+    return messages
+
+
+def test_bad_checkpoints_fail_clearly_on_every_rank(tmp_path):
+    results = run_ranks(_bad_input_body, 2, tmp_path, str(tmp_path), timeout=180)
+    expected = {
+        "truncated": r"__1_0\.distcp: corrupted or truncated",
+        "corrupted": r"__1_0\.distcp: corrupted or truncated",
+        "missing": r"__1_0\.distcp: missing",
+        "version": r"fsdp_meta\.json: key 'format_version' is 99",
+        "nonexistent": r"FileNotFoundError: checkpoint .*nope' does not exist",
+        "other_model": r"fsdp_meta\.json: key 'blocks\.0\.down\.bias' has shape \(12,\) in the checkpoint, \(10,\)",
+        "full_as_sharded": r"full\.ckpt' is a file, but a sharded checkpoint",
+        "full_truncated": r"cut\.ckpt: not a readable checkpoint file",
+        "full_missing_key": r"missing_key\.ckpt: checkpoint of another model: keys missing from it \['scale'\]",
+    }
+    import re
+
+    for messages in results:  # every rank raises, none hangs
+        for name, pattern in expected.items():
+            assert re.search(pattern, messages[name]), (name, messages[name])
+            assert messages[name + ":unchanged"], name
+        assert messages["good_loads"]
+
+
+def _full_save_memory_body(rank: int, world: int) -> dict:
+    import ctypes
+
+    from peak_memory import status
+
+    ctypes.CDLL("libc.so.6").mallopt(-3, 65536)  # M_MMAP_THRESHOLD: freed big blocks leave RSS at once
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(16)])  # 16 units of 1 MiB + bias
+    shard_model(model, auto_wrap_policy={nn.Linear})
+    full_state_dict(model)  # warm-up: lazy initialization outside the measurement
+    with open("/proc/self/clear_refs", "w") as handle:
+        handle.write("5")
+    base = status("VmRSS")
+    state = full_state_dict(model)
+    return {"peak": status("VmHWM") - base, "output": sum(t.numel() * t.element_size() for t in state.values())}
+
+
+def test_full_state_dict_memory_is_output_plus_about_one_unit(tmp_path):
+    rank0, rank1 = run_ranks(_full_save_memory_body, 2, tmp_path)
+    unit = (512 * 512 + 512) * 4
+    assert rank0["output"] == 16 * unit
+    # the CPU output, plus the unit being gathered: its flat shard, the gather buffer (and the
+    # transport's), the copies out of it: a small multiple of one unit, never of the model
+    assert rank0["peak"] < rank0["output"] + 3 * unit, (rank0, unit)
+    assert rank1["output"] == 0 and rank1["peak"] < 3 * unit, (rank1, unit)
