@@ -37,7 +37,7 @@ def test_python_script_launch_and_resume(tmp_path):
     args = [*SMALL, f"trainer.default_root_dir={tmp_path}"]
     first = _run([sys.executable, str(EXAMPLE), "trainer.max_steps=4", *args])
     assert "done: 4 steps" in first and "FULL_SHARD over 2 ranks" in first
-    assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
+    assert (tmp_path / "checkpoints" / "last.ckpt" / "fsdp_meta.json").is_file()  # a sharded folder
     resumed = _run([sys.executable, str(EXAMPLE), "trainer.max_steps=6", "resume=last", *args])
     assert "Restored all states" in resumed and "done: 6 steps" in resumed
 
