@@ -288,3 +288,47 @@ def test_full_state_dict_memory_is_output_plus_about_one_unit(tmp_path):
     # transport's), the copies out of it: a small multiple of one unit, never of the model
     assert rank0["peak"] < rank0["output"] + 3 * unit, (rank0, unit)
     assert rank1["output"] == 0 and rank1["peak"] < 3 * unit, (rank1, unit)
+
+
+def _hsdp_save_body(rank: int, world: int, folder: str) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.manual_seed(0)
+    model = TiedLM()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    shard_model(model, sharding_strategy="HYBRID_SHARD", device_mesh=mesh, auto_wrap_policy={Block})
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    lm_loss(model, make_batches(1, 2 * world)[0][rank::world]).backward()
+    optimizer.step()
+    save_folder(Path(folder), model, [optimizer], {})
+    return {"model": full_state_dict(model), "optim": full_optimizer_state_dict(model, optimizer)}
+
+
+def test_hybrid_shard_checkpoint_loads_as_full_shard(tmp_path):
+    saved = run_ranks(_hsdp_save_body, 4, tmp_path, str(tmp_path / "hsdp"))[0]
+    loaded = run_ranks(_load_body, 2, tmp_path, str(tmp_path / "hsdp"))[0]
+    _assert_same_state(loaded, saved)
+
+
+def _async_body(rank: int, world: int, root: str) -> dict:
+    from fsdp_strategy.checkpoint.writer import CheckpointWriter
+
+    model, optimizer = _trained(rank, world)
+    before = full_state_dict(model, rank0_only=False)
+    writer = CheckpointWriter(async_save=True)
+    writer.setup()
+    writer.save_sharded(Path(root) / "async", Path(root) / ".async.tmp", model, [optimizer], {"step": 1})
+    in_flight = writer._thread is not None
+    with torch.no_grad():  # training goes on and changes the shards while the save is written
+        for param in model.parameters():
+            param.add_(1.0)
+    writer.teardown()
+    fresh, fresh_optimizer = _fresh()
+    load_folder(Path(root) / "async", fresh, [fresh_optimizer])
+    after = full_state_dict(fresh, rank0_only=False)
+    return {"in_flight": in_flight, "equal": all(torch.equal(before[k], after[k]) for k in before)}
+
+
+def test_async_save_returns_at_once_and_keeps_the_values_of_its_step(tmp_path):
+    for result in run_ranks(_async_body, 2, tmp_path, str(tmp_path)):
+        assert result["in_flight"] and result["equal"]
