@@ -51,6 +51,7 @@ def _schedule_body(rank: int, world: int, strategy: str, param_dtype: torch.dtyp
     result = {}
     for step in range(3):
         scheduler.ledger.start_step()
+        scheduler.memory.reset_peak()
         seen_gathered.clear()
         loss = lm_loss(model, batches[step][rank::world])
         result["forward"] = scheduler.ledger.snapshot()
@@ -63,6 +64,7 @@ def _schedule_body(rank: int, world: int, strategy: str, param_dtype: torch.dtyp
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
     result["max_gathered"] = max(seen_gathered)
+    result["memory"] = (scheduler.memory.current, scheduler.memory.peak)
     result["prefetched"] = next_ready
     unit_of = {p.fqn: unit.name for unit in scheduler.units for p in unit.params}
     ran = {"root", "blocks.0", "blocks.1"}
@@ -120,6 +122,9 @@ def test_schedule_counts_bytes_and_memory(tmp_path):
         "skipped": True,
     }
     assert full["freed_after_backward"]
+    # the engine's own account: nothing gathered between steps; in a step, all 3 units at once at
+    # most (the root, the running block and the prefetched one)
+    assert full["memory"] == (0, sum(4 * n for n in full["unit_numel"].values()))
     assert full["max_gathered"] <= 3  # the running unit, the root and one prefetched unit
     assert full["prefetched"] and all(full["prefetched"])  # from the second step on, the next unit is in flight
 

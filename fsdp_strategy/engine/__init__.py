@@ -18,11 +18,12 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_strategy.config import CPUOffload, MixedPrecision, ShardingStrategy
+from fsdp_strategy.engine.accounting import MemoryAccount
 from fsdp_strategy.engine.collectives import CommGroup, CommLedger
 from fsdp_strategy.engine.init import materialize, meta_tensor_names
 from fsdp_strategy.engine.param import ParamUse, ShardedParam
 from fsdp_strategy.engine.runtime import Scheduler
-from fsdp_strategy.engine.unit import FSDPUnit
+from fsdp_strategy.engine.unit import FSDPUnit, UnitContext
 from fsdp_strategy.wrap import as_policy_fn, select_unit_modules
 
 __all__ = ["shard_model", "get_scheduler", "is_sharded", "comm_groups", "Scheduler"]
@@ -118,6 +119,8 @@ def shard_model(
     assigned = _assign_params(unit_modules, uses)
     nearest = _nearest_unit(unit_modules)
     ledger = CommLedger()
+    memory = MemoryAccount()
+    context = UnitContext(shard_comm, replicate_comm, precision.reduce_dtype, compute_device, ledger, memory)
     units: list[FSDPUnit] = []
     for index, unit_module in enumerate(unit_modules):
         owned = {id(m): m for m in module.modules() if nearest[id(m)] == index}
@@ -139,23 +142,12 @@ def shard_model(
             sharded.install(unsharded=False)
             params.append(sharded)
         name = module_names[id(unit_module)] or "root"
-        units.append(
-            FSDPUnit(
-                name,
-                unit_module,
-                params,
-                shard_comm,
-                replicate_comm,
-                precision.reduce_dtype,
-                compute_device,
-                ledger,
-            )
-        )
+        units.append(FSDPUnit(name, unit_module, params, context))
     leftover = meta_tensor_names(module)
     if leftover:
         raise ValueError(f"parameters left on the meta device: {leftover}; materialize them before sharding")
     _place_buffers(module, compute_device, precision.buffer_dtype)
-    scheduler = Scheduler(module, units, strategy, precision, ledger, compute_device, device_mesh)
+    scheduler = Scheduler(module, units, strategy, precision, ledger, memory, compute_device, device_mesh)
     module.__dict__[_SCHEDULER_ATTR] = scheduler
     return module
 

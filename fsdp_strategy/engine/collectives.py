@@ -12,6 +12,7 @@ Reductions are SUM followed by an explicit divide by the caller (see [Note: SUM 
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from enum import Enum
@@ -59,6 +60,8 @@ class KindTotals:
     calls: int = 0
     payload_bytes: int = 0  # size of the full (gathered / to-be-scattered / reduced) buffer
     wire_bytes: int = 0  # bytes each rank sends with a ring algorithm: payload x (N-1)/N (x2 all-reduce)
+    busy_seconds: float = 0.0  # from issue until its wait() returned: an upper bound of the transfer time
+    exposed_seconds: float = 0.0  # time the caller was blocked in wait(): communication not hidden
 
     def add(self, payload: int, wire: int) -> None:
         self.calls += 1
@@ -85,6 +88,12 @@ class CommLedger:
         self.current[kind.value].add(payload, wire)
         self.per_unit[unit][kind.value].add(payload, wire)
 
+    def record_wait(self, kind: CollectiveKind, unit: str, busy: float, exposed: float) -> None:
+        """Add the times of one finished call (see ``KindTotals``)."""
+        for totals in (self.current[kind.value], self.per_unit[unit][kind.value]):
+            totals.busy_seconds += busy
+            totals.exposed_seconds += exposed
+
     def start_step(self) -> None:
         """Move the running counts to ``last_step`` and start counting from zero."""
         self.last_step = dict(self.current)
@@ -98,15 +107,27 @@ class CommLedger:
 
 
 class Pending:
-    """A collective in flight; ``wait()`` makes its result usable (idempotent)."""
+    """A collective in flight; ``wait()`` makes its result usable (idempotent) and times it.
 
-    def __init__(self, work: Any = None) -> None:
+    On gloo ``wait()`` blocks the host, so the blocked time is the exposed communication. On
+    NCCL it only makes the stream wait: the host-side times are then near zero and the
+    device-side stall is not measured.
+    """
+
+    def __init__(self, work: Any = None, ledger: CommLedger | None = None, kind: Any = None, unit: str = "") -> None:
         self._work = work
+        self._ledger, self._kind, self._unit = ledger, kind, unit
+        self._issued = time.perf_counter()
 
     def wait(self) -> None:
-        if self._work is not None:
-            self._work.wait()
-            self._work = None
+        if self._work is None:
+            return
+        start = time.perf_counter()
+        self._work.wait()
+        end = time.perf_counter()
+        self._work = None
+        if self._ledger is not None:
+            self._ledger.record_wait(self._kind, self._unit, end - self._issued, end - start)
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -120,7 +141,8 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, comm: CommGroup, ledge
         return Pending()
     payload = _nbytes(output)
     ledger.record(CollectiveKind.ALL_GATHER, unit, payload, payload * (comm.size - 1) // comm.size)
-    return Pending(_all_gather(output, shard, group=comm.group, async_op=True))
+    work = _all_gather(output, shard, group=comm.group, async_op=True)
+    return Pending(work, ledger, CollectiveKind.ALL_GATHER, unit)
 
 
 def reduce_scatter(output: torch.Tensor, full: torch.Tensor, comm: CommGroup, ledger: CommLedger, unit: str) -> Pending:
@@ -130,7 +152,8 @@ def reduce_scatter(output: torch.Tensor, full: torch.Tensor, comm: CommGroup, le
         return Pending()
     payload = _nbytes(full)
     ledger.record(CollectiveKind.REDUCE_SCATTER, unit, payload, payload * (comm.size - 1) // comm.size)
-    return Pending(_reduce_scatter(output, full, op=dist.ReduceOp.SUM, group=comm.group, async_op=True))
+    work = _reduce_scatter(output, full, op=dist.ReduceOp.SUM, group=comm.group, async_op=True)
+    return Pending(work, ledger, CollectiveKind.REDUCE_SCATTER, unit)
 
 
 def all_reduce(tensor: torch.Tensor, comm: CommGroup, ledger: CommLedger, unit: str, op: str = "sum") -> Pending:
@@ -140,4 +163,5 @@ def all_reduce(tensor: torch.Tensor, comm: CommGroup, ledger: CommLedger, unit: 
     payload = _nbytes(tensor)
     ledger.record(CollectiveKind.ALL_REDUCE, unit, payload, 2 * payload * (comm.size - 1) // comm.size)
     reduce_op = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
-    return Pending(dist.all_reduce(tensor, op=reduce_op, group=comm.group, async_op=True))
+    work = dist.all_reduce(tensor, op=reduce_op, group=comm.group, async_op=True)
+    return Pending(work, ledger, CollectiveKind.ALL_REDUCE, unit)

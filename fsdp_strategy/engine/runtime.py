@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from fsdp_strategy.config import MixedPrecision, ShardingStrategy
 from fsdp_strategy.engine import collectives
+from fsdp_strategy.engine.accounting import MemoryAccount
 from fsdp_strategy.engine.collectives import CommLedger
 from fsdp_strategy.engine.param import ShardedParam
 from fsdp_strategy.engine.unit import FSDPUnit, PendingReduce, ShardedState
@@ -63,6 +64,7 @@ class Scheduler:
         sharding_strategy: ShardingStrategy,
         mixed_precision: MixedPrecision,
         ledger: CommLedger,
+        memory: MemoryAccount,
         device: torch.device,
         device_mesh: Any = None,
     ) -> None:
@@ -73,6 +75,7 @@ class Scheduler:
         self.sharding_strategy = sharding_strategy
         self.mixed_precision = mixed_precision
         self.ledger = ledger
+        self.memory = memory
         self.device = device
         self.state = TrainingState.IDLE
         self.forward_order: list[FSDPUnit] = []
@@ -220,9 +223,13 @@ class Scheduler:
             if p.unsharded.grad is not None
         )
 
-    def unsharded_param_bytes(self) -> int:
-        """Bytes of full parameters allocated now (zero between steps)."""
-        return sum(p.unsharded_nbytes for unit in self.units for p in unit.params if p.unsharded_allocated)
+    def sharded_bytes(self) -> dict[str, int]:
+        """This rank's bytes at rest: ``{"params": ..., "grads": ...}`` of the shards."""
+        params = [p.sharded for p in self.sharded_params()]
+        return {
+            "params": sum(p.numel() * p.element_size() for p in params),
+            "grads": sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None),
+        }
 
     def sharded_params(self) -> list[ShardedParam]:
         """Every ShardedParam of the model, unit by unit."""

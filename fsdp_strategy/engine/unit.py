@@ -8,11 +8,13 @@ decides no order; the Scheduler (runtime.py) decides *when*.
 from __future__ import annotations
 
 from enum import Enum, auto
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from fsdp_strategy.engine import collectives
+from fsdp_strategy.engine.accounting import MemoryAccount
 from fsdp_strategy.engine.collectives import CommGroup, CommLedger, Pending
 from fsdp_strategy.engine.param import ShardedParam
 
@@ -23,6 +25,17 @@ class ShardedState(Enum):
     SHARDED = auto()  # only the shards exist; modules hold the sharded parameters
     GATHERING = auto()  # an all-gather is in flight; modules still hold the sharded parameters
     UNSHARDED = auto()  # full parameters are filled and registered in the modules
+
+
+class UnitContext(NamedTuple):
+    """What every unit of a model shares: groups, dtypes, device and the engine's accounts."""
+
+    shard_comm: CommGroup  # the group a unit's parameters are sharded over
+    replicate_comm: CommGroup  # the group its shards are replicated over (HYBRID_SHARD, NO_SHARD)
+    reduce_dtype: torch.dtype | None  # gradient reduction dtype; None: the shard's dtype
+    device: torch.device  # where full parameters and collectives live
+    ledger: CommLedger  # counts every collective
+    memory: MemoryAccount  # counts gathered parameter bytes
 
 
 class PendingReduce:
@@ -47,31 +60,22 @@ class FSDPUnit:
     gradient buffer of the unit's trainable full size in ``reduce_dtype``.
     """
 
-    def __init__(
-        self,
-        name: str,
-        module: nn.Module,
-        params: list[ShardedParam],
-        shard_comm: CommGroup,
-        replicate_comm: CommGroup,
-        reduce_dtype: torch.dtype | None,
-        device: torch.device,
-        ledger: CommLedger,
-    ) -> None:
+    def __init__(self, name: str, module: nn.Module, params: list[ShardedParam], context: UnitContext) -> None:
         self.name = name
         self.module = module
         self.params = params
         self.trainable = [p for p in params if p.requires_grad]
         self.has_frozen = len(self.trainable) != len(params)
-        self.shard_comm = shard_comm
-        self.replicate_comm = replicate_comm
-        self.device = device
-        self.ledger = ledger
+        self.shard_comm = context.shard_comm
+        self.replicate_comm = context.replicate_comm
+        self.device = context.device
+        self.ledger = context.ledger
+        self.memory = context.memory
         self.state = ShardedState.SHARDED
         self._gather: tuple[Pending, torch.Tensor] | None = None
         self._grads_ready: set[int] = set()
         self._param_dtype = params[0].param_dtype if params else torch.float32
-        self._reduce_dtype = reduce_dtype or (params[0].sharded.dtype if params else torch.float32)
+        self._reduce_dtype = context.reduce_dtype or (params[0].sharded.dtype if params else torch.float32)
         dtypes = {p.param_dtype for p in params}
         if len(dtypes) > 1:
             names = {p.fqn: str(p.param_dtype) for p in params}
@@ -79,6 +83,11 @@ class FSDPUnit:
                 f"unit {name!r} mixes parameter dtypes {names}; a unit gathers one flat buffer of one dtype. "
                 "Cast the module to one dtype, or wrap the differing parameters in their own unit"
             )
+
+    @property
+    def unsharded_nbytes(self) -> int:
+        """Bytes of the unit's full parameters in ``param_dtype``, padding included."""
+        return sum(p.unsharded_nbytes for p in self.params)
 
     @property
     def shard_numel(self) -> int:
@@ -128,6 +137,7 @@ class FSDPUnit:
             for param, param_rows in zip(self.params, rows):
                 param.fill_unsharded(param_rows)
                 param.install(unsharded=True)
+        self.memory.allocated(self.name, self.unsharded_nbytes)
         self.state = ShardedState.UNSHARDED
 
     def reshard(self) -> None:
@@ -139,6 +149,7 @@ class FSDPUnit:
             for param in self.params:
                 param.install(unsharded=False)
                 param.free_unsharded()
+            self.memory.freed(self.name, self.unsharded_nbytes)
         self.state = ShardedState.SHARDED
 
     def mark_grad_ready(self, param: ShardedParam) -> bool:
