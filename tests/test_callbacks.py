@@ -1,0 +1,94 @@
+"""The monitors, logging to a real offline W&B run that is read back from disk."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import lightning as L
+import pytest
+import torch
+from dist_utils import run_ranks
+from fsdp_strategy.callbacks import CommunicationMonitor, MemoryMonitor, ThroughputMonitor
+from lightning.pytorch.loggers import WandbLogger
+from models import Block, TiedLM
+from test_strategy import LIGHTNING_ENV, LitLM
+from torch.utils.data import DataLoader, TensorDataset
+from wandb_offline import history
+
+from fsdp_strategy import FSDPCustomStrategy
+
+MIB = 2**20
+STEPS = 4
+
+
+def _fit_with_monitors(rank: int, world: int, root: str) -> None:
+    os.environ.update({"WANDB_SILENT": "true", "WANDB_MODE": "offline", "WANDB_DIR": root})
+    torch.manual_seed(0)
+    module = LitLM()
+    module.flops_per_batch = 1000  # FLOPs of one rank's batch, as measure_flops would give
+    logger = WandbLogger(project="fsdp-test", save_dir=root, offline=True)
+    trainer = L.Trainer(
+        strategy=FSDPCustomStrategy(auto_wrap_policy={Block}),
+        accelerator="cpu",
+        devices=world,
+        max_steps=STEPS,
+        logger=logger,
+        callbacks=[
+            MemoryMonitor(log_every_n_steps=1),
+            ThroughputMonitor(log_every_n_steps=1, window_size=2),
+            CommunicationMonitor(log_every_n_steps=2, per_unit=True),
+        ],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    data = torch.randint(0, 37, (STEPS * 2 * world, 7))
+    trainer.fit(module, DataLoader(TensorDataset(data), batch_size=2))
+    if rank == 0:
+        logger.experiment.finish()  # a forked rank ends without atexit hooks: flush the run now
+
+
+def _padded_bytes(world: int) -> tuple[float, int]:
+    model = TiedLM()
+    total = sum(
+        4 * math.ceil((p.shape[0] if p.dim() else 1) / world) * p[0].numel() if p.dim() else 4
+        for p in model.parameters()
+    )
+    return total / MIB, sum(p.numel() * 4 for p in model.parameters())
+
+
+def test_monitors_log_to_offline_wandb(tmp_path):
+    world = 2
+    run_ranks(_fit_with_monitors, world, tmp_path, str(tmp_path), env=LIGHTNING_ENV, timeout=300)
+    rows = history(tmp_path / "wandb")
+    merged: dict[str, list] = {}
+    for row in rows:
+        for key, value in row.items():
+            merged.setdefault(key, []).append(value)
+
+    sharded_mib, full_bytes = _padded_bytes(world)
+    assert merged["memory/sharded_params/max"][-1] == pytest.approx(sharded_mib)
+    assert merged["memory/sharded_params/min"][-1] == pytest.approx(sharded_mib)
+    assert sharded_mib < full_bytes / MIB / world * 1.1  # 1/N of the model, plus padding
+    assert merged["memory/optimizer_state/mean"][-1] > 0
+    assert all(v == 0 for v in merged["memory/gathered_now/max"])  # everything resharded after a step
+    assert max(merged["memory/gathered_peak/max"]) > 0
+    assert merged["memory/rss/max_rank"][-1] in (0.0, 1.0)
+    assert min(merged["memory/rss/min"]) > 10
+    assert len(merged["memory/rss/max"]) == STEPS
+
+    # root, blocks.0, blocks.1 run ("skipped" never does): 3 gathers in forward, 2 again in backward
+    assert merged["comm/all_gather/calls"][-1] == 3 + 2
+    assert merged["comm/reduce_scatter/calls"][-1] == 3
+    assert merged["comm/all_gather/wire_mib"][-1] > 0 and merged["comm/all_gather/bandwidth_mib_s"][-1] > 0
+    assert merged["comm/unit/root/all_gather/calls"][-1] == 1  # the root is gathered once (kept to backward)
+    assert min(merged["comm/exposed_s/max"]) >= 0
+    assert len(merged["comm/all_gather/calls"]) == STEPS // 2
+
+    samples = merged["throughput/samples_per_sec"]
+    assert samples and all(v > 0 for v in samples)
+    tokens = merged["throughput/items_per_sec"]
+    assert tokens[-1] == pytest.approx(samples[-1] * 7)  # 7 tokens per sample
+    assert merged["throughput/flops_per_sec"][-1] == pytest.approx(samples[-1] / 2 * 1000)  # 1000 FLOPs per 2 samples
+    assert all(v > 0 for v in merged["throughput/step_time_s"])
