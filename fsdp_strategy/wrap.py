@@ -1,7 +1,8 @@
 """Wrap policies: which modules become FSDP units, and which get activation checkpointing.
 
 A policy is one of
-- a set (or list/tuple) of module classes: every instance becomes a unit;
+- a set (or list/tuple) of module classes, or of their dotted import paths (as YAML gives
+  them, e.g. ``["mypackage.model.Block"]``): every instance becomes a unit;
 - an int: a module becomes a unit once the parameters not already in a unit below it reach
   that many elements (torch's ``size_based_auto_wrap_policy`` rule);
 - a callable ``(module, recurse, nonwrapped_numel) -> bool`` as torch's policies
@@ -12,6 +13,7 @@ A policy is one of
 from __future__ import annotations
 
 import functools
+import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -52,6 +54,7 @@ def as_policy_fn(policy: Any, argument: str = "auto_wrap_policy") -> PolicyFn | 
             raise ValueError(f"{argument}={policy!r}: a minimum parameter count must be >= 1")
         return functools.partial(_size_policy, policy)
     if isinstance(policy, (set, frozenset, list, tuple)):
+        policy = [_import_class(item, argument) if isinstance(item, str) else item for item in policy]
         bad = [item for item in policy if not (isinstance(item, type) and issubclass(item, nn.Module))]
         if bad or not policy:
             raise TypeError(f"{argument}={policy!r} must contain nn.Module classes only; got {bad or 'an empty set'}")
@@ -59,6 +62,15 @@ def as_policy_fn(policy: Any, argument: str = "auto_wrap_policy") -> PolicyFn | 
     if callable(policy) and not isinstance(policy, type):
         return policy
     raise TypeError(f"{argument}={policy!r} ({type(policy).__name__}) is not supported; accepted: {_ACCEPTED}")
+
+
+def _import_class(path: str, argument: str) -> type:
+    """``"package.module.Class"`` -> the class (how YAML configs name module classes)."""
+    module_name, _, name = path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError, ValueError):
+        raise ValueError(f"{argument}: cannot import {path!r}; give a dotted path like 'mypackage.model.Block'") from None
 
 
 def _numel(module: nn.Module) -> int:

@@ -1,0 +1,115 @@
+"""The Lightning side of the GPT example: the LightningModule and the byte-corpus DataModule.
+
+Used by ``train_gpt.py`` (omegaconf config) and ``cli.py`` (LightningCLI).
+"""
+
+from __future__ import annotations
+
+import math
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from gpt import GPT, ByteWindows, GPTConfig, read_corpus, split_corpus
+from lightning.fabric.utilities.throughput import measure_flops
+from torch.utils.data import DataLoader
+from torchmetrics.classification import MulticlassAccuracy
+from torchmetrics.text import Perplexity
+
+
+class GPTModule(L.LightningModule):
+    """Next-byte prediction; AdamW with parameter groups chosen by name; warmup + cosine LR.
+
+    ``flops_per_batch`` (for the ThroughputMonitor) is measured once on the meta device.
+    """
+
+    def __init__(self, model: dict, optimizer: dict, max_steps: int, batch_size: int = 8) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        config = GPTConfig(**model)
+        self.model = GPT(config)
+        self.val_perplexity = Perplexity()
+        self.val_accuracy = MulticlassAccuracy(num_classes=config.vocab_size, average="micro")
+        with torch.device("meta"):
+            meta_model = GPT(config)
+            tokens = torch.zeros(batch_size, config.seq_len, dtype=torch.long)
+            self.flops_per_batch = measure_flops(meta_model, lambda: meta_model(tokens), loss_fn=torch.Tensor.sum)
+
+    def _logits(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.model(batch[:, :-1]), batch[:, 1:]
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        logits, targets = self._logits(batch)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        self.log("train_loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        logits, targets = self._logits(batch)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        self.val_perplexity.update(logits.float(), targets)
+        self.val_accuracy.update(logits.argmax(-1).flatten(), targets.flatten())
+        self.log("val_loss", loss, prog_bar=True, sync_dist=True)
+        self.log("val_perplexity", self.val_perplexity)
+        self.log("val_accuracy", self.val_accuracy)
+
+    def configure_optimizers(self):
+        settings = self.hparams.optimizer
+        named = [(name, p) for name, p in self.named_parameters() if p.requires_grad]
+
+        def no_decay(name: str) -> bool:
+            return name.endswith("bias") or ".ln" in name or "emb" in name
+
+        optimizer = torch.optim.AdamW(
+            [
+                {"params": [p for n, p in named if not no_decay(n)], "weight_decay": settings["weight_decay"]},
+                {"params": [p for n, p in named if no_decay(n)], "weight_decay": 0.0},
+            ],
+            lr=settings["lr"],
+        )
+        warmup, total = settings["warmup_steps"], max(self.hparams.max_steps, 1)
+
+        def schedule(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / warmup
+            return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
+
+        return [optimizer], [{"scheduler": torch.optim.lr_scheduler.LambdaLR(optimizer, schedule), "interval": "step"}]
+
+
+class ByteDataModule(L.LightningDataModule):
+    """Byte windows of a text corpus: a file or folder (``path``), by default the standard library."""
+
+    def __init__(
+        self,
+        path: str | None = None,
+        max_bytes: int = 4_000_000,
+        val_fraction: float = 0.02,
+        batch_size: int = 8,
+        seq_len: int = 128,
+        num_workers: int = 0,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self._train: torch.Tensor | None = None
+        self._val: torch.Tensor | None = None
+
+    def setup(self, stage: str) -> None:
+        if self._train is None:
+            corpus = read_corpus(self.hparams.path, self.hparams.max_bytes)
+            self._train, self._val = split_corpus(corpus, self.hparams.val_fraction)
+
+    def _loader(self, data: torch.Tensor, shuffle: bool) -> DataLoader:
+        return DataLoader(
+            ByteWindows(data, self.hparams.seq_len),
+            batch_size=self.hparams.batch_size,
+            shuffle=shuffle,
+            num_workers=self.hparams.num_workers,
+            drop_last=shuffle,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self._train, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self._val, shuffle=False)
