@@ -232,3 +232,48 @@ def test_device_mesh_not_matching_world_size_fails_before_process_group(tmp_path
     with pytest.raises(ValueError, match=r"device_mesh=\(2, 2\) multiplies to 4, but the world size is 1"):
         trainer.fit(LitLM(), DataLoader(TensorDataset(_dataset(1, 1, 1)), batch_size=2))
     assert not dist.is_initialized()
+
+
+class SequentialLM(L.LightningModule):
+    """Only modules with reset_parameters(), so it can be created on the meta device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Embedding(37, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 37))
+
+    def training_step(self, batch, batch_idx):
+        logits = self.net(batch[0][:, :-1])
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch[0][:, 1:].flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _meta_init_body(rank: int, world: int) -> dict:
+    trainer = L.Trainer(
+        strategy=FSDPCustomStrategy(auto_wrap_policy={torch.nn.Linear}),
+        accelerator="cpu",
+        devices=world,
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with trainer.init_module(empty_init=True):
+        module = SequentialLM()
+    created_on_meta = all(p.is_meta for p in module.parameters())
+    trainer.fit(module, DataLoader(TensorDataset(make_batches(4, 2 * world).reshape(-1, 7)), batch_size=2))
+    shards = trainer.strategy.scheduler.sharded_params()
+    return {
+        "created_on_meta": created_on_meta,
+        "materialized": not any(p.sharded.is_meta for p in shards),
+        "finite": all(torch.isfinite(p.sharded).all().item() for p in shards),
+        "shard_rows": shards[0].sharded.shape[0],
+    }
+
+
+def test_init_module_empty_init_materializes_unit_by_unit(tmp_path):
+    for result in run_ranks(_meta_init_body, 2, tmp_path, env=LIGHTNING_ENV, timeout=120):
+        assert result["created_on_meta"] and result["materialized"] and result["finite"]
+        assert result["shard_rows"] == 19  # the embedding's 37 rows over 2 ranks: each rank holds its half
