@@ -70,7 +70,9 @@ def _import_class(path: str, argument: str) -> type:
     try:
         return getattr(importlib.import_module(module_name), name)
     except (ImportError, AttributeError, ValueError):
-        raise ValueError(f"{argument}: cannot import {path!r}; give a dotted path like 'mypackage.model.Block'") from None
+        raise ValueError(
+            f"{argument}={path!r}: cannot import it; give a dotted path like 'mypackage.model.Block'"
+        ) from None
 
 
 def _numel(module: nn.Module) -> int:
