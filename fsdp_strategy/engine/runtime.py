@@ -27,7 +27,7 @@ from fsdp_strategy.engine import collectives
 from fsdp_strategy.engine.accounting import MemoryAccount
 from fsdp_strategy.engine.collectives import CommLedger
 from fsdp_strategy.engine.param import ShardedParam
-from fsdp_strategy.engine.unit import FSDPUnit, PendingReduce, ShardedState
+from fsdp_strategy.engine.unit import FSDPUnit, PendingReduce
 
 # [Note: reshard after backward]
 # Once every trainable parameter of a unit has its gradient, every op that uses a trainable
@@ -258,7 +258,3 @@ class Scheduler:
         for grad in grads:
             grad.mul_(clip_coef.to(grad.device, grad.dtype))
         return total
-
-    def is_unsharded(self) -> bool:
-        """Whether any unit currently holds full parameters."""
-        return any(unit.state is not ShardedState.SHARDED for unit in self.units)
