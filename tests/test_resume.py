@@ -14,7 +14,7 @@ import torch.distributed as dist
 from dist_utils import RankFailure, run_ranks
 from lightning.pytorch.callbacks import ModelCheckpoint
 from models import Block, lm_loss, make_batches
-from test_strategy import LIGHTNING_ENV, LitLM
+from test_strategy import LIGHTNING_ENV, LitLM, quiet_trainer
 from torch.utils.data import DataLoader, TensorDataset
 
 from fsdp_strategy import FSDPCustomStrategy
@@ -141,17 +141,7 @@ def test_resume_on_another_world_size(tmp_path, saved_world, loaded_world, state
 def _ddp_resume(rank: int, world: int, root: str, consolidated: str) -> dict:
     torch.manual_seed(1)
     module = ScheduledLM()
-    trainer = L.Trainer(
-        strategy="ddp_find_unused_parameters_true",
-        accelerator="cpu",
-        devices=world,
-        max_steps=6,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-    )
+    trainer = quiet_trainer(strategy="ddp_find_unused_parameters_true", devices=world, max_steps=6, limit_val_batches=0)
     trainer.fit(module, DataLoader(TensorDataset(_data()), batch_size=PER_RANK), ckpt_path=consolidated)
     losses = torch.stack(module.losses)
     dist.all_reduce(losses)

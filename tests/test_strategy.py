@@ -22,6 +22,18 @@ PER_RANK = 2
 LIGHTNING_ENV = {"LOCAL_RANK": "{rank}", "NODE_RANK": "0"}
 
 
+def quiet_trainer(**kwargs) -> L.Trainer:
+    """A CPU Trainer without logger, checkpoints, progress bar or summary, unless asked for."""
+    defaults = {
+        "accelerator": "cpu",
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+    }
+    return L.Trainer(**{**defaults, **kwargs})
+
+
 class LitLM(L.LightningModule):
     """TiedLM with AdamW in two param groups chosen by name (no decay for norms and biases)."""
 
@@ -250,16 +262,7 @@ class SequentialLM(L.LightningModule):
 
 
 def _meta_init_body(rank: int, world: int) -> dict:
-    trainer = L.Trainer(
-        strategy=FSDPCustomStrategy(auto_wrap_policy={torch.nn.Linear}),
-        accelerator="cpu",
-        devices=world,
-        max_steps=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(strategy=FSDPCustomStrategy(auto_wrap_policy={torch.nn.Linear}), devices=world, max_steps=2)
     with trainer.init_module(empty_init=True):
         module = SequentialLM()
     created_on_meta = all(p.is_meta for p in module.parameters())
