@@ -280,3 +280,20 @@ def test_init_module_empty_init_materializes_unit_by_unit(tmp_path):
     for result in run_ranks(_meta_init_body, 2, tmp_path, env=LIGHTNING_ENV, timeout=120):
         assert result["created_on_meta"] and result["materialized"] and result["finite"]
         assert result["shard_rows"] == 19  # the embedding's 37 rows over 2 ranks: each rank holds its half
+
+
+def _hybrid_body(rank: int, world: int) -> dict:
+    strategy = FSDPCustomStrategy(auto_wrap_policy={Block}, sharding_strategy="HYBRID_SHARD", device_mesh=(2, 2))
+    result = _fit(rank, world, clip={"gradient_clip_val": 0.05}, strategy=strategy)
+    unit = result["trainer"].strategy.scheduler.root_unit
+    return {
+        "loss": result["loss"],
+        "ref_loss": result["ref_loss"],
+        "groups": (unit.shard_comm.size, unit.replicate_comm.size),
+    }
+
+
+def test_hybrid_shard_through_the_trainer(tmp_path):
+    result = run_ranks(_hybrid_body, 4, tmp_path, env=LIGHTNING_ENV, timeout=300)[0]
+    assert result["groups"] == (2, 2)
+    assert result["loss"] == pytest.approx(result["ref_loss"], rel=1e-5)
