@@ -297,3 +297,42 @@ def test_hybrid_shard_through_the_trainer(tmp_path):
     result = run_ranks(_hybrid_body, 4, tmp_path, env=LIGHTNING_ENV, timeout=300)[0]
     assert result["groups"] == (2, 2)
     assert result["loss"] == pytest.approx(result["ref_loss"], rel=1e-5)
+
+
+class OverflowOnRankOne(LitLM):
+    """An overflow in rows of a gradient that only rank 1 holds: rank 0's shards stay finite."""
+
+    def on_after_backward(self) -> None:  # after the reduce-scatter, before the scaler's unscale
+        if self.global_rank == 1:
+            self.net.blocks[0].up.weight.grad[0, 0] = float("inf")
+
+
+def _fp16_overflow_body(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    module = OverflowOnRankOne()
+    before = {n: p.detach().clone() for n, p in module.named_parameters()}
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    scaler = ShardedGradScaler(device="cpu", init_scale=2.0**8)  # small: no overflow but the planted one
+    trainer = quiet_trainer(
+        strategy=FSDPCustomStrategy(auto_wrap_policy={Block}),
+        devices=world,
+        max_steps=1,
+        plugins=[FSDPCustomPrecision("16-mixed", scaler=scaler)],
+    )
+    trainer.fit(module, DataLoader(TensorDataset(_dataset(world, 1, 1)), batch_size=PER_RANK))
+    from fsdp_strategy.checkpoint import full_state_dict
+
+    after = full_state_dict(module, rank0_only=False)
+    return {
+        "unchanged": all(torch.equal(after[n], value) for n, value in before.items()),
+        "scale": trainer.strategy.precision_plugin.scaler.get_scale(),
+        "scaler": type(trainer.strategy.precision_plugin.scaler).__name__,
+    }
+
+
+def test_fp16_inf_check_is_all_reduced_so_every_rank_skips_the_step(tmp_path):
+    results = run_ranks(_fp16_overflow_body, 2, tmp_path, env=LIGHTNING_ENV, timeout=120)
+    for result in results:  # rank 0 saw finite gradients, yet skipped the step like rank 1
+        assert result["scaler"] == "ShardedGradScaler" and result["unchanged"]
+        assert result["scale"] == 2.0**8 * 0.5  # backed off once, on both ranks
