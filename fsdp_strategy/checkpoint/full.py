@@ -17,13 +17,13 @@ import torch
 from torch import nn
 
 from fsdp_strategy.checkpoint.layout import CheckpointError
-from fsdp_strategy.engine import get_scheduler
+from fsdp_strategy.engine import collectives, get_scheduler
 from fsdp_strategy.engine.param import ShardedParam
 from fsdp_strategy.engine.unit import FSDPUnit
 
 
 def _is_rank0() -> bool:
-    return torch.distributed.get_rank() == 0 if torch.distributed.is_initialized() else True
+    return collectives.process_rank()[0] == 0
 
 
 def _gather_unit(unit: FSDPUnit, shards: list[torch.Tensor], keep: bool) -> list[torch.Tensor]:

@@ -18,13 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from fsdp_strategy.checkpoint import layout
 from fsdp_strategy.checkpoint.layout import CheckpointError
-from fsdp_strategy.engine import Scheduler, get_scheduler
+from fsdp_strategy.engine import Scheduler, collectives, get_scheduler
 from fsdp_strategy.engine.param import ShardedParam
 
 log = logging.getLogger(__name__)
@@ -119,21 +118,6 @@ def plan(module: nn.Module) -> dict[str, Any]:
     return {"params": params, "buffers": buffers}
 
 
-def _group_size(process_group: Any) -> tuple[int, int]:
-    if not dist.is_initialized():
-        return 0, 1
-    return dist.get_rank(process_group), dist.get_world_size(process_group)
-
-
-def _all_gather_objects(value: Any, process_group: Any) -> list[Any]:
-    rank, world = _group_size(process_group)
-    if world == 1:
-        return [value]
-    out: list[Any] = [None] * world
-    dist.all_gather_object(out, value, group=process_group)
-    return out
-
-
 def write_dcp(folder: Path, state: dict, process_group: Any = None) -> None:
     """Every rank writes its own shards into ``folder`` (collectives only for the plan)."""
     writer = dcp.FileSystemWriter(str(folder))
@@ -143,10 +127,10 @@ def write_dcp(folder: Path, state: dict, process_group: Any = None) -> None:
 
 def finish_folder(folder: Path, meta: dict, lightning_state: dict, process_group: Any = None) -> None:
     """Checksum each rank's files, then rank 0 writes ``fsdp_meta.json`` and ``lightning.pt``."""
-    rank, _ = _group_size(process_group)
+    rank, _ = collectives.process_rank(process_group)
     own = {p.name: layout.file_crc32(p) for p in folder.glob(f"__{rank}_*.distcp")}
     checksums = {}
-    for part in _all_gather_objects(own, process_group):
+    for part in collectives.all_gather_objects(own, process_group):
         checksums.update(part)
     if rank == 0:
         checksums[layout.DCP_METADATA] = layout.file_crc32(folder / layout.DCP_METADATA)
@@ -176,10 +160,10 @@ def check_compatible(folder: Path, meta: dict, module: nn.Module, strict: bool) 
 
 def verify_folder(folder: Path, meta: dict, process_group: Any = None) -> None:
     """Each rank checks a share of the files; any problem is raised on every rank."""
-    rank, world = _group_size(process_group)
+    rank, world = collectives.process_rank(process_group)
     names = sorted(meta.get("checksums", {}))
     problems = layout.verify_files(folder, meta["checksums"], names[rank::world])
-    found = [p for part in _all_gather_objects(problems, process_group) for p in part]
+    found = [p for part in collectives.all_gather_objects(problems, process_group) for p in part]
     if found:
         raise CheckpointError("checkpoint is damaged: " + "; ".join(found))
 
@@ -274,7 +258,7 @@ def build_meta(module: nn.Module) -> dict[str, Any]:
         "format_version": layout.FORMAT_VERSION,
         "package_version": _package_version(),
         "torch_version": torch.__version__,
-        "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+        "world_size": collectives.process_rank()[1],
         "shard_world_size": unit.shard_comm.size,
         "replicate_world_size": unit.replicate_comm.size,
         "sharding_strategy": scheduler.sharding_strategy.value,

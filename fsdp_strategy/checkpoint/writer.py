@@ -16,22 +16,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from fsdp_strategy.checkpoint import layout, sharded
+from fsdp_strategy.engine import collectives
 
 log = logging.getLogger(__name__)
 
 
-def _barrier(process_group: Any = None) -> None:
-    if dist.is_initialized():
-        dist.barrier(group=process_group)
-
-
 def _is_rank0() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
+    return collectives.process_rank()[0] == 0
 
 
 class CheckpointWriter:
@@ -45,8 +40,8 @@ class CheckpointWriter:
 
     def setup(self) -> None:
         """Create the background writer's own process group (a collective: every rank calls it)."""
-        if self.async_save and dist.is_initialized() and self._group is None:
-            self._group = dist.new_group(backend="gloo")
+        if self.async_save and self._group is None:
+            self._group = collectives.new_gloo_group()
 
     def wait(self) -> None:
         """Block until the checkpoint being written in the background is committed; re-raise its error."""
@@ -62,10 +57,10 @@ class CheckpointWriter:
         self.wait()
         if _is_rank0():
             write(temporary)
-        _barrier()
+        collectives.barrier()
         if _is_rank0():
             layout.commit(temporary, final)
-        _barrier()
+        collectives.barrier()
 
     def save_sharded(
         self, final: Path, temporary: Path, module: nn.Module, optimizers: list, lightning_state: dict
@@ -75,10 +70,10 @@ class CheckpointWriter:
         temporary.mkdir(parents=True, exist_ok=True)
         if not self.async_save:
             sharded.save_folder(temporary, module, optimizers, lightning_state)
-            _barrier()
+            collectives.barrier()
             if _is_rank0():
                 layout.commit(temporary, final)
-            _barrier()
+            collectives.barrier()
             return
         state, optimizer_info = sharded.prepare_state(module, optimizers)
         meta = sharded.build_meta(module)
@@ -96,10 +91,10 @@ class CheckpointWriter:
         try:
             (future.upload_completion if hasattr(future, "upload_completion") else future).result()
             sharded.finish_folder(temporary, meta, extra, self._group)
-            _barrier(self._group)
+            collectives.barrier(self._group)
             if _is_rank0():
                 layout.commit(temporary, final)
-            _barrier(self._group)
+            collectives.barrier(self._group)
         except BaseException as error:  # noqa: BLE001 - reported by the next wait()
             log.error("background checkpoint save to %s failed: %s", final, error)
             self._error = error
@@ -113,6 +108,5 @@ class CheckpointWriter:
     def teardown(self) -> None:
         """Finish the save in flight and release the background process group."""
         self.wait()
-        if self._group is not None and dist.is_initialized():
-            dist.destroy_process_group(self._group)
+        collectives.destroy_group(self._group)
         self._group = None

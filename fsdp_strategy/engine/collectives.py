@@ -1,5 +1,8 @@
 """The engine's only ``torch.distributed`` calls, and the ledger that counts them.
 
+The data-plane collectives (all-gather, reduce-scatter, all-reduce of tensors) are async and
+counted; a few blocking control-plane ones (object gathers, barriers, groups) serve checkpoints.
+
 Every collective is issued with ``async_op=True`` and returned as a :class:`Pending` handle.
 On gloo the process group's worker threads run it while Python goes on; ``wait()`` blocks the
 host. On NCCL it runs on the process group's own communication stream (which first waits for
@@ -165,3 +168,40 @@ def all_reduce(tensor: torch.Tensor, comm: CommGroup, ledger: CommLedger, unit: 
     reduce_op = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
     work = dist.all_reduce(tensor, op=reduce_op, group=comm.group, async_op=True)
     return Pending(work, ledger, CollectiveKind.ALL_REDUCE, unit)
+
+
+# ---- small control-plane collectives (checkpoints): blocking, pickled Python objects ----------
+
+
+def process_rank(group: Any = None) -> tuple[int, int]:
+    """(rank, size) in ``group``, or (0, 1) without a process group."""
+    if not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def all_gather_objects(value: Any, group: Any = None) -> list[Any]:
+    """Every rank's ``value`` (pickled), in rank order; blocking."""
+    _, size = process_rank(group)
+    if size == 1:
+        return [value]
+    out: list[Any] = [None] * size
+    dist.all_gather_object(out, value, group=group)
+    return out
+
+
+def barrier(group: Any = None) -> None:
+    """Wait until every rank of ``group`` arrives (no-op without a process group)."""
+    if dist.is_initialized():
+        dist.barrier(group=group)
+
+
+def new_gloo_group() -> Any:
+    """A new gloo group of all ranks (a collective: every rank calls it), or None without one."""
+    return dist.new_group(backend="gloo") if dist.is_initialized() else None
+
+
+def destroy_group(group: Any) -> None:
+    """Release a group made by ``new_gloo_group``."""
+    if group is not None and dist.is_initialized():
+        dist.destroy_process_group(group)
