@@ -194,6 +194,7 @@ class FSDPCustomStrategy(ParallelStrategy):
         return self.scheduler.ledger
 
     def setup_environment(self) -> None:
+        """Set ranks, check the mesh against the world size, create the process group(s)."""
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
@@ -237,6 +238,7 @@ class FSDPCustomStrategy(ParallelStrategy):
         """Nothing: ``setup`` moves each unit's shards to the device as it shards them."""
 
     def setup(self, trainer: pl.Trainer) -> None:
+        """Shard the model (once: validate/test after fit reuse it), then set up optimizers and precision."""
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         if not is_sharded(self.model):  # validate/test after fit reuse the sharded model
@@ -301,12 +303,14 @@ class FSDPCustomStrategy(ParallelStrategy):
         rank_zero_only(log.debug)(f"no_sync holds {self.scheduler.unsharded_grad_bytes()} bytes of full gradients")
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Start the ledger's count for this step."""
         self.comm_ledger.start_step()
         super().on_train_batch_start(batch, batch_idx)
 
     # ---- collectives for Lightning --------------------------------------------------------
 
     def barrier(self, name: str | None = None) -> None:
+        """Wait for every rank (device-aware on NCCL)."""
         if not _distributed_is_initialized():
             return
         if torch.distributed.get_backend() == "nccl":
@@ -327,6 +331,7 @@ class FSDPCustomStrategy(ParallelStrategy):
         return tensor
 
     def teardown(self) -> None:
+        """Finish any checkpoint in flight, then tear down as Lightning does."""
         self._writer.teardown()
         assert self.cluster_environment is not None and self.accelerator is not None
         self.cluster_environment.teardown()

@@ -67,6 +67,7 @@ class KindTotals:
     exposed_seconds: float = 0.0  # time the caller was blocked in wait(): communication not hidden
 
     def add(self, payload: int, wire: int) -> None:
+        """Count one call of ``payload`` bytes, ``wire`` of them sent."""
         self.calls += 1
         self.payload_bytes += payload
         self.wire_bytes += wire
@@ -123,6 +124,7 @@ class Pending:
         self._issued = time.perf_counter()
 
     def wait(self) -> None:
+        """Block (gloo) or make the stream wait (NCCL) until the collective is done; record times."""
         if self._work is None:
             return
         start = time.perf_counter()

@@ -48,6 +48,7 @@ class PendingReduce:
         self.present = present
 
     def finish(self) -> None:
+        """Wait for the reduce-scatter and add its result into the unit's sharded gradients."""
         self.work.wait()
         self.unit.apply_reduced_grads(self.output, self.present)
 
