@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from fsdp_strategy.engine.param import ParamUse, ShardedParam
+from fsdp_strategy.engine.param import ParamUse, ShardedParam, ShardLayout
 
 SHAPES = [(7, 3), (5,), (1, 4), (2, 3, 2), (), (4, 4), (3,)]
 
@@ -18,7 +18,7 @@ def _shards(param: nn.Parameter, world: int) -> list[ShardedParam]:
     holder.weight = param
     cpu = torch.device("cpu")
     return [
-        ShardedParam("weight", param, [ParamUse(holder, "weight")], rank, world, cpu, cpu, None)
+        ShardedParam("weight", param, [ParamUse(holder, "weight")], ShardLayout(rank, world, cpu, cpu, None))
         for rank in range(world)
     ]
 
@@ -48,16 +48,32 @@ def test_shards_are_equal_sized_chunks_that_reassemble(shape, world):
 
 
 def test_unsharded_storage_is_freed_and_refilled():
-    (shard,) = _shards(nn.Parameter(torch.randn(5, 3)), 1)
+    shards = _shards(nn.Parameter(torch.randn(5, 3)), 2)
+    shard = shards[0]
     assert not shard.unsharded_allocated
-    shard.fill_unsharded(shard.sharded.detach().reshape(1, -1))
-    assert shard.unsharded_allocated and torch.equal(shard.unsharded.detach(), shard.sharded.detach())
+    gathered = torch.cat([s.sharded.detach().reshape(-1) for s in shards]).view(2, -1)
+    shard.fill_unsharded(gathered)
+    assert shard.unsharded_allocated and torch.equal(shard.unsharded.detach(), shard.full_from_rows(gathered))
     shard.install(unsharded=True)
     assert shard.uses[0].module.weight is shard.unsharded
     shard.install(unsharded=False)
     shard.free_unsharded()
     assert shard.unsharded.untyped_storage().size() == 0
     assert shard.uses[0].module.weight is shard.sharded
+
+
+def test_a_group_of_one_aliases_the_shard_and_frees_nothing():
+    (shard,) = _shards(nn.Parameter(torch.randn(5, 3)), 1)
+    assert shard.aliased and shard.unsharded_nbytes == 0
+    assert shard.unsharded.data_ptr() == shard.sharded.data_ptr()  # no second copy of the weights
+    shard.free_unsharded()
+    assert shard.unsharded_allocated
+    with torch.no_grad():
+        shard.sharded.add_(1.0)  # an optimizer step on the shard is seen by the full parameter
+    assert torch.equal(shard.unsharded, shard.sharded)
+    cpu = torch.device("cpu")
+    mixed = ShardedParam("w", nn.Parameter(torch.randn(2)), [], ShardLayout(0, 1, cpu, cpu, torch.bfloat16))
+    assert not mixed.aliased  # a cast copy is needed for bf16
 
 
 def test_padded_grad_rows_adds_zero_rows():

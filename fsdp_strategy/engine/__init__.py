@@ -21,7 +21,7 @@ from fsdp_strategy.config import CPUOffload, MixedPrecision, ShardingStrategy
 from fsdp_strategy.engine.accounting import MemoryAccount
 from fsdp_strategy.engine.collectives import CommGroup, CommLedger
 from fsdp_strategy.engine.init import materialize, meta_tensor_names
-from fsdp_strategy.engine.param import ParamUse, ShardedParam
+from fsdp_strategy.engine.param import ParamUse, ShardedParam, ShardLayout
 from fsdp_strategy.engine.runtime import Scheduler
 from fsdp_strategy.engine.unit import FSDPUnit, UnitContext
 from fsdp_strategy.wrap import as_policy_fn, select_unit_modules
@@ -118,6 +118,7 @@ def shard_model(
     uses, names = _param_uses(module)
     assigned = _assign_params(unit_modules, uses)
     nearest = _nearest_unit(unit_modules)
+    layout = ShardLayout(shard_comm.rank, shard_comm.size, storage_device, compute_device, precision.param_dtype)
     ledger = CommLedger()
     memory = MemoryAccount()
     context = UnitContext(shard_comm, replicate_comm, precision.reduce_dtype, compute_device, ledger, memory)
@@ -129,16 +130,7 @@ def shard_model(
         params = []
         for param_id in assigned[index]:
             first = uses[param_id][0]
-            sharded = ShardedParam(
-                names[param_id],
-                first.module._parameters[first.name],
-                uses[param_id],
-                shard_comm.rank,
-                shard_comm.size,
-                storage_device,
-                compute_device,
-                precision.param_dtype,
-            )
+            sharded = ShardedParam(names[param_id], first.module._parameters[first.name], uses[param_id], layout)
             sharded.install(unsharded=False)
             params.append(sharded)
         name = module_names[id(unit_module)] or "root"

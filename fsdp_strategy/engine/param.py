@@ -18,6 +18,16 @@ import torch
 from torch import nn
 
 
+class ShardLayout(NamedTuple):
+    """Where a parameter's shard goes: its rank and group size, devices and gathered dtype."""
+
+    rank: int  # this rank's index in the shard group
+    size: int  # ranks in the shard group
+    storage_device: torch.device  # where the shard lives (the CPU with offload)
+    compute_device: torch.device  # where the full parameter is gathered
+    param_dtype: torch.dtype | None  # dtype of the full parameter; None: the parameter's own
+
+
 class ParamUse(NamedTuple):
     """A place a parameter is registered: ``module._parameters[name]``."""
 
@@ -38,19 +48,15 @@ class ShardedParam:
     module computes with while gathered) are both created once and keep their identity; the
     unsharded one's storage is allocated before each use and freed after (see
     [Note: shard layout]). Costs at rest: ``c * prod(rest)`` elements of the original dtype.
+
+    [Note: aliased shards] With a shard group of one (one rank, NO_SHARD), no mixed precision
+    and no offload, the shard *is* the full parameter: the unsharded parameter shares its
+    storage, nothing is gathered, copied or freed, and memory stays that of DDP.
     """
 
-    def __init__(
-        self,
-        fqn: str,
-        param: nn.Parameter,
-        uses: list[ParamUse],
-        shard_rank: int,
-        shard_size: int,
-        storage_device: torch.device,
-        compute_device: torch.device,
-        param_dtype: torch.dtype | None,
-    ) -> None:
+    def __init__(self, fqn: str, param: nn.Parameter, uses: list[ParamUse], layout: ShardLayout) -> None:
+        shard_rank, shard_size = layout.rank, layout.size
+        storage_device, compute_device = layout.storage_device, layout.compute_device
         self.fqn = fqn
         self.uses = uses
         self.shape = param.shape
@@ -62,7 +68,7 @@ class ShardedParam:
         self.shard_rank = shard_rank
         self.chunk_rows = math.ceil(self.dim0 / shard_size)
         self.shard_numel = self.chunk_rows * self.row_numel
-        self.param_dtype = param_dtype or param.dtype
+        self.param_dtype = layout.param_dtype or param.dtype
 
         rows = param.detach().reshape(self.dim0, self.row_numel)
         local = rows[shard_rank * self.chunk_rows : (shard_rank + 1) * self.chunk_rows]
@@ -72,20 +78,26 @@ class ShardedParam:
             shard = shard.pin_memory()
         self.sharded = nn.Parameter(shard.view(self.chunk_rows, *self.row_shape), requires_grad=self.requires_grad)
 
-        self._padded_full = torch.empty(self.world * self.shard_numel, dtype=self.param_dtype, device=compute_device)
+        self.aliased = shard_size == 1 and self.param_dtype == param.dtype and storage_device == compute_device
+        if self.aliased:  # [Note: aliased shards]; .data: a version counter of its own
+            self._padded_full = self.sharded.data.view(-1)
+        else:
+            self._padded_full = torch.empty(
+                self.world * self.shard_numel, dtype=self.param_dtype, device=compute_device
+            )
         full = self._padded_full[: self.dim0 * self.row_numel].view(self.shape)
         self.unsharded = nn.Parameter(full, requires_grad=self.requires_grad)
-        _free_storage(self._padded_full)
+        self.free_unsharded()
 
     @property
     def unsharded_allocated(self) -> bool:
-        """Whether the full parameter currently holds memory."""
+        """Whether the full parameter currently holds memory (always, when aliased)."""
         return self._padded_full.untyped_storage().size() != 0
 
     @property
     def unsharded_nbytes(self) -> int:
-        """Bytes of the gathered parameter, padding included."""
-        return self._padded_full.numel() * self._padded_full.element_size()
+        """Bytes gathering adds: the full parameter, padding included (0 when aliased)."""
+        return 0 if self.aliased else self._padded_full.numel() * self._padded_full.element_size()
 
     def install(self, unsharded: bool) -> None:
         """Register the unsharded (or sharded) parameter at every place the parameter is used."""
@@ -95,6 +107,8 @@ class ShardedParam:
 
     def fill_unsharded(self, gathered_rows: torch.Tensor) -> None:
         """Allocate the full parameter and copy it out of its ``(N, shard_numel)`` slice of a gather."""
+        if self.aliased:
+            return
         if not self.unsharded_allocated:
             self._padded_full.untyped_storage().resize_(self.unsharded_nbytes)
         # Autograd saved the full parameter at its forward version; refilling it for backward
@@ -103,8 +117,9 @@ class ShardedParam:
             self._padded_full.view(self.world, self.shard_numel).copy_(gathered_rows)
 
     def free_unsharded(self) -> None:
-        """Release the full parameter's memory (its gradient, if any, is kept)."""
-        _free_storage(self._padded_full)
+        """Release the full parameter's memory (its gradient, if any, is kept); never an aliased shard."""
+        if not self.aliased:
+            _free_storage(self._padded_full)
 
     def padded_grad_rows(self, grad: torch.Tensor) -> torch.Tensor:
         """The full gradient as ``(N, shard_numel)``, zero rows added up to ``N * c`` rows."""

@@ -73,6 +73,7 @@ class FSDPUnit:
         self.ledger = context.ledger
         self.memory = context.memory
         self.state = ShardedState.SHARDED
+        self._aliased = bool(params) and all(p.aliased for p in params)  # [Note: aliased shards]
         self._gather: tuple[Pending, torch.Tensor] | None = None
         self._grads_ready: set[int] = set()
         self._param_dtype = params[0].param_dtype if params else torch.float32
@@ -97,7 +98,7 @@ class FSDPUnit:
 
     def unshard(self) -> None:
         """Start the all-gather of the unit's shards (no-op unless the unit is sharded)."""
-        if self.state is not ShardedState.SHARDED or not self.params:
+        if self.state is not ShardedState.SHARDED or not self.params or self._aliased:
             return
         sizes = [p.shard_numel for p in self.params]
         flat_shard = torch.empty(sum(sizes), dtype=self._param_dtype, device=self.device)
@@ -128,6 +129,12 @@ class FSDPUnit:
     def wait_unshard(self) -> None:
         """Make the full parameters usable: start the gather if needed, wait, copy out, register."""
         self.unshard()
+        if self._aliased and self.state is ShardedState.SHARDED:
+            for param in self.params:
+                param.install(unsharded=True)
+            self.memory.allocated(self.name, 0)
+            self.state = ShardedState.UNSHARDED
+            return
         if self.state is not ShardedState.GATHERING:
             return
         work, gathered = self._gather
