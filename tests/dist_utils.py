@@ -15,6 +15,7 @@ import time
 import traceback
 import uuid
 from collections.abc import Callable
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -22,11 +23,16 @@ import torch
 import torch.distributed as dist
 
 
+COLLECTIVE_TIMEOUT = timedelta(seconds=90)  # a collective waiting on a dead or hung rank fails after this
+
+
 def _child(rank: int, world: int, rendezvous: str, fn: Callable, args: tuple, queue: Any, env: dict) -> None:
     try:
         os.environ.update({key: value.format(rank=rank) for key, value in env.items()})
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
+        dist.init_process_group(
+            "gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT
+        )
         result = fn(rank, world, *args)
         buffer = io.BytesIO()
         torch.save(result, buffer)  # by value: tensors must not travel as shared-memory handles
