@@ -22,7 +22,6 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-
 COLLECTIVE_TIMEOUT = timedelta(seconds=90)  # a collective waiting on a dead or hung rank fails after this
 
 
