@@ -300,7 +300,8 @@ class FSDPCustomStrategy(ParallelStrategy):
         """Skip the reduce-scatter on non-final micro-batches of gradient accumulation."""
         with self.scheduler.no_sync():
             yield
-        rank_zero_only(log.debug)(f"no_sync holds {self.scheduler.unsharded_grad_bytes()} bytes of full gradients")
+        if log.isEnabledFor(logging.DEBUG):  # counting the bytes walks every parameter: only when asked
+            log.debug("no_sync holds %d bytes of full gradients", self.scheduler.unsharded_grad_bytes())
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """Start the ledger's count for this step."""

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_strategy.config import CPUOffload, MixedPrecision, ShardingStrategy
+from fsdp_strategy.config import CPUOffload, MixedPrecision, ShardingStrategy, validate_device_mesh
 from fsdp_strategy.engine.accounting import MemoryAccount
 from fsdp_strategy.engine.collectives import CommGroup, CommLedger
 from fsdp_strategy.engine.init import materialize, meta_tensor_names
@@ -35,16 +35,12 @@ def comm_groups(
     sharding_strategy: ShardingStrategy, process_group: Any = None, device_mesh: Any = None
 ) -> tuple[CommGroup, CommGroup]:
     """The (shard, replicate) groups for a strategy: a 2-D mesh is ``(replicate, shard)``."""
-    if device_mesh is not None:
-        if sharding_strategy is not ShardingStrategy.HYBRID_SHARD:
-            raise ValueError(
-                f"device_mesh is only used with sharding_strategy='HYBRID_SHARD', got {sharding_strategy.value!r}"
-            )
+    if validate_device_mesh(device_mesh, sharding_strategy) is not None:
+        if isinstance(device_mesh, tuple):
+            raise TypeError(f"shard_model needs a DeviceMesh, got {device_mesh!r}; build one with init_device_mesh")
         if device_mesh.ndim != 2:
             raise ValueError(f"device_mesh must be 2-D (replicate, shard), got {device_mesh.ndim} dimensions")
         return CommGroup.of(device_mesh.get_group(1)), CommGroup.of(device_mesh.get_group(0))
-    if sharding_strategy is ShardingStrategy.HYBRID_SHARD:
-        raise ValueError("sharding_strategy='HYBRID_SHARD' needs device_mesh=(replicate, shard)")
     if not dist.is_initialized():
         return CommGroup.of(None), CommGroup.of(None)
     group = CommGroup.of(process_group or dist.group.WORLD)
@@ -139,7 +135,7 @@ def shard_model(
     if leftover:
         raise ValueError(f"parameters left on the meta device: {leftover}; materialize them before sharding")
     _place_buffers(module, compute_device, precision.buffer_dtype)
-    scheduler = Scheduler(module, units, strategy, precision, ledger, memory, compute_device, device_mesh)
+    scheduler = Scheduler(units, strategy, precision, ledger, memory, compute_device, device_mesh)
     module.__dict__[_SCHEDULER_ATTR] = scheduler
     return module
 

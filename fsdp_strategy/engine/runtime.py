@@ -59,7 +59,6 @@ class Scheduler:
 
     def __init__(
         self,
-        root: nn.Module,
         units: list[FSDPUnit],
         sharding_strategy: ShardingStrategy,
         mixed_precision: MixedPrecision,
@@ -68,7 +67,6 @@ class Scheduler:
         device: torch.device,
         device_mesh: Any = None,
     ) -> None:
-        self.root = root
         self.device_mesh = device_mesh  # the HSDP (replicate, shard) mesh, if any
         self.units = units
         self.root_unit = units[0]
@@ -79,8 +77,7 @@ class Scheduler:
         self.device = device
         self.state = TrainingState.IDLE
         self.forward_order: list[FSDPUnit] = []
-        self._order_index: dict[int, int] = {}
-        self._order_recorded = False
+        self._order_index: dict[int, int] = {}  # unit id -> position; empty until the order is recorded
         self._recording = False
         self._sync_grads = True
         self._callback_queued = False
@@ -121,7 +118,7 @@ class Scheduler:
         if unit is self.root_unit:
             if self._recording:
                 self._order_index = {id(u): i for i, u in enumerate(self.forward_order)}
-                self._order_recorded, self._recording = True, False
+                self._recording = False
         elif self.sharding_strategy.reshard_after_forward:
             unit.reshard()
         for tensor in tree_leaves(output):
@@ -161,7 +158,7 @@ class Scheduler:
         if self.state is not TrainingState.IDLE:
             self._reshard_all()  # a forward whose backward never ran
         self.state = TrainingState.FORWARD
-        self._recording = not self._order_recorded and torch.is_grad_enabled()
+        self._recording = not self._order_index and torch.is_grad_enabled()
         dtype = self.mixed_precision.param_dtype
         if dtype is not None:
 
@@ -175,7 +172,7 @@ class Scheduler:
 
     def _prefetch(self, unit: FSDPUnit, step: int) -> None:
         """Start gathering the unit after ``unit`` (step=1) or before it (step=-1) in forward order."""
-        position = self._order_index.get(id(unit)) if self._order_recorded else None
+        position = self._order_index.get(id(unit))
         if position is None:
             return
         index = position + step

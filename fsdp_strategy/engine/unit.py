@@ -7,6 +7,7 @@ decides no order; the Scheduler (runtime.py) decides *when*.
 
 from __future__ import annotations
 
+import functools
 from enum import Enum, auto
 from typing import NamedTuple
 
@@ -74,6 +75,8 @@ class FSDPUnit:
         self.memory = context.memory
         self.state = ShardedState.SHARDED
         self._aliased = bool(params) and all(p.aliased for p in params)  # [Note: aliased shards]
+        self._shard_sizes = [p.shard_numel for p in params]
+        self.unsharded_nbytes = sum(p.unsharded_nbytes for p in params)  # what gathering the unit adds
         self._gather: tuple[Pending, torch.Tensor] | None = None
         self._grads_ready: set[int] = set()
         self._param_dtype = params[0].param_dtype if params else torch.float32
@@ -86,26 +89,23 @@ class FSDPUnit:
                 "Cast the module to one dtype, or wrap the differing parameters in their own unit"
             )
 
-    @property
-    def unsharded_nbytes(self) -> int:
-        """Bytes of the unit's full parameters in ``param_dtype``, padding included."""
-        return sum(p.unsharded_nbytes for p in self.params)
+    def _start_gather(self, shards: list[torch.Tensor], dtype: torch.dtype) -> tuple[Pending, torch.Tensor]:
+        """Copy one shard-shaped tensor per parameter into a flat buffer (in ``dtype``, on the
+        compute device) and start ONE all-gather of it; return the work and the gather buffer."""
+        flat_shard = torch.empty(sum(self._shard_sizes), dtype=dtype, device=self.device)
+        torch._foreach_copy_(list(flat_shard.split(self._shard_sizes)), [s.detach().reshape(-1) for s in shards])
+        gathered = flat_shard.new_empty(flat_shard.numel() * self.shard_comm.size)
+        return collectives.all_gather(gathered, flat_shard, self.shard_comm, self.ledger, self.name), gathered
 
-    @property
-    def shard_numel(self) -> int:
-        """Elements of this rank's flat shard (all parameters, padding included)."""
-        return sum(p.shard_numel for p in self.params)
+    def _rows(self, gathered: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Each parameter's ``(N, shard_numel)`` slice of a gather buffer."""
+        return gathered.view(self.shard_comm.size, -1).split(self._shard_sizes, dim=1)
 
     def unshard(self) -> None:
         """Start the all-gather of the unit's shards (no-op unless the unit is sharded)."""
         if self.state is not ShardedState.SHARDED or not self.params or self._aliased:
             return
-        sizes = [p.shard_numel for p in self.params]
-        flat_shard = torch.empty(sum(sizes), dtype=self._param_dtype, device=self.device)
-        torch._foreach_copy_(list(flat_shard.split(sizes)), [p.sharded.detach().view(-1) for p in self.params])
-        gathered = torch.empty(flat_shard.numel() * self.shard_comm.size, dtype=self._param_dtype, device=self.device)
-        work = collectives.all_gather(gathered, flat_shard, self.shard_comm, self.ledger, self.name)
-        self._gather = (work, gathered)
+        self._gather = self._start_gather([p.sharded for p in self.params], self._param_dtype)
         self.state = ShardedState.GATHERING
 
     def gather_full(self, shards: list[torch.Tensor], keep: bool = True) -> list[torch.Tensor]:
@@ -117,14 +117,12 @@ class FSDPUnit:
         """
         if not self.params:
             return []
-        sizes = [p.shard_numel for p in self.params]
-        flat_shard = torch.cat([s.detach().reshape(-1).to(self.device) for s in shards])
-        gathered = flat_shard.new_empty(flat_shard.numel() * self.shard_comm.size)
-        collectives.all_gather(gathered, flat_shard, self.shard_comm, self.ledger, self.name).wait()
+        dtype = functools.reduce(torch.promote_types, (s.dtype for s in shards))
+        work, gathered = self._start_gather(shards, dtype)
+        work.wait()
         if not keep:
             return []
-        rows = gathered.view(self.shard_comm.size, -1).split(sizes, dim=1)
-        return [param.full_from_rows(param_rows) for param, param_rows in zip(self.params, rows)]
+        return [param.full_from_rows(param_rows) for param, param_rows in zip(self.params, self._rows(gathered))]
 
     def wait_unshard(self) -> None:
         """Make the full parameters usable: start the gather if needed, wait, copy out, register."""
@@ -140,9 +138,8 @@ class FSDPUnit:
         work, gathered = self._gather
         self._gather = None
         work.wait()
-        rows = gathered.view(self.shard_comm.size, -1).split([p.shard_numel for p in self.params], dim=1)
         with torch.no_grad():
-            for param, param_rows in zip(self.params, rows):
+            for param, param_rows in zip(self.params, self._rows(gathered)):
                 param.fill_unsharded(param_rows)
                 param.install(unsharded=True)
         self.memory.allocated(self.name, self.unsharded_nbytes)
