@@ -380,7 +380,7 @@ class FSDPCustomStrategy(ParallelStrategy):
         assert self.model is not None
         checkpoint.pop("state_dict", None)
         with_optimizers = checkpoint.pop("optimizer_states", None) is not None
-        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers] if with_optimizers else []
+        optimizers = list(self.optimizers) if with_optimizers else []
         self._writer.save_sharded(final, temporary, self.model, optimizers, checkpoint)
 
     def remove_checkpoint(self, filepath: _PATH) -> None:
@@ -397,12 +397,12 @@ class FSDPCustomStrategy(ParallelStrategy):
         if path.is_dir():
             meta = layout.read_meta(path)
             rank_zero_info(f"fsdp_custom: loading {path}: {sharded.describe_resharding(meta, self.model)}")
-            optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers] if fitting else []
-            return sharded.load_folder(path, self.model, optimizers, strict=strict)
+            optimizers = list(self.optimizers) if fitting else []
+            return sharded.load_folder(path, self.model, optimizers, strict=strict, meta=meta)
         if not path.exists():
             raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
         rank_zero_info(f"fsdp_custom: loading full checkpoint {path}: each of {self.world_size} ranks takes its rows")
-        optimizers = [getattr(o, "_optimizer", o) for o in self.optimizers] if fitting else []
+        optimizers = list(self.optimizers) if fitting else []
         return ckpt.load_full_checkpoint(path, self.model, optimizers, strict=strict)
 
     def process_dataloader(self, dataloader: object) -> object:

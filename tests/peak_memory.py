@@ -11,7 +11,7 @@ import ctypes
 import json
 import sys
 
-from fsdp_strategy.checkpoint.consolidation import consolidate, iter_tensors
+from fsdp_strategy.checkpoint.consolidation import consolidate, read_tensors, stored_tensors
 
 
 def status(field: str) -> int:
@@ -25,7 +25,8 @@ def status(field: str) -> int:
 def main() -> None:
     src, dst, options = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     ctypes.CDLL("libc.so.6").mallopt(-3, 65536)  # M_MMAP_THRESHOLD
-    next(iter_tensors(__import__("pathlib").Path(src), "model"))
+    metadata, paths = stored_tensors(__import__("pathlib").Path(src))
+    read_tensors(__import__("pathlib").Path(src), metadata, list(paths)[:1])
     from safetensors.torch import save_file  # its first call loads numpy: warm it up outside the measurement
 
     save_file({"warmup": __import__("torch").zeros(1)}, dst + ".warmup")

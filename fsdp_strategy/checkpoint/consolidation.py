@@ -1,8 +1,8 @@
 """Turn a sharded checkpoint folder into one file, tensor by tensor, with no process group.
 
-Each tensor is read on its own from the DCP files straight into its output tensor (in the
-output dtype), so besides the output itself only one stored chunk is in memory at a time:
-peak memory stays below the output size plus the largest tensor. With safetensors and a
+The output tensors are allocated (in the output dtype) and filled by one ``dcp.load``, which reads
+the shard files one stored chunk at a time straight into them, so besides the output itself only
+one chunk is in memory at a time: peak memory stays below the output size plus the largest tensor. With safetensors and a
 ``max_shard_size`` the output itself is streamed: a shard file is written and freed as soon as
 it is full, so peak memory is one shard plus one tensor.
 """
@@ -10,8 +10,8 @@ it is full, so peak memory is one shard plus one tensor.
 from __future__ import annotations
 
 import json
+import math
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,31 +25,33 @@ from fsdp_strategy.config import parse_dtype
 FORMATS = ("torch", "safetensors")
 
 
-def _entries(folder: Path) -> tuple[Any, dict[str, tuple]]:
+def stored_tensors(folder: Path) -> tuple[Any, dict[str, tuple]]:
+    """The folder's DCP metadata (read once) and ``{stored key: path}`` of its tensors, e.g.
+    ``("model", "net.embed.weight")`` or ``("optimizer_0", "net.embed.weight", "exp_avg")``."""
     metadata = dcp.FileSystemReader(str(folder)).read_metadata()
-    return metadata, dict(metadata.planner_data)
+    paths = {
+        key: tuple(path)
+        for key, path in metadata.planner_data.items()
+        if hasattr(metadata.state_dict_metadata.get(key), "size")
+    }
+    return metadata, paths
 
 
-def _read(folder: Path, metadata: Any, key: str, dtype: torch.dtype | None) -> torch.Tensor:
-    info = metadata.state_dict_metadata[key]
-    stored = info.properties.dtype
-    out_dtype = dtype if dtype is not None and stored.is_floating_point else stored
-    tensor = torch.empty(info.size, dtype=out_dtype)
-    dcp.load({key: tensor}, storage_reader=dcp.FileSystemReader(str(folder)), no_dist=True)
-    return tensor
+def read_tensors(folder: Path, metadata: Any, keys: list[str], dtype: torch.dtype | None = None) -> dict:
+    """Full tensors for ``keys``, in ``dtype`` when floating: the output tensors are allocated and
+    filled by ONE ``dcp.load``, which reads one stored chunk at a time straight into them."""
+    out = {}
+    for key in keys:
+        info = metadata.state_dict_metadata[key]
+        stored = info.properties.dtype
+        out[key] = torch.empty(info.size, dtype=dtype if dtype is not None and stored.is_floating_point else stored)
+    if out:
+        dcp.load(out, storage_reader=dcp.FileSystemReader(str(folder)), no_dist=True)
+    return out
 
 
-def iter_tensors(folder: Path, prefix: str, dtype: torch.dtype | None = None) -> Iterator[tuple[tuple, torch.Tensor]]:
-    """Yield ``(path, full tensor)`` for every stored tensor under ``prefix`` ("model", "optimizer_0")."""
-    metadata, paths = _entries(folder)
-    for key, path in paths.items():
-        if path[0] == prefix and hasattr(metadata.state_dict_metadata.get(key), "size"):
-            yield path[1:], _read(folder, metadata, key, dtype)
-
-
-def _optimizer_prefixes(folder: Path) -> list[str]:
-    _, paths = _entries(folder)
-    return sorted({p[0] for p in paths.values() if str(p[0]).startswith("optimizer_")}, key=lambda s: int(s[10:]))
+def _under(paths: dict[str, tuple], prefix: str) -> list[str]:
+    return [key for key, path in paths.items() if path[0] == prefix]
 
 
 def parse_size(text: str | int | None) -> int | None:
@@ -112,7 +114,9 @@ def consolidate(
 
 
 def _write_torch(src: Path, out: Path, dtype: torch.dtype | None, weights_only: bool) -> None:
-    state_dict = {path[0]: tensor for path, tensor in iter_tensors(src, "model", dtype)}
+    metadata, paths = stored_tensors(src)
+    model = read_tensors(src, metadata, _under(paths, "model"), dtype)
+    state_dict = {paths[key][1]: tensor for key, tensor in model.items()}
     if weights_only:
         torch.save(state_dict, out)
         return
@@ -121,12 +125,13 @@ def _write_torch(src: Path, out: Path, dtype: torch.dtype | None, weights_only: 
     groups = lightning_state.pop("optimizer_groups", [])
     # the data position belongs to fsdp_strategy's resumable sampler; a DDP or plain run has none to load
     lightning_state.get("loops", {}).get("fit_loop", {}).get("state_dict", {}).pop("combined_loader", None)
+    prefixes = sorted({p[0] for p in paths.values() if p[0].startswith("optimizer_")}, key=lambda s: int(s[10:]))
     optimizer_states = []
-    for index, prefix in enumerate(_optimizer_prefixes(src)):
+    for index, prefix in enumerate(prefixes):
         state: dict[str, dict[str, torch.Tensor]] = {}
-        for path, tensor in iter_tensors(src, prefix):
-            fqn, key = path[-2], path[-1]
-            state.setdefault(fqn, {})[key] = tensor
+        for key, tensor in read_tensors(src, metadata, _under(paths, prefix)).items():
+            fqn, name = paths[key][-2], paths[key][-1]
+            state.setdefault(fqn, {})[name] = tensor
         optimizer_states.append({"state": state, "param_groups": groups[index] if index < len(groups) else []})
     torch.save({**lightning_state, "state_dict": state_dict, "optimizer_states": optimizer_states}, out)
 
@@ -134,33 +139,31 @@ def _write_torch(src: Path, out: Path, dtype: torch.dtype | None, weights_only: 
 def _write_safetensors(src: Path, out: Path, dtype: torch.dtype | None, limit: int | None) -> None:
     from safetensors.torch import save_file
 
+    metadata, paths = stored_tensors(src)
+    keys = _under(paths, "model")
     if limit is None:
-        save_file({path[0]: tensor.contiguous() for path, tensor in iter_tensors(src, "model", dtype)}, str(out))
+        tensors = read_tensors(src, metadata, keys, dtype)
+        save_file({paths[key][1]: tensor.contiguous() for key, tensor in tensors.items()}, str(out))
         return
     out.mkdir(parents=True)
-    shards: list[dict[str, str]] = []
-    pending: dict[str, torch.Tensor] = {}
+    shards: list[list[str]] = [[]]
     size = 0
-
-    def flush() -> None:
-        nonlocal pending, size
-        if pending:
-            name = f"part-{len(shards):05d}.safetensors"
-            save_file(pending, str(out / name))
-            shards.append({key: name for key in pending})
-            pending, size = {}, 0
-
-    for path, tensor in iter_tensors(src, "model", dtype):
-        nbytes = tensor.numel() * tensor.element_size()
-        if pending and size + nbytes > limit:
-            flush()
-        pending[path[0]] = tensor.contiguous()
+    for key in keys:  # plan the shards from the metadata, then read and write one shard at a time
+        info = metadata.state_dict_metadata[key]
+        stored = info.properties.dtype
+        element = (dtype if dtype is not None and stored.is_floating_point else stored).itemsize
+        nbytes = math.prod(info.size) * element
+        if shards[-1] and size + nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(key)
         size += nbytes
-    flush()
-    weight_map, total = {}, len(shards)
-    for index, mapping in enumerate(shards):
-        final = f"model-{index + 1:05d}-of-{total:05d}.safetensors"
-        os.replace(out / next(iter(mapping.values())), out / final)
-        weight_map.update({key: final for key in mapping})
+    weight_map = {}
+    for index, shard in enumerate(shards):
+        name = f"model-{index + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors = read_tensors(src, metadata, shard, dtype)
+        save_file({paths[key][1]: tensor.contiguous() for key, tensor in tensors.items()}, str(out / name))
+        weight_map.update({paths[key][1]: name for key in shard})
+        del tensors
     index_file = {"metadata": {"format": "pt"}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index_file, indent=1, sort_keys=True))

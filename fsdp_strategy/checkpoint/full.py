@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fsdp_strategy.checkpoint import names
 from fsdp_strategy.checkpoint.layout import CheckpointError
 from fsdp_strategy.engine import collectives, get_scheduler
 from fsdp_strategy.engine.param import ShardedParam
@@ -90,10 +91,6 @@ def load_full_state_dict(
             own[name].copy_(value)
 
 
-def _fqn_by_param(module: nn.Module) -> dict[int, ShardedParam]:
-    return {id(p.sharded): p for p in get_scheduler(module).sharded_params()}
-
-
 @torch.no_grad()
 def full_optimizer_state_dict(
     module: nn.Module, optimizer: torch.optim.Optimizer, rank0_only: bool = True
@@ -105,7 +102,6 @@ def full_optimizer_state_dict(
     """
     scheduler = get_scheduler(module)
     keep = not rank0_only or _is_rank0()
-    params = _fqn_by_param(module)
     per_param = {id(p): state for p, state in optimizer.state.items()}
     out_state: dict[str, dict[str, Any]] = {}
     gathered: dict[str, list[str]] = {}
@@ -128,10 +124,7 @@ def full_optimizer_state_dict(
                         out_state.setdefault(p.fqn, {})[key] = value.clone() if torch.is_tensor(value) else value
     if not keep:
         return {}
-    groups = []
-    for group in optimizer.param_groups:
-        hyper = {k: v for k, v in group.items() if k != "params"}
-        groups.append({**hyper, "params": [params[id(p)].fqn for p in group["params"]]})
+    groups = names.named_groups(optimizer, names.shard_owners(module))
     return {"state": out_state, "param_groups": groups, "gathered_keys": gathered}
 
 
@@ -141,36 +134,21 @@ def _shard_shaped(value: Any, param: ShardedParam) -> bool:
 
 @torch.no_grad()
 def load_full_optimizer_state_dict(
-    module: nn.Module, optimizer: torch.optim.Optimizer, state_dict: Mapping[str, Any]
+    module: nn.Module, optimizer: torch.optim.Optimizer, state_dict: Mapping[str, Any], source: Any = "optimizer state"
 ) -> None:
     """Load a name-keyed full optimizer state into ``optimizer`` (each rank takes its rows)."""
-    by_fqn = {p.fqn: p for p in get_scheduler(module).sharded_params()}
-    params = _fqn_by_param(module)
-    groups = state_dict["param_groups"]
+    owners = names.shard_owners(module)
+    names.check_names(optimizer, owners, state_dict["state"], source)
+    by_fqn = {p.fqn: p for p in owners.values()}
     gathered = state_dict.get("gathered_keys", {})
-    if len(groups) != len(optimizer.param_groups):
-        raise CheckpointError(
-            f"optimizer state has {len(groups)} param groups, the optimizer has {len(optimizer.param_groups)}"
-        )
-    index_of: dict[str, int] = {}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            index_of[params[id(p)].fqn] = len(index_of)
-    state: dict[int, dict[str, Any]] = {}
-    for fqn, entry in state_dict["state"].items():
-        if fqn not in index_of:
-            raise CheckpointError(f"optimizer state names parameter {fqn!r}, which the optimizer does not hold")
-        param = by_fqn[fqn]
-        full_keys = gathered.get(fqn, ())
-        state[index_of[fqn]] = {
-            key: param.local_rows(value, param.shard_rank) if key in full_keys else value
+    local = {
+        fqn: {
+            key: by_fqn[fqn].local_rows(value, by_fqn[fqn].shard_rank) if key in gathered.get(fqn, ()) else value
             for key, value in entry.items()
         }
-    torch_groups = []
-    for saved, group in zip(groups, optimizer.param_groups):
-        hyper = {k: v for k, v in saved.items() if k != "params"}
-        torch_groups.append({**hyper, "params": [index_of[params[id(p)].fqn] for p in group["params"]]})
-    optimizer.load_state_dict({"state": state, "param_groups": torch_groups})
+        for fqn, entry in state_dict["state"].items()
+    }
+    names.load_named_state(optimizer, owners, local, state_dict["param_groups"], source)
 
 
 def load_full_checkpoint(
@@ -194,7 +172,7 @@ def load_full_checkpoint(
             f"{len(optimizers)}"
         )
     for optimizer, state in zip(optimizers, optimizer_states):
-        load_full_optimizer_state_dict(module, optimizer, state)
+        load_full_optimizer_state_dict(module, optimizer, state, source=path)
     return checkpoint
 
 

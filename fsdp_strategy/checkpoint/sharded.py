@@ -21,7 +21,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from fsdp_strategy.checkpoint import layout
+from fsdp_strategy.checkpoint import layout, names
 from fsdp_strategy.checkpoint.layout import CheckpointError
 from fsdp_strategy.engine import Scheduler, collectives, get_scheduler
 from fsdp_strategy.engine.param import ShardedParam
@@ -74,21 +74,14 @@ def model_state(module: nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
-def _param_table(module: nn.Module) -> dict[int, ShardedParam]:
-    return {id(p.sharded): p for p in get_scheduler(module).sharded_params()}
-
-
 def optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, list[dict], dict]:
     """(tensors keyed by parameter name, param groups naming parameters, per-key layout)."""
-    table, mesh = _param_table(module), _mesh(get_scheduler(module))
+    owners, mesh = names.shard_owners(module), _mesh(get_scheduler(module))
     tensors: dict[str, dict[str, torch.Tensor]] = {}
     layouts: dict[str, dict[str, dict]] = {}
-    groups = []
     for group in optimizer.param_groups:
-        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": []})
         for tensor in group["params"]:
-            param = table[id(tensor)]
-            groups[-1]["params"].append(param.fqn)
+            param = owners[id(tensor)]
             for key, value in optimizer.state.get(tensor, {}).items():
                 if not torch.is_tensor(value):
                     raise CheckpointError(f"optimizer state {param.fqn!r}/{key!r} is not a tensor ({type(value)})")
@@ -99,14 +92,14 @@ def optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> tupl
                     "dtype": str(value.dtype).removeprefix("torch."),
                     "shape": list(value.shape),
                 }
-    return tensors, groups, layouts
+    return tensors, names.named_groups(optimizer, owners), layouts
 
 
 def plan(module: nn.Module) -> dict[str, Any]:
     """Names, shapes, dtypes and units of the parameters, and the buffers: the sharding plan."""
     scheduler = get_scheduler(module)
     unit_of = {p.fqn: unit.name for unit in scheduler.units for p in unit.params}
-    by_id = _param_table(module)
+    by_id = names.shard_owners(module)
     params, buffers = {}, {}
     for name, value in module.state_dict(keep_vars=True).items():
         param = by_id.get(id(value))
@@ -161,8 +154,8 @@ def check_compatible(folder: Path, meta: dict, module: nn.Module, strict: bool) 
 def verify_folder(folder: Path, meta: dict, process_group: Any = None) -> None:
     """Each rank checks a share of the files; any problem is raised on every rank."""
     rank, world = collectives.process_rank(process_group)
-    names = sorted(meta.get("checksums", {}))
-    problems = layout.verify_files(folder, meta["checksums"], names[rank::world])
+    files = sorted(meta.get("checksums", {}))
+    problems = layout.verify_files(folder, meta["checksums"], files[rank::world])
     found = [p for part in collectives.all_gather_objects(problems, process_group) for p in part]
     if found:
         raise CheckpointError("checkpoint is damaged: " + "; ".join(found))
@@ -170,13 +163,10 @@ def verify_folder(folder: Path, meta: dict, process_group: Any = None) -> None:
 
 def _optimizer_targets(module: nn.Module, optimizer: torch.optim.Optimizer, layouts: dict, where: Path) -> tuple:
     """Empty local tensors for each saved optimizer state, and their checkpoint views."""
-    table, mesh = _param_table(module), _mesh(get_scheduler(module))
-    names = {table[id(t)].fqn for g in optimizer.param_groups for t in g["params"]}
-    unknown = sorted(set(layouts) - names)
-    if unknown:
-        raise CheckpointError(f"{where}: optimizer state for parameters the optimizer does not hold: {unknown}")
+    owners, mesh = names.shard_owners(module), _mesh(get_scheduler(module))
+    names.check_names(optimizer, owners, layouts, where)
     locals_, views = {}, {}
-    by_fqn = {p.fqn: p for p in table.values()}
+    by_fqn = {p.fqn: p for p in owners.values()}
     for fqn, keys in layouts.items():
         param = by_fqn[fqn]
         for key, spec in keys.items():
@@ -194,9 +184,13 @@ def load_folder(
     optimizers: list[torch.optim.Optimizer],
     strict: bool = True,
     process_group: Any = None,
+    meta: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Load model (and optimizer) state into the shards, at any world size; return Lightning's state."""
-    meta = layout.read_meta(folder)
+    """Load model (and optimizer) state into the shards, at any world size; return Lightning's state.
+
+    ``meta``: the folder's ``fsdp_meta.json`` if the caller has already read it.
+    """
+    meta = meta if meta is not None else layout.read_meta(folder)
     check_compatible(folder, meta, module, strict)
     verify_folder(folder, meta, process_group)
     lightning_state = torch.load(folder / layout.LIGHTNING_FILE, map_location="cpu", weights_only=False)
@@ -215,8 +209,9 @@ def load_folder(
         state[f"optimizer_{index}"] = views
     dcp.load(state, storage_reader=dcp.FileSystemReader(str(folder)), process_group=process_group)
     _clear_scalar_padding(module)
+    owners = names.shard_owners(module)
     for optimizer, locals_, saved_groups in zip(optimizers, targets, groups):
-        _load_optimizer(module, optimizer, locals_, saved_groups)
+        names.load_named_state(optimizer, owners, locals_, saved_groups, folder / layout.LIGHTNING_FILE)
     return lightning_state
 
 
@@ -225,20 +220,6 @@ def _clear_scalar_padding(module: nn.Module) -> None:
     for param in get_scheduler(module).sharded_params():
         if param.shape == torch.Size([]) and param.shard_rank != 0:
             param.sharded.data.zero_()
-
-
-def _load_optimizer(module: nn.Module, optimizer: torch.optim.Optimizer, locals_: dict, saved_groups: list) -> None:
-    table = _param_table(module)
-    index_of: dict[str, int] = {}
-    for group in optimizer.param_groups:
-        for tensor in group["params"]:
-            index_of[table[id(tensor)].fqn] = len(index_of)
-    groups = []
-    for saved, group in zip(saved_groups, optimizer.param_groups):
-        hyper = {k: v for k, v in saved.items() if k != "params"}
-        groups.append({**hyper, "params": [index_of[table[id(t)].fqn] for t in group["params"]]})
-    state = {index_of[fqn]: entries for fqn, entries in locals_.items()}
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
 def _package_version() -> str:
