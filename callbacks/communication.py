@@ -5,10 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
-from fsdp_strategy.callbacks.ranks import due, log_to_loggers, stats_over_ranks
+from fsdp_strategy.callbacks.ranks import MIB, due, log_to_loggers, stats_over_ranks
 from lightning.pytorch.callbacks import Callback
-
-MIB = 2**20
 
 
 class CommunicationMonitor(Callback):

@@ -8,12 +8,10 @@ from typing import Any
 import lightning.pytorch as pl
 import psutil
 import torch
-from fsdp_strategy.callbacks.ranks import due, log_to_loggers, stats_over_ranks
+from fsdp_strategy.callbacks.ranks import MIB, due, log_to_loggers, stats_over_ranks
 from lightning.pytorch.callbacks import Callback
 
 from fsdp_strategy.engine import get_scheduler, is_sharded
-
-MIB = 2**20
 
 
 class MemoryMonitor(Callback):

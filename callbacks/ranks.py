@@ -7,6 +7,8 @@ from collections.abc import Mapping
 import lightning.pytorch as pl
 import torch
 
+MIB = 2**20
+
 
 def due(trainer: pl.Trainer, every_n_steps: int) -> bool:
     """Whether the optimizer step about to run is one to log (steps 0, n, 2n, ...)."""

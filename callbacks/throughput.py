@@ -8,7 +8,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from fsdp_strategy.callbacks.ranks import log_to_loggers
+from fsdp_strategy.callbacks.ranks import due, log_to_loggers
 from lightning.fabric.utilities.throughput import Throughput, get_available_flops
 from lightning.pytorch.callbacks import Callback
 
@@ -107,7 +107,7 @@ class ThroughputMonitor(Callback):
             lengths=counts["lengths"] if tokens is not None else None,
             flops=int(flops) if flops else None,  # this step's on one rank; Throughput multiplies by the ranks
         )
-        if trainer.global_step % self.log_every_n_steps == 0 or counts["batches"] == self.window_size:
+        if due(trainer, self.log_every_n_steps) or counts["batches"] == self.window_size:
             metrics = {f"{self.prefix}/{k}": float(v) for k, v in self._throughput.compute().items()}
             metrics[f"{self.prefix}/step_time_s"] = now - self._step_start
             log_to_loggers(trainer, metrics)

@@ -41,8 +41,8 @@ class FSDPCustomPrecision(FSDPPrecision):
         self.precision = precision
         self.scaler = scaler
         self._user_scaler = scaler is not None
-        low = _LOW.get(precision.split("-")[0], torch.float32)
-        self._desired_input_dtype = low if precision.endswith("-true") else torch.float32
+        self._low = _LOW.get(precision.split("-")[0], torch.float32)  # the dtype the name asks for
+        self._desired_input_dtype = self._low if precision.endswith("-true") else torch.float32
         self.device_type = "cpu"
         self.clip_fn: Any = None
 
@@ -71,12 +71,11 @@ class FSDPCustomPrecision(FSDPPrecision):
         """The engine's MixedPrecision for "*-mixed": params and buffers low, gradients reduced in fp32."""
         if not self.precision.endswith("-mixed"):
             return None
-        low = _LOW[self.precision.split("-")[0]]
-        return MixedPrecision(param_dtype=low, reduce_dtype=torch.float32, buffer_dtype=low)
+        return MixedPrecision(param_dtype=self._low, reduce_dtype=torch.float32, buffer_dtype=self._low)
 
     def forward_context(self) -> AbstractContextManager:
         if self.precision.endswith("-mixed"):
-            return torch.autocast(self.device_type, dtype=_LOW[self.precision.split("-")[0]])
+            return torch.autocast(self.device_type, dtype=self._low)
         return super().forward_context()
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:

@@ -2,9 +2,9 @@
 
 The output tensors are allocated (in the output dtype) and filled by one ``dcp.load``, which reads
 the shard files one stored chunk at a time straight into them, so besides the output itself only
-one chunk is in memory at a time: peak memory stays below the output size plus the largest tensor. With safetensors and a
-``max_shard_size`` the output itself is streamed: a shard file is written and freed as soon as
-it is full, so peak memory is one shard plus one tensor.
+one chunk is in memory at a time: peak memory stays below the output size plus the largest
+tensor. With safetensors and a ``max_shard_size`` the output itself is streamed: one shard is
+read, written and freed at a time, so peak memory is about one shard plus one chunk.
 """
 
 from __future__ import annotations
