@@ -74,12 +74,16 @@ def _assign_params(unit_modules: list[nn.Module], uses: dict[int, list[ParamUse]
     return assigned
 
 
-def _nearest_unit(unit_modules: list[nn.Module]) -> dict[int, int]:
+def _modules_by_unit(root: nn.Module, unit_modules: list[nn.Module]) -> dict[int, list[nn.Module]]:
+    """Unit index -> the modules whose nearest enclosing unit it is (deeper units win)."""
     nearest: dict[int, int] = {}
     for index, unit in enumerate(unit_modules):
         for module in unit.modules():
             nearest[id(module)] = index
-    return nearest
+    grouped: dict[int, list[nn.Module]] = defaultdict(list)
+    for module in root.modules():
+        grouped[nearest[id(module)]].append(module)
+    return grouped
 
 
 def shard_model(
@@ -113,14 +117,14 @@ def shard_model(
     module_names = {id(m): name for name, m in module.named_modules(remove_duplicate=False)}
     uses, names = _param_uses(module)
     assigned = _assign_params(unit_modules, uses)
-    nearest = _nearest_unit(unit_modules)
+    modules_of = _modules_by_unit(module, unit_modules)
     layout = ShardLayout(shard_comm.rank, shard_comm.size, storage_device, compute_device, precision.param_dtype)
     ledger = CommLedger()
     memory = MemoryAccount()
     context = UnitContext(shard_comm, replicate_comm, precision.reduce_dtype, compute_device, ledger, memory)
     units: list[FSDPUnit] = []
     for index, unit_module in enumerate(unit_modules):
-        owned = {id(m): m for m in module.modules() if nearest[id(m)] == index}
+        owned = {id(m): m for m in modules_of[index]}
         owned.update({id(use.module): use.module for pid in assigned[index] for use in uses[pid]})
         materialize([(module_names[key], m) for key, m in owned.items()], compute_device)
         params = []
