@@ -7,10 +7,18 @@ Importing this package registers "fsdp_custom" (and its variants) with Lightning
 from lightning.pytorch.strategies import StrategyRegistry
 
 from fsdp_strategy.config import CPUOffload, MixedPrecision, ShardingStrategy
+from fsdp_strategy.engine import summon_full_params
 from fsdp_strategy.precision import FSDPCustomPrecision
 from fsdp_strategy.strategy import FSDPCustomStrategy
 
-__all__ = ["CPUOffload", "FSDPCustomPrecision", "FSDPCustomStrategy", "MixedPrecision", "ShardingStrategy"]
+__all__ = [
+    "CPUOffload",
+    "FSDPCustomPrecision",
+    "FSDPCustomStrategy",
+    "MixedPrecision",
+    "ShardingStrategy",
+    "summon_full_params",
+]
 __version__ = "0.1.0"
 
 FSDPCustomStrategy.register_strategies(StrategyRegistry)

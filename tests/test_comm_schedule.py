@@ -1,4 +1,6 @@
-"""The schedule, counted: collectives per step, their bytes, freed storage, memory at rest."""
+"""The schedule, counted: collectives per step, their bytes, prefetching, and the memory that
+gathering and reducing hold, measured from the storages themselves and compared with the
+engine's own account."""
 
 from __future__ import annotations
 
@@ -7,6 +9,8 @@ import math
 import torch
 from dist_utils import run_ranks
 from models import Block, TiedLM, lm_loss, make_batches
+from pattern_models import VOCAB, LoRABlock, LoRAModel, MLPBlock
+from pattern_models import lm_loss as next_token_loss
 from torch import nn
 
 from fsdp_strategy import MixedPrecision
@@ -24,6 +28,55 @@ def _calls(snapshot: dict, kind: str) -> int:
     return snapshot.get(kind, {}).get("calls", 0)
 
 
+def _storage_bytes(tensors) -> int:
+    """Bytes of the distinct live storages behind ``tensors`` (measured, not from the account)."""
+    storages = {}
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        if storage.nbytes():
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def _engine_bytes(scheduler) -> int:
+    """Every buffer the engine holds beyond the shards, read off the tensors."""
+    tensors = [p._padded_full for p in scheduler.sharded_params() if not p.aliased]
+    tensors += [p.stashed_grad for p in scheduler.sharded_params() if p.stashed_grad is not None]
+    for unit in scheduler.units:
+        if unit._gather is not None:
+            tensors += [unit._gather.flat_shard, unit._gather.gathered]
+    for pending in scheduler._pending_reduces:
+        tensors += [pending.output, pending.flat]
+    return _storage_bytes(tensors)
+
+
+class Observer:
+    """At every module call and every unit output's backward: gathered units (from storage) and
+    engine bytes measured vs accounted."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.scheduler = get_scheduler(model)
+        self.max_gathered = 0
+        self.mismatches: list[tuple[int, int]] = []
+        self.points = 0
+        for module in model.modules():
+            module.register_forward_pre_hook(lambda *_: self.observe())
+            module.register_forward_hook(self._hook_outputs)
+
+    def _hook_outputs(self, module, args, output) -> None:
+        self.observe()
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(lambda grad: self.observe())
+
+    def observe(self) -> None:
+        self.points += 1
+        gathered = [u for u in self.scheduler.units if any(p.unsharded_allocated for p in u.params if not p.aliased)]
+        self.max_gathered = max(self.max_gathered, len(gathered))
+        measured, accounted = _engine_bytes(self.scheduler), self.scheduler.memory.current
+        if measured != accounted:
+            self.mismatches.append((measured, accounted))
+
+
 def _schedule_body(rank: int, world: int, strategy: str, param_dtype: torch.dtype | None) -> dict:
     torch.manual_seed(0)
     model = TiedLM()
@@ -32,27 +85,20 @@ def _schedule_body(rank: int, world: int, strategy: str, param_dtype: torch.dtyp
     precision = MixedPrecision(param_dtype=param_dtype, buffer_dtype=param_dtype)
     shard_model(model, sharding_strategy=strategy, auto_wrap_policy={Block, nn.Embedding}, mixed_precision=precision)
     scheduler = get_scheduler(model)
+    observer = Observer(model)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     batches = make_batches(3, 2 * world)
-    seen_gathered: list[int] = []
+    order = ["root", "blocks.0", "blocks.1"]
+    units = {u.name: u for u in scheduler.units}
     next_ready: list[bool] = []
-    order = {id(u.module): i for i, u in enumerate(scheduler.units)}
-
-    def observe(module, args):
-        gathered = [u for u in scheduler.units if u.state is not ShardedState.SHARDED]
-        seen_gathered.append(len(gathered))
-        recorded = scheduler.forward_order
-        index = next((i for i, u in enumerate(recorded) if id(u.module) == id(module)), None)
-        if index is not None and index + 1 < len(recorded) and order[id(module)] != 0:
-            next_ready.append(recorded[index + 1].state is not ShardedState.SHARDED)
-
-    for unit in scheduler.units:
-        unit.module.register_forward_pre_hook(observe)
+    for name, successor in zip(order[1:], order[2:]):  # when blocks.0 starts, blocks.1 is on its way
+        units[name].module.register_forward_pre_hook(
+            lambda *_, s=successor: next_ready.append(units[s].state is not ShardedState.SHARDED)
+        )
     result = {}
     for step in range(3):
         scheduler.ledger.start_step()
-        scheduler.memory.reset_peak()
-        seen_gathered.clear()
+        next_ready.clear()
         loss = lm_loss(model, batches[step][rank::world])
         result["forward"] = scheduler.ledger.snapshot()
         result["freed_after_forward"] = {
@@ -61,21 +107,19 @@ def _schedule_body(rank: int, world: int, strategy: str, param_dtype: torch.dtyp
         loss.backward()
         result["step"] = scheduler.ledger.snapshot()
         result["freed_after_backward"] = all(not p.unsharded_allocated for p in scheduler.sharded_params())
+        result["prefetched"] = list(next_ready)
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
-    result["max_gathered"] = max(seen_gathered)
-    result["memory"] = (scheduler.memory.current, scheduler.memory.peak)
-    result["prefetched"] = next_ready
+    result["max_gathered"] = observer.max_gathered
+    result["mismatches"] = observer.mismatches
+    result["memory_now"] = scheduler.memory.current
     unit_of = {p.fqn: unit.name for unit in scheduler.units for p in unit.params}
-    ran = {"root", "blocks.0", "blocks.1"}
     result["unit_numel"] = {
-        name: sum(_padded_numel(shapes[fqn], world) for fqn, u in unit_of.items() if u == name) for name in ran
+        name: sum(_padded_numel(shapes[fqn], world) for fqn, u in unit_of.items() if u == name) for name in order
     }
-    result["unit_trainable_numel"] = {
-        name: sum(
-            _padded_numel(shapes[fqn], world) for fqn, u in unit_of.items() if u == name and fqn in trainable_names
-        )
-        for name in ran
+    result["unit_trainable"] = {
+        name: [_padded_numel(shapes[fqn], world) for fqn, u in unit_of.items() if u == name and fqn in trainable_names]
+        for name in order
     }
     params = [p.sharded for p in scheduler.sharded_params()]
     result["param_bytes"] = sum(p.numel() * p.element_size() for p in params)
@@ -111,9 +155,10 @@ def test_schedule_counts_bytes_and_memory(tmp_path):
     assert _calls(full["step"], "reduce_scatter") == units
     assert _calls(full["step"], "all_reduce") == 0
     gather_bytes = sum(4 * n * (world - 1) // world for n in full["unit_numel"].values())
-    scatter_bytes = sum(4 * n * (world - 1) // world for n in full["unit_trainable_numel"].values())
+    # each rank's row carries its gradient columns and one usage flag per trainable parameter
+    scatter_payload = {name: 4 * (sum(sizes) + world * len(sizes)) for name, sizes in full["unit_trainable"].items()}
     assert full["forward"]["all_gather"]["wire_bytes"] == gather_bytes
-    assert full["step"]["reduce_scatter"]["wire_bytes"] == scatter_bytes
+    assert full["step"]["reduce_scatter"]["payload_bytes"] == sum(scatter_payload.values())
     assert full["freed_after_forward"] == {
         "root": False,
         "embed": True,
@@ -122,11 +167,10 @@ def test_schedule_counts_bytes_and_memory(tmp_path):
         "skipped": True,
     }
     assert full["freed_after_backward"]
-    # the engine's own account: nothing gathered between steps; in a step, all 3 units at once at
-    # most (the root, the running block and the prefetched one)
-    assert full["memory"] == (0, sum(4 * n for n in full["unit_numel"].values()))
     assert full["max_gathered"] <= 3  # the running unit, the root and one prefetched unit
-    assert full["prefetched"] and all(full["prefetched"])  # from the second step on, the next unit is in flight
+    assert full["prefetched"] == [True]  # the next unit is in flight when a block starts
+    # the account equals the storages measured at every module call and backward hook
+    assert full["mismatches"] == [] and full["memory_now"] == 0
 
     # at rest: 1/N of every parameter plus padding; gradients and Adam's two moments alike
     assert full["param_bytes"] == full["expected_shard_bytes"]
@@ -137,8 +181,148 @@ def test_schedule_counts_bytes_and_memory(tmp_path):
     assert _calls(grad_op["step"], "all_gather") == units
     assert _calls(grad_op["step"], "reduce_scatter") == units
     assert grad_op["freed_after_forward"]["blocks.0"] is False
-    assert grad_op["freed_after_backward"]
+    assert grad_op["freed_after_backward"] and grad_op["mismatches"] == []
 
     bf16 = result["bf16"]
     assert bf16["forward"]["all_gather"]["wire_bytes"] == gather_bytes // 2  # gathered in bf16
-    assert bf16["step"]["reduce_scatter"]["wire_bytes"] == scatter_bytes  # reduced in fp32
+    assert bf16["step"]["reduce_scatter"]["payload_bytes"] == sum(scatter_payload.values())  # reduced in fp32
+    assert bf16["mismatches"] == []
+
+
+def _lora_memory_body(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    model = shard_model(LoRAModel(), auto_wrap_policy={LoRABlock})
+    scheduler = get_scheduler(model)
+    observer = Observer(model)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    tokens = torch.randint(0, VOCAB, (4, 2, 6), generator=torch.Generator().manual_seed(rank))
+    for step in range(2):  # a normal step: reduce in backward
+        next_token_loss(model(tokens[step]), tokens[step]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    normal = observer.max_gathered
+    observer.max_gathered = 0
+    with scheduler.no_sync():  # gradient accumulation: full parameters still freed per unit
+        for step in (2, 3):
+            next_token_loss(model(tokens[step]), tokens[step]).backward()
+            after_micro_batch = [u.name for u in scheduler.units if u.state is not ShardedState.SHARDED]
+    return {
+        "normal": normal,
+        "no_sync": observer.max_gathered,
+        "after_micro_batch": after_micro_batch,
+        "units": len(scheduler.units),
+        "mismatches": observer.mismatches,
+        "stashed": scheduler.memory.by_kind["stashed_grads"],
+        "stashed_measured": sum(p.stashed_nbytes for p in scheduler.sharded_params()),
+    }
+
+
+def test_frozen_and_unused_parameters_and_no_sync_keep_memory_bounded(tmp_path):
+    for result in run_ranks(_lora_memory_body, 2, tmp_path):
+        assert result["units"] == 9  # the root and 8 LoRA blocks, each a frozen base + an adapter
+        assert result["normal"] <= 3 and result["no_sync"] <= 3  # root + running + prefetched, not 8 of 8
+        assert result["after_micro_batch"] == []
+        assert result["mismatches"] == []
+        assert result["stashed"] == result["stashed_measured"] > 0  # full adapter gradients, counted
+
+
+def _prefetch_body(rank: int, world: int) -> dict:
+    """Units a, b, c, d in a row; c is skipped from step 2 on (every rank alike)."""
+
+    class Chain(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(VOCAB, 8)
+            self.blocks = nn.ModuleList([MLPBlock() for _ in range(4)])
+            self.head = nn.Linear(8, VOCAB)
+
+        def forward(self, tokens, skip: bool):
+            x = self.embed(tokens)
+            for index, block in enumerate(self.blocks):
+                if not (skip and index == 2):
+                    x = block(x)
+            return self.head(x)
+
+    torch.manual_seed(0)
+    model = shard_model(Chain(), auto_wrap_policy={MLPBlock})
+    ledger = get_scheduler(model).ledger
+    tokens = torch.randint(0, VOCAB, (2, 6))
+    gathers = []
+    for step in range(5):
+        ledger.start_step()
+        with torch.no_grad():
+            model(tokens, skip=step >= 2)
+        gathers.append(_calls(ledger.snapshot(), "all_gather"))
+    return {"gathers": gathers}
+
+
+def test_prefetch_follows_the_previous_step_not_the_first(tmp_path):
+    result = run_ranks(_prefetch_body, 2, tmp_path)[0]
+    # 5 units ran (root + 4 blocks); from step 2 on block 2 is skipped: step 2 still prefetches it
+    # once (the previous step ran it), steps 3 and 4 follow step 2's order and gather 4 units
+    assert result["gathers"] == [5, 5, 5, 4, 4]
+
+
+def _returns_input_body(rank: int, world: int) -> dict:
+    class Tap(nn.Module):
+        """Returns its input unchanged next to a value computed from it (as a probe or a cache)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.probe = nn.Linear(8, 1)
+
+        def forward(self, x):
+            return x, self.probe(x).mean()
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(VOCAB, 8)
+            self.block = MLPBlock()
+            self.tap = Tap()
+            self.head = nn.Linear(8, VOCAB)
+
+        def forward(self, tokens):
+            x, probe = self.tap(self.block(self.embed(tokens)))
+            return self.head(x) + probe
+
+    torch.manual_seed(0)
+    model = shard_model(Model(), auto_wrap_policy={MLPBlock, Tap})
+    ledger = get_scheduler(model).ledger
+    tokens = torch.randint(0, VOCAB, (2, 6))
+    ledger.start_step()
+    next_token_loss(model(tokens), tokens).backward()
+    return {"gathers": _calls(ledger.snapshot(), "all_gather")}
+
+
+def test_a_unit_returning_its_input_is_gathered_once_in_backward(tmp_path):
+    # forward: root, block, tap; backward: tap and block again (the root stays gathered)
+    assert run_ranks(_returns_input_body, 2, tmp_path)[0]["gathers"] == 5
+
+
+def _no_shard_body(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    model = shard_model(TiedLM(), sharding_strategy="NO_SHARD", auto_wrap_policy={Block, nn.Embedding})
+    scheduler = get_scheduler(model)
+    trainable = {
+        u.name: [p.shard_numel for p in u.params if p.trainable] for u in scheduler.units if u.name != "skipped"
+    }
+    batches = make_batches(2, 2 * world)
+    for step in range(2):
+        scheduler.ledger.start_step()
+        lm_loss(model, batches[step][rank::world]).backward()
+    # gradients of one unit: one copy into a flat buffer, all-reduced in place, viewed by sharded.grad
+    flat_views = [
+        p.sharded.grad.untyped_storage().data_ptr() for p in scheduler.units[0].params if p.sharded.grad is not None
+    ]
+    return {"step": scheduler.ledger.snapshot(), "trainable": trainable, "flat_views": flat_views}
+
+
+def test_no_shard_all_reduces_each_unit_once_in_place(tmp_path):
+    world = 2
+    result = run_ranks(_no_shard_body, world, tmp_path)[0]
+    reduced = {name: sizes for name, sizes in result["trainable"].items() if sizes}
+    assert _calls(result["step"], "all_reduce") == len(reduced)
+    assert _calls(result["step"], "reduce_scatter") == 0 and _calls(result["step"], "all_gather") == 0
+    assert result["step"]["all_reduce"]["payload_bytes"] == sum(4 * (sum(s) + len(s)) for s in reduced.values())
+    assert len(set(result["flat_views"])) == 1  # the root's gradients are views of its one reduced buffer

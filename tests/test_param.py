@@ -76,9 +76,24 @@ def test_a_group_of_one_aliases_the_shard_and_frees_nothing():
     assert not mixed.aliased  # a cast copy is needed for bf16
 
 
-def test_padded_grad_rows_adds_zero_rows():
-    (shard, _) = _shards(nn.Parameter(torch.zeros(3, 2)), 2)
-    grad = torch.arange(6.0).reshape(3, 2)
-    rows = shard.padded_grad_rows(grad)
-    assert rows.shape == (2, 4)
-    assert torch.equal(rows.reshape(4, 2)[:3], grad) and torch.count_nonzero(rows.reshape(4, 2)[3]) == 0
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_grad_rows_land_padded_in_strided_columns_with_the_stash_added(shape, world):
+    (shard, *_) = _shards(nn.Parameter(torch.zeros(shape, dtype=torch.bfloat16)), world)
+    first = torch.randn(shape, dtype=torch.bfloat16)
+    second = torch.randn(shape, dtype=torch.bfloat16)
+    shard.unsharded.grad = first
+    assert shard.stash_grad(torch.float32) == 4 * math.prod(shape)  # kept in the reduce dtype
+    assert shard.unsharded.grad is None and shard.stashed_grad.dtype == torch.float32
+    shard.unsharded.grad = second
+    buffer = torch.full((world, shard.shard_numel + 5), 7.0)  # other columns around ours
+    assert shard.take_grad_rows(buffer[:, 2 : 2 + shard.shard_numel])
+    expected = first.float() + second.float()  # summed in fp32, not in bf16
+    padded = buffer[:, 2 : 2 + shard.shard_numel].reshape(world * shard.chunk_rows, -1)
+    dim0 = shape[0] if shape else 1
+    assert torch.equal(padded[:dim0], expected.reshape(dim0, -1))
+    assert torch.count_nonzero(padded[dim0:]) == 0  # padding rows are zero
+    assert torch.all(buffer[:, :2] == 7.0) and torch.all(buffer[:, 2 + shard.shard_numel :] == 7.0)
+    assert shard.unsharded.grad is None and shard.stashed_grad is None
+    assert not shard.take_grad_rows(buffer[:, 2 : 2 + shard.shard_numel])  # nothing left: zeros, unused
+    assert torch.count_nonzero(buffer[:, 2 : 2 + shard.shard_numel]) == 0

@@ -10,7 +10,8 @@ runs as a group of one.
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -20,13 +21,15 @@ from torch import nn
 from fsdp_strategy.config import CPUOffload, MixedPrecision, ShardingStrategy, validate_device_mesh
 from fsdp_strategy.engine.accounting import MemoryAccount
 from fsdp_strategy.engine.collectives import CommGroup, CommLedger
-from fsdp_strategy.engine.init import materialize, meta_tensor_names
-from fsdp_strategy.engine.param import ParamUse, ShardedParam, ShardLayout
+from fsdp_strategy.engine.guard import install_guards
+from fsdp_strategy.engine.init import ParamInitFn, materialize, meta_tensor_names, weight_initializers
+from fsdp_strategy.engine.param import ShardedParam, ShardLayout
+from fsdp_strategy.engine.placement import plan_units
 from fsdp_strategy.engine.runtime import Scheduler
 from fsdp_strategy.engine.unit import FSDPUnit, UnitContext
 from fsdp_strategy.wrap import as_policy_fn, select_unit_modules
 
-__all__ = ["shard_model", "get_scheduler", "is_sharded", "comm_groups", "Scheduler"]
+__all__ = ["shard_model", "get_scheduler", "is_sharded", "comm_groups", "summon_full_params", "Scheduler"]
 
 _SCHEDULER_ATTR = "_fsdp_custom_scheduler"
 
@@ -49,43 +52,6 @@ def comm_groups(
     return group, CommGroup.of(None)
 
 
-def _param_uses(root: nn.Module) -> tuple[dict[int, list[ParamUse]], dict[int, str]]:
-    uses: dict[int, list[ParamUse]] = defaultdict(list)
-    names: dict[int, str] = {}
-    seen: set[tuple[int, str]] = set()
-    for prefix, module in root.named_modules(remove_duplicate=False):
-        for name, param in module._parameters.items():
-            if param is None or (id(module), name) in seen:
-                continue
-            seen.add((id(module), name))
-            uses[id(param)].append(ParamUse(module, name))
-            names.setdefault(id(param), f"{prefix}.{name}" if prefix else name)
-    return uses, names
-
-
-def _assign_params(unit_modules: list[nn.Module], uses: dict[int, list[ParamUse]]) -> dict[int, list[int]]:
-    """Each parameter goes to the deepest unit whose subtree holds every module using it."""
-    subtrees = [{id(m) for m in unit.modules()} for unit in unit_modules]
-    assigned: dict[int, list[int]] = defaultdict(list)
-    for param_id, param_uses in uses.items():
-        owners = {id(use.module) for use in param_uses}
-        index = max(i for i, subtree in enumerate(subtrees) if owners <= subtree)
-        assigned[index].append(param_id)
-    return assigned
-
-
-def _modules_by_unit(root: nn.Module, unit_modules: list[nn.Module]) -> dict[int, list[nn.Module]]:
-    """Unit index -> the modules whose nearest enclosing unit it is (deeper units win)."""
-    nearest: dict[int, int] = {}
-    for index, unit in enumerate(unit_modules):
-        for module in unit.modules():
-            nearest[id(module)] = index
-    grouped: dict[int, list[nn.Module]] = defaultdict(list)
-    for module in root.modules():
-        grouped[nearest[id(module)]].append(module)
-    return grouped
-
-
 def shard_model(
     module: nn.Module,
     *,
@@ -96,15 +62,20 @@ def shard_model(
     device: torch.device | str | None = None,
     process_group: Any = None,
     device_mesh: Any = None,
+    param_init_fn: ParamInitFn | None = None,
 ) -> nn.Module:
     """Shard ``module``'s parameters in place across the ranks and install the schedule.
 
-    Each parameter keeps its name; at rest it is a dim-0 shard (see [Note: shard layout]).
-    Modules still on the meta device are materialized unit by unit with ``reset_parameters``.
-    Costs at rest: 1/N of the parameters plus padding; while running, the units gathered now.
+    Each parameter keeps its name; at rest it is a dim-0 shard (see [Note: shard layout]) and
+    belongs to the lowest unit common to every place it is used ([Note: lowest common unit]).
+    Modules still on the meta device are materialized unit by unit (see ``engine/init.py``;
+    ``param_init_fn`` has FSDP1's meaning). Costs at rest: 1/N of the parameters plus padding;
+    while running, the units gathered now.
     """
     if is_sharded(module):
         raise ValueError(f"{type(module).__name__} is already sharded; shard_model is applied once")
+    if param_init_fn is not None and not callable(param_init_fn):
+        raise TypeError(f"param_init_fn must be a callable (module) -> None, got {param_init_fn!r}")
     strategy = ShardingStrategy.from_any(sharding_strategy)
     precision = MixedPrecision.from_any(mixed_precision) or MixedPrecision()
     offload = CPUOffload.from_any(cpu_offload)
@@ -114,32 +85,34 @@ def shard_model(
     storage_device = torch.device("cpu") if offload.offload_params else compute_device
 
     unit_modules = [module, *select_unit_modules(module, policy)]
-    module_names = {id(m): name for name, m in module.named_modules(remove_duplicate=False)}
-    uses, names = _param_uses(module)
-    assigned = _assign_params(unit_modules, uses)
-    modules_of = _modules_by_unit(module, unit_modules)
+    placement = plan_units(module, unit_modules)
+    initializers = weight_initializers(module)
+    module_names = {id(m): name for name, m in module.named_modules()}
     layout = ShardLayout(shard_comm.rank, shard_comm.size, storage_device, compute_device, precision.param_dtype)
     ledger = CommLedger()
     memory = MemoryAccount()
     context = UnitContext(shard_comm, replicate_comm, precision.reduce_dtype, compute_device, ledger, memory)
     units: list[FSDPUnit] = []
     for index, unit_module in enumerate(unit_modules):
-        owned = {id(m): m for m in modules_of[index]}
-        owned.update({id(use.module): use.module for pid in assigned[index] for use in uses[pid]})
-        materialize([(module_names[key], m) for key, m in owned.items()], compute_device)
+        owned = {id(m): (name, m) for name, m in placement.modules[index]}
+        for param_id in placement.params[index]:
+            for use in placement.uses[param_id]:
+                owned.setdefault(id(use.module), (module_names[id(use.module)], use.module))
+        materialize(list(owned.values()), compute_device, param_init_fn, initializers, placement.uses)
         params = []
-        for param_id in assigned[index]:
-            first = uses[param_id][0]
-            sharded = ShardedParam(names[param_id], first.module._parameters[first.name], uses[param_id], layout)
+        for param_id in placement.params[index]:
+            uses = placement.uses[param_id]
+            current = uses[0].module._parameters[uses[0].name]
+            sharded = ShardedParam(placement.param_names[param_id], current, uses, layout)
             sharded.install(unsharded=False)
             params.append(sharded)
-        name = module_names[id(unit_module)] or "root"
-        units.append(FSDPUnit(name, unit_module, params, context))
+        units.append(FSDPUnit(placement.unit_names[index], unit_module, params, context))
     leftover = meta_tensor_names(module)
     if leftover:
         raise ValueError(f"parameters left on the meta device: {leftover}; materialize them before sharding")
     _place_buffers(module, compute_device, precision.buffer_dtype)
     scheduler = Scheduler(units, strategy, precision, ledger, memory, compute_device, device_mesh)
+    install_guards(module, units)
     module.__dict__[_SCHEDULER_ATTR] = scheduler
     return module
 
@@ -162,6 +135,18 @@ def _place_buffers(root: nn.Module, device: torch.device, dtype: torch.dtype | N
 def is_sharded(module: nn.Module) -> bool:
     """Whether ``shard_model`` was applied to ``module``."""
     return getattr(module, _SCHEDULER_ATTR, None) is not None
+
+
+@contextmanager
+def summon_full_params(module: nn.Module, writeback: bool = False) -> Iterator[nn.Module]:
+    """Gather the whole sharded model for code outside ``forward()`` (FSDP1's ``summon_full_params``).
+
+    Inside, every module holds its full parameters (in ``param_dtype``), so ``generate()`` or any
+    submodule call works; ``writeback=True`` copies changes back into the shards on exit. A
+    collective: every rank enters it. Costs: the full model on every rank while inside.
+    """
+    with get_scheduler(module).summon_full_params(writeback=writeback):
+        yield module
 
 
 def get_scheduler(module: nn.Module) -> Scheduler:

@@ -1,48 +1,63 @@
-"""MemoryAccount: the engine's own count of gathered (unsharded) parameter bytes.
+"""MemoryAccount: the engine's own count of the bytes it allocates while running.
 
-Units report every allocation and release of full parameters; the account keeps the bytes
-alive now, the peak since the last ``reset_peak`` (one step, for the MemoryMonitor), the peak
-per unit, and, while ``recording``, a timeline of events for plots. Costs: a few integer
-operations per gather and reshard; the timeline only while recording.
+Units report every allocation and release of the buffers they own beyond the shards at rest
+(see [Note: what gathering allocates]); the account keeps the bytes alive now (in total and
+per kind), the peak since the last ``reset_peak`` (one step, for the MemoryMonitor) and,
+while ``recording``, a timeline of events for plots. Costs: a few integer operations per
+event; the timeline only while recording.
+
+[Note: what gathering allocates]
+- "params": a unit's full parameters in ``param_dtype`` (padding included), from its gather
+  until its reshard;
+- "gather_buffer": the flat shard a gather sends plus the buffer it receives, from the start of
+  the gather until the copy-out into the full parameters;
+- "reduce_buffer": the flat gradient rows a reduction sends plus the shard it receives, from the
+  start of the reduction until its result is added into the sharded gradients (the result
+  itself becomes ``sharded.grad`` and is counted by ``Scheduler.sharded_bytes``);
+- "stashed_grads": full-size gradients kept between micro-batches under ``no_sync``.
 """
 
 from __future__ import annotations
 
 import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+KINDS = ("params", "gather_buffer", "reduce_buffer", "stashed_grads")
+
 
 class MemoryEvent(NamedTuple):
-    """One change of gathered bytes."""
+    """One change of the engine's live bytes."""
 
     seconds: float  # since recording started
-    unit: str  # the unit that gathered or freed
-    event: str  # "gather" or "free"
-    bytes_now: int  # gathered bytes alive after the event
+    unit: str  # the unit that allocated or released
+    event: str  # "gather"/"free" for full parameters, "alloc:<kind>"/"release:<kind>" for buffers
+    bytes_now: int  # engine bytes alive after the event
 
 
 @dataclass
 class MemoryAccount:
-    """Gathered parameter bytes: now, peak since reset, per unit, and an optional timeline."""
+    """Engine bytes alive beyond the shards: now (total and per kind), peak since reset, timeline."""
 
     current: int = 0
     peak: int = 0
-    per_unit: dict[str, int] = field(default_factory=dict)
+    by_kind: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     timeline: list[MemoryEvent] | None = None
     _t0: float = 0.0
 
-    def allocated(self, unit: str, nbytes: int) -> None:
-        """``unit`` gathered ``nbytes`` of full parameters."""
+    def allocated(self, unit: str, nbytes: int, kind: str = "params") -> None:
+        """``unit`` allocated ``nbytes`` of ``kind`` (one of ``KINDS``)."""
         self.current += nbytes
+        self.by_kind[kind] += nbytes
         self.peak = max(self.peak, self.current)
-        self.per_unit[unit] = nbytes
-        self._note(unit, "gather")
+        self._note(unit, "gather" if kind == "params" else f"alloc:{kind}")
 
-    def freed(self, unit: str, nbytes: int) -> None:
-        """``unit`` released ``nbytes`` of full parameters."""
+    def freed(self, unit: str, nbytes: int, kind: str = "params") -> None:
+        """``unit`` released ``nbytes`` of ``kind``."""
         self.current -= nbytes
-        self._note(unit, "free")
+        self.by_kind[kind] -= nbytes
+        self._note(unit, "free" if kind == "params" else f"release:{kind}")
 
     def reset_peak(self) -> None:
         """Start a new peak measurement from the bytes alive now."""

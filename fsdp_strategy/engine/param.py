@@ -60,7 +60,6 @@ class ShardedParam:
         self.fqn = fqn
         self.uses = uses
         self.shape = param.shape
-        self.requires_grad = param.requires_grad
         self.dim0 = param.shape[0] if param.dim() > 0 else 1
         self.row_numel = math.prod(param.shape[1:])
         self.row_shape = tuple(param.shape[1:])
@@ -76,7 +75,7 @@ class ShardedParam:
         shard[: local.shape[0]].copy_(local)
         if storage_device.type == "cpu" and compute_device.type == "cuda":
             shard = shard.pin_memory()
-        self.sharded = nn.Parameter(shard.view(self.chunk_rows, *self.row_shape), requires_grad=self.requires_grad)
+        self.sharded = nn.Parameter(shard.view(self.chunk_rows, *self.row_shape), requires_grad=param.requires_grad)
 
         self.aliased = shard_size == 1 and self.param_dtype == param.dtype and storage_device == compute_device
         if self.aliased:  # [Note: aliased shards]; .data: a version counter of its own
@@ -86,7 +85,8 @@ class ShardedParam:
                 self.world * self.shard_numel, dtype=self.param_dtype, device=compute_device
             )
         full = self._padded_full[: self.dim0 * self.row_numel].view(self.shape)
-        self.unsharded = nn.Parameter(full, requires_grad=self.requires_grad)
+        self.unsharded = nn.Parameter(full, requires_grad=param.requires_grad)
+        self.stashed_grad: torch.Tensor | None = None  # no_sync: the full gradient so far, in reduce dtype
         self.free_unsharded()
 
     @property
@@ -98,6 +98,16 @@ class ShardedParam:
     def unsharded_nbytes(self) -> int:
         """Bytes gathering adds: the full parameter, padding included (0 when aliased)."""
         return 0 if self.aliased else self._padded_full.numel() * self._padded_full.element_size()
+
+    @property
+    def trainable(self) -> bool:
+        """Whether the parameter trains now: the sharded parameter's ``requires_grad`` decides."""
+        return self.sharded.requires_grad
+
+    def sync_requires_grad(self) -> None:
+        """Copy ``requires_grad`` from the sharded to the full parameter (freeze/unfreeze at any time)."""
+        if self.unsharded.requires_grad != self.sharded.requires_grad:
+            self.unsharded.requires_grad_(self.sharded.requires_grad)
 
     def install(self, unsharded: bool) -> None:
         """Register the unsharded (or sharded) parameter at every place the parameter is used."""
@@ -121,13 +131,59 @@ class ShardedParam:
         if not self.aliased:
             _free_storage(self._padded_full)
 
-    def padded_grad_rows(self, grad: torch.Tensor) -> torch.Tensor:
-        """The full gradient as ``(N, shard_numel)``, zero rows added up to ``N * c`` rows."""
-        rows = grad.reshape(self.dim0, self.row_numel)
-        missing = self.world * self.chunk_rows - self.dim0
-        if missing:
-            rows = torch.cat([rows, rows.new_zeros(missing, self.row_numel)])
-        return rows.view(self.world, self.shard_numel)
+    @property
+    def stashed_nbytes(self) -> int:
+        """Bytes of the full gradient kept between micro-batches (0 unless inside ``no_sync``)."""
+        stashed = self.stashed_grad
+        return 0 if stashed is None else stashed.numel() * stashed.element_size()
+
+    def stash_grad(self, dtype: torch.dtype) -> int:
+        """Move the full gradient into ``stashed_grad`` (summed in ``dtype``) and clear it: no_sync.
+
+        Returns the bytes this newly keeps (the first micro-batch's gradient, in ``dtype``).
+        """
+        grad = self.unsharded.grad
+        if grad is None:
+            return 0
+        self.unsharded.grad = None
+        if self.stashed_grad is not None:
+            self.stashed_grad += grad.detach()
+            return 0
+        self.stashed_grad = grad.detach().to(dtype)
+        return self.stashed_nbytes
+
+    def take_grad_rows(self, out: torch.Tensor) -> bool:
+        """Write the full gradient (stashed + current) into ``out`` (this parameter's ``(N, shard_numel)``
+        columns of a reduce buffer, padding rows zero) and clear both; zeros and False without one."""
+        grad, stashed = self.unsharded.grad, self.stashed_grad
+        self.unsharded.grad = self.stashed_grad = None
+        if grad is None and stashed is None:
+            out.zero_()
+            return False
+        padded = out.view(self.world, self.chunk_rows, self.row_numel)
+        first, second = (stashed, grad) if stashed is not None else (grad, None)
+        full_chunks, rest = self._write_rows(padded, first.detach(), add=False)
+        if second is not None:
+            self._write_rows(padded, second.detach(), add=True)
+        if full_chunks < self.world:  # [Note: shard layout]: padding rows stay zero
+            padded[full_chunks, rest:].zero_()
+            padded[full_chunks + 1 :].zero_()
+        return True
+
+    def _write_rows(self, padded: torch.Tensor, full: torch.Tensor, add: bool) -> tuple[int, int]:
+        """Copy (or add) a full-shape tensor into ``(N, c, row)`` padded rows without a padded temporary."""
+        rows = full.reshape(self.dim0, self.row_numel)
+        full_chunks, rest = divmod(self.dim0, self.chunk_rows)
+        write = torch.Tensor.add_ if add else torch.Tensor.copy_
+        if full_chunks:
+            write(padded[:full_chunks], rows[: full_chunks * self.chunk_rows].reshape(full_chunks, self.chunk_rows, -1))
+        if rest:
+            write(padded[full_chunks, :rest], rows[full_chunks * self.chunk_rows :])
+        return full_chunks, rest
+
+    def drop_grads(self) -> None:
+        """Discard the full and stashed gradients (a frozen parameter, or a failed iteration)."""
+        self.unsharded.grad = self.stashed_grad = None
 
     def accumulate_sharded_grad(self, reduced: torch.Tensor) -> None:
         """Add this parameter's slice of a reduced gradient shard into ``sharded.grad``."""

@@ -1,60 +1,130 @@
 """Scheduler: decides *when* units gather, reshard and reduce; owns every hook of the engine.
 
-One training step (see design.md): the root's forward pre-hook starts the iteration; each
-unit's pre-hook gathers it and prefetches the next unit in the recorded forward order; its
-post-hook frees it (FULL_SHARD, non-root) and hooks its outputs for backward; the backward
-pre-hook gathers it again and prefetches the unit backward reaches next; post-accumulate-grad
-hooks start ONE reduce-scatter per unit once all its gradients exist; a callback queued at
-the end of backward finishes every reduction and reshards what is left.
+One iteration (see design.md, "One training step, as data"):
+- the root's outermost forward pre-hook starts it (resetting a failed previous one);
+- a unit's forward pre-hook gathers it, prefetches the next unit ([Note: prefetch from the
+  previous run]) and, with grad enabled, applies ``_PostBackward`` to its inputs that require
+  grad; its post-hook reshards it by policy and hooks its outputs for backward;
+- the pre-backward hook (on the outputs) gathers it again and prefetches;
+- ``_PostBackward`` fires when the gradients of the unit's forward inputs are computed
+  ([Note: post-backward every rank agrees on]) and reduces and reshards the unit;
+- a callback queued at the end of every backward reduces, in one fixed unit order, the units
+  that ran in this backward without a post-backward, settles every reduction and reshards.
+
+[Note: post-backward every rank agrees on]
+Which parameters get gradients may differ between ranks (an expert without tokens, a head
+chosen per batch), but the path of the graph through the units does not: the gradients of a
+unit's inputs are computed at the same point of every rank's backward, after every node of the
+unit's forward that reads its weights. A unit is ready there (at its k-th post-backward if it
+ran k times) and reduces every trainable parameter, with zeros and usage flags where this
+rank has no gradient ([Note: usage flags]). Reductions are issued in one order on every rank:
+the reverse of the order in which units first ran forward (with grad) since they were last
+reduced; a ready unit waits for the units before it, and the end-of-backward callback issues
+whatever is left in that order (units whose inputs need no grad, like the first unit and the
+root), then the units backward reached that forward did not list (in unit order). A unit that
+backward does not reach on some ranks is therefore still reduced in the same place everywhere
+(it only delays the reductions after it on those ranks). A unit that runs forward on some
+ranks only, or that backward reaches on some ranks only under FULL_SHARD (its gather in
+backward is a collective), cannot be supported by any FSDP: the ranks' collectives differ.
+
+[Note: bounded prefetch]
+At most one unit is prefetched ahead of the one running, and at most one reduction is in
+flight beyond the one just issued: besides the running unit, at most two units hold full
+parameters (the root, while its forward is on the stack or its backward is due, and the
+prefetched one).
+
+[Note: forward on the stack]
+A unit whose forward is on the stack stays gathered, whatever runs inside it: backward
+passes (Lightning's ``manual_backward``, ``torch.autograd.grad``), nested calls of the same
+module with or without grad. Lightning runs ``training_step`` inside the root's forward.
+
+[Note: double backward]
+A backward run with ``create_graph=True`` (a gradient penalty, higher-order gradients)
+builds nodes that read the weights of the units it ran through. Those units stay gathered
+after it and are reduced and resharded at the end of the next backward.
 """
 
 from __future__ import annotations
 
 import functools
-import math
+import logging
+import sys
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from enum import Enum, auto
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch._dynamo
 from torch import nn
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_map
 
 from fsdp_strategy.config import MixedPrecision, ShardingStrategy
 from fsdp_strategy.engine import collectives
 from fsdp_strategy.engine.accounting import MemoryAccount
 from fsdp_strategy.engine.collectives import CommLedger
+from fsdp_strategy.engine.order import ExecutionOrder
 from fsdp_strategy.engine.param import ShardedParam
-from fsdp_strategy.engine.unit import FSDPUnit, PendingReduce
+from fsdp_strategy.engine.traversal import grad_tensors, replace_grad_tensors
+from fsdp_strategy.engine.unit import FSDPUnit, PendingReduce, ShardedState, TrainingState, UndecidedGrad
 
-# [Note: reshard after backward]
-# Once every trainable parameter of a unit has its gradient, every op that uses a trainable
-# parameter of the unit has run its backward, so its full parameters can be freed at once.
-# Ops that use only frozen parameters may still be ahead, so a unit that holds frozen
-# parameters keeps its full parameters until the end-of-backward callback.
-
-# [Note: bounded prefetch]
-# At most one unit is prefetched ahead of the one running, and at most one reduce-scatter is
-# in flight beyond the one just issued: besides the running unit, at most two units hold
-# full parameters (the root, which stays gathered from forward to backward, and the prefetched
-# one), so memory stays bounded by the largest units, not the model.
+log = logging.getLogger(__name__)
 
 
-class TrainingState(Enum):
-    """What the scheduler is in the middle of."""
+class _PostBackward(torch.autograd.Function):
+    """Identity on a unit's forward inputs; its backward runs the unit's post-backward."""
 
-    IDLE = auto()  # between iterations: every unit is sharded
-    FORWARD = auto()  # inside the root module's forward
-    BACKWARD = auto()  # autograd is running; forward hooks (activation recomputation) are ignored
+    @staticmethod
+    def forward(ctx: Any, callback: Callable[[], None], *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.callback = callback
+        return inputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.callback()
+        return (None, *grads)
+
+
+@dataclass
+class _Frame:
+    """One call of a unit's forward."""
+
+    exception: BaseException | None  # the exception being handled when the call began (usually None)
+    counted: bool = False  # a post-backward was registered and counted for this call
+    input_ids: frozenset[int] = frozenset()  # ids of the inputs as the forward saw them
+
+
+@dataclass
+class _UnitRun:
+    """What the Scheduler tracks for one unit within an iteration."""
+
+    frames: list[_Frame] = field(default_factory=list)  # forward calls on the stack
+    post_backwards_due: int = 0  # post-backwards registered in forward and not yet fired
+    ran_forward: bool = False  # started in the outermost forward in progress
+    in_backward: bool = False  # backward reached it in the backward in progress
+    reduced: bool = False  # its gradients were reduced (or stashed) in the backward in progress
+    double_backward: bool = False  # [Note: double backward]
+    backward_hook: Callable[[torch.Tensor], None] | None = None  # the pre-backward hook put on its outputs
+
+
+@dataclass
+class _BackwardPass:
+    index: int  # the k-th backward of the iteration (its prefetch phase)
+    create_graph: bool  # [Note: double backward]
+    expected: deque[FSDPUnit]  # the reduction order ([Note: post-backward every rank agrees on])
+    ready: set[int] = field(default_factory=set)  # ids of units ready to reduce, waiting for their turn
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
 
 
 class Scheduler:
-    """Registers the engine's hooks on the root and its units and runs the step's schedule.
+    """Registers the engine's hooks on the root and its units and runs each step's schedule.
 
-    Costs: a few Python hooks per unit per step; the execution order is recorded once, on the
-    first forward with gradients enabled, and used for prefetching from the second step on.
+    Costs: a few Python calls per unit per forward and backward, one autograd node per unit
+    call with grad, one usage flag per trainable parameter in each reduction.
     """
 
     def __init__(
@@ -75,90 +145,161 @@ class Scheduler:
         self.ledger = ledger
         self.memory = memory
         self.device = device
-        self.state = TrainingState.IDLE
-        self.forward_order: list[FSDPUnit] = []
-        self._order_index: dict[int, int] = {}  # unit id -> position; empty until the order is recorded
-        self._recording = False
+        self._runs = {id(unit): _UnitRun() for unit in units}
+        self._root_depth = 0
+        self._order = ExecutionOrder()
+        self._forward_phase: tuple | None = None
+        self._backwards_in_iteration = 0
+        self._backward: _BackwardPass | None = None
+        self._ran_forward: dict[int, FSDPUnit] = {}  # units that ran forward with grad since their last reduction
         self._sync_grads = True
-        self._callback_queued = False
         self._pending_reduces: deque[PendingReduce] = deque()
+        self._undecided: list[UndecidedGrad] = []
         self._register_hooks()
 
     # ---- hooks -------------------------------------------------------------------------
 
     def _register_hooks(self) -> None:
         for unit in self.units:
-            unit.module.register_forward_pre_hook(functools.partial(self._pre_forward, unit), with_kwargs=True)
-            unit.module.register_forward_hook(functools.partial(self._post_forward, unit))
-            for param in unit.trainable:
-                param.unsharded.register_post_accumulate_grad_hook(functools.partial(self._on_grad_ready, unit, param))
+            run = self._runs[id(unit)]
+            pre = torch._dynamo.disable(functools.partial(self._pre_forward, unit, run), recursive=True)
+            post = torch._dynamo.disable(functools.partial(self._post_forward, unit, run), recursive=True)
+            unit.module.register_forward_pre_hook(pre, with_kwargs=True, prepend=True)
+            unit.module.register_forward_hook(post, always_call=True)
+            run.backward_hook = torch._dynamo.disable(functools.partial(self._pre_backward, unit, run))
 
-    def _pre_forward(self, unit: FSDPUnit, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if self.state is TrainingState.BACKWARD:
-            return args, kwargs
+    def _pre_forward(self, unit: FSDPUnit, run: _UnitRun, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        in_backward = _in_backward()
         if unit is self.root_unit:
-            args, kwargs = self._start_iteration(args, kwargs)
-        if self._recording:
-            self.forward_order.append(unit)
+            if self._root_depth == 0 and not in_backward:
+                args, kwargs = self._start_iteration(args, kwargs)
+            self._root_depth += 1
+        frame = _Frame(sys.exc_info()[1])
+        run.frames.append(frame)
+        if not in_backward and unit.training_state is TrainingState.IDLE:
+            unit.training_state = TrainingState.FORWARD
         unit.wait_unshard()
+        if not in_backward and torch.is_grad_enabled():
+            self._ran_forward.setdefault(id(unit), unit)
+        if not in_backward and self._forward_phase is not None:
+            run.ran_forward = True
+            target = self._order.record(self._forward_phase, unit)
+            if target is not None:
+                target.unshard()  # [Note: bounded prefetch]
         if torch.is_grad_enabled():
-            self._prefetch(unit, step=1)
+            tensors = grad_tensors((args, kwargs))
+            if tensors:
+                frame.counted = not in_backward  # a recomputation's post-backward may never fire
+                callback = functools.partial(self._post_backward, unit, run, frame.counted)
+                outputs = _PostBackward.apply(callback, *tensors)
+                args, kwargs = replace_grad_tensors((args, kwargs), list(outputs))
+                run.post_backwards_due += frame.counted
+                frame.input_ids = frozenset(map(id, outputs))
         return args, kwargs
 
-    def _post_forward(self, unit: FSDPUnit, module: nn.Module, args: tuple, output: Any) -> Any:
-        if self.state is TrainingState.BACKWARD:
+    def _post_forward(self, unit: FSDPUnit, run: _UnitRun, module: nn.Module, args: tuple, output: Any) -> Any:
+        if not run.frames:  # our pre-hook did not run (a hook before it raised)
             return output
-        if not torch.is_grad_enabled():
-            if unit is self.root_unit:
-                self._reshard_all()
-                self.state = TrainingState.IDLE
-            else:
-                unit.reshard()
-            return output
+        frame = run.frames.pop()
         if unit is self.root_unit:
-            if self._recording:
-                self._order_index = {id(u): i for i, u in enumerate(self.forward_order)}
-                self._recording = False
-        elif self.sharding_strategy.reshard_after_forward:
-            unit.reshard()
-        for tensor in tree_leaves(output):
-            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-                tensor.register_hook(functools.partial(self._pre_backward, unit))
+            self._root_depth -= 1
+        raised = sys.exc_info()[1]
+        if raised is not None and raised is not frame.exception:
+            self._forward_failed(unit, run, frame)
+            return output
+        in_backward = _in_backward()
+        hooked = False
+        if torch.is_grad_enabled():
+            for tensor in grad_tensors(output):
+                if id(tensor) not in frame.input_ids:  # a unit returning its input: backward is not its own
+                    tensor.register_hook(run.backward_hook)
+                    hooked = True
+        if not run.frames:
+            if unit.training_state is TrainingState.FORWARD:
+                unit.training_state = TrainingState.IDLE
+            if self._reshard_after_forward(unit, hooked):
+                unit.reshard()
+        if unit is self.root_unit and self._root_depth == 0 and not in_backward:
+            self._end_forward()
         return output
 
-    def _pre_backward(self, unit: FSDPUnit, grad: torch.Tensor) -> None:
+    def _pre_backward(self, unit: FSDPUnit, run: _UnitRun, grad: torch.Tensor) -> None:
         self._enter_backward()
-        unit.wait_unshard()
-        self._prefetch(unit, step=-1)
-
-    def _on_grad_ready(self, unit: FSDPUnit, param: ShardedParam, tensor: torch.Tensor) -> None:
-        self._enter_backward()
-        if not self._sync_grads or not unit.mark_grad_ready(param):
+        if unit.training_state is TrainingState.PRE_BACKWARD:
             return
-        self._issue_reduce(unit)
-        if not unit.has_frozen:  # [Note: reshard after backward]
-            unit.reshard()
+        unit.training_state = TrainingState.PRE_BACKWARD
+        run.in_backward = True
+        unit.wait_unshard()
+        assert self._backward is not None
+        target = self._order.record(("backward", self._backward.index), unit)
+        if target is not None:
+            target.unshard()  # [Note: bounded prefetch]
+
+    def _post_backward(self, unit: FSDPUnit, run: _UnitRun, counted: bool) -> None:
+        self._enter_backward()
+        assert self._backward is not None
+        run.post_backwards_due -= counted
+        run.in_backward = True
+        if self._backward.create_graph or run.double_backward:  # [Note: double backward]
+            run.double_backward = True
+            return
+        if run.post_backwards_due > 0:  # another call of this unit is still ahead in backward
+            unit.training_state = TrainingState.IDLE
+            self._reshard_after_backward(unit, run)
+            return
+        unit.training_state = TrainingState.POST_BACKWARD
+        self._reshard_after_backward(unit, run)
+        backward = self._backward
+        backward.ready.add(id(unit))
+        while backward.expected and id(backward.expected[0]) in backward.ready:
+            ready = backward.expected.popleft()
+            if not self._runs[id(ready)].reduced:
+                self._reduce(ready, self._runs[id(ready)])
 
     def _end_of_backward(self) -> None:
-        if self._sync_grads:
-            for unit in self.units:
-                if unit.has_unreduced_grads:
-                    self._issue_reduce(unit)
-        while self._pending_reduces:
-            self._pending_reduces.popleft().finish()
+        backward = self._backward
+        assert backward is not None
+        try:
+            while backward.expected:  # [Note: post-backward every rank agrees on]
+                unit = backward.expected.popleft()
+                run = self._runs[id(unit)]
+                if not run.reduced:
+                    self._reduce(unit, run)
+            for unit in self.units:  # then one fixed order on every rank
+                run = self._runs[id(unit)]
+                due = run.in_backward or run.double_backward or (run.frames and unit.state is ShardedState.UNSHARDED)
+                if due and not run.reduced:
+                    self._reduce(unit, run)
+            self._ran_forward.clear()
+            self._settle_reductions()
+            self._check_no_late_grads()
+        finally:
+            self._finish_backward(backward)
+
+    def _finish_backward(self, backward: _BackwardPass) -> None:
         for unit in self.units:
-            unit.clear_grad_marks()
-        self._reshard_all()
-        self._callback_queued = False
-        self.state = TrainingState.IDLE
+            run = self._runs[id(unit)]
+            keep = unit.pinned or run.frames or (backward.create_graph and run.double_backward)
+            if not keep:
+                unit.reshard()
+            if not backward.create_graph:
+                run.double_backward = False
+            run.in_backward = run.reduced = False
+            run.post_backwards_due = 0
+            unit.training_state = TrainingState.FORWARD if run.frames else TrainingState.IDLE
+        self._order.commit(("backward", backward.index))
+        self._backward = None
 
     # ---- schedule ----------------------------------------------------------------------
 
     def _start_iteration(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if self.state is not TrainingState.IDLE:
-            self._reshard_all()  # a forward whose backward never ran
-        self.state = TrainingState.FORWARD
-        self._recording = not self._order_index and torch.is_grad_enabled()
+        stale = self._backward is not None or any(run.frames for run in self._runs.values())
+        if stale:
+            log.warning("fsdp_custom: the previous iteration did not finish (an exception in backward?); resetting")
+            self.reset()
+        self._backwards_in_iteration = 0
+        self._forward_phase = ("forward", torch.is_grad_enabled())
+        self._order.start(self._forward_phase)
         dtype = self.mixed_precision.param_dtype
         if dtype is not None:
 
@@ -170,40 +311,124 @@ class Scheduler:
             args, kwargs = tree_map(cast, args), tree_map(cast, kwargs)
         return args, kwargs
 
-    def _prefetch(self, unit: FSDPUnit, step: int) -> None:
-        """Start gathering the unit after ``unit`` (step=1) or before it (step=-1) in forward order."""
-        position = self._order_index.get(id(unit))
-        if position is None:
-            return
-        index = position + step
-        if 0 <= index < len(self.forward_order):
-            self.forward_order[index].unshard()  # [Note: bounded prefetch]
+    def _end_forward(self) -> None:
+        """The outermost root forward returned: free what was prefetched and did not run."""
+        assert self._forward_phase is not None
+        self._order.commit(self._forward_phase)
+        self._forward_phase = None
+        for unit in self.units:
+            run = self._runs[id(unit)]
+            mistargeted = not run.ran_forward and not run.frames and unit is not self.root_unit
+            if mistargeted and not unit.pinned and not run.double_backward:
+                unit.reshard()
+            run.ran_forward = False
 
-    def _issue_reduce(self, unit: FSDPUnit) -> None:
+    def _reshard_after_forward(self, unit: FSDPUnit, backward_due: bool) -> bool:
+        if unit.pinned or unit.training_state is TrainingState.PRE_BACKWARD or self._runs[id(unit)].double_backward:
+            return False
+        if unit is self.root_unit:
+            return self._root_depth == 0 and not backward_due  # [Note: forward on the stack]
+        if not backward_due:
+            return True
+        return self.sharding_strategy.reshard_after_forward
+
+    def _reshard_after_backward(self, unit: FSDPUnit, run: _UnitRun) -> None:
+        if not unit.pinned and not run.frames and not run.double_backward:  # [Note: forward on the stack]
+            unit.reshard()
+
+    def _forward_failed(self, unit: FSDPUnit, run: _UnitRun, frame: _Frame) -> None:
+        run.post_backwards_due -= frame.counted
+        if unit is self.root_unit and self._root_depth == 0 and not _in_backward():
+            log.info("fsdp_custom: the root forward raised; the iteration is reset")
+            self.reset()
+        elif not run.frames:
+            if unit.training_state is TrainingState.FORWARD:
+                unit.training_state = TrainingState.IDLE
+            if self._reshard_after_forward(unit, backward_due=False):
+                unit.reshard()
+
+    def _enter_backward(self) -> None:
+        if self._backward is None:
+            expected = deque(reversed(self._ran_forward.values()))
+            self._backward = _BackwardPass(self._backwards_in_iteration, torch.is_grad_enabled(), expected)
+            self._backwards_in_iteration += 1
+            self._order.start(("backward", self._backward.index))
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _reduce(self, unit: FSDPUnit, run: _UnitRun) -> None:
+        run.reduced = True
+        if not self._sync_grads:
+            unit.stash_grads()
+            return
         pending = unit.reduce_grads()
-        while len(self._pending_reduces) >= 1:  # [Note: bounded prefetch]
-            self._pending_reduces.popleft().finish()
+        while self._pending_reduces:  # [Note: bounded prefetch]
+            self._undecided.extend(self._pending_reduces.popleft().finish())
         if pending is not None:
             self._pending_reduces.append(pending)
 
-    def _enter_backward(self) -> None:
-        self.state = TrainingState.BACKWARD
-        if not self._callback_queued:
-            self._callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+    def _settle_reductions(self) -> None:
+        """Finish every reduction in flight and apply the gradients of parameters this rank did
+        not use where another rank did ([Note: usage flags]: one device sync, only if any)."""
+        while self._pending_reduces:
+            self._undecided.extend(self._pending_reduces.popleft().finish())
+        undecided, self._undecided = self._undecided, []
+        if not undecided:
+            return
+        counts = torch.stack([entry.flag for entry in undecided]).tolist()
+        for entry, count in zip(undecided, counts):
+            if count > 0:
+                entry.param.accumulate_sharded_grad(entry.reduced)
 
-    def _reshard_all(self) -> None:
+    def _check_no_late_grads(self) -> None:
         for unit in self.units:
-            unit.reshard()
+            late = [p.fqn for p in unit.params if p.trainable and p.unsharded.grad is not None]
+            if late:
+                for param in unit.params:
+                    param.drop_grads()
+                raise RuntimeError(
+                    f"fsdp_custom: parameters {late} of unit {unit.name!r} received gradients that no reduction "
+                    "covers: they were used outside their unit's forward (a weight read directly from another "
+                    "module, or an output modified in place, which drops its backward hook). Call the module "
+                    "that owns them, or put both modules in one unit (auto_wrap_policy)"
+                )
 
     # ---- public ------------------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Recover from a failed iteration: wait for the collectives in flight and drop their
+        results, discard every gradient not yet reduced (stashed ``no_sync`` ones included),
+        reshard every unit and forget the iteration's state. Reduced ``sharded.grad`` is kept.
+
+        The next root forward does this by itself after an exception in backward; after one in
+        forward it happens at once. Call it after catching a ``KeyboardInterrupt`` yourself.
+        """
+        while self._pending_reduces:
+            pending = self._pending_reduces.popleft()
+            pending.work.wait()
+            self.memory.freed(pending.unit.name, pending.nbytes, "reduce_buffer")
+        self._undecided = []
+        for unit in self.units:
+            unit.pinned = 0
+            unit.drop_grads()
+            unit.reshard()
+            unit.training_state = TrainingState.IDLE
+            run = self._runs[id(unit)]
+            run.frames.clear()
+            run.post_backwards_due = 0
+            run.ran_forward = run.in_backward = run.reduced = run.double_backward = False
+        self._root_depth = 0
+        self._backward = None
+        self._ran_forward.clear()
+        self._forward_phase = None
+        self._order.discard()
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
         """Skip gradient reduction: full gradients accumulate locally until a backward outside.
 
-        Costs: every trainable parameter keeps a full-size gradient in ``param_dtype`` between
-        micro-batches (see :meth:`unsharded_grad_bytes`), in exchange for no reduce-scatter.
+        Full parameters are still freed after each unit's backward. Costs: every trainable
+        parameter keeps a full-size gradient in ``reduce_dtype`` between micro-batches (see
+        :meth:`unsharded_grad_bytes`), in exchange for no reduction.
         """
         previous, self._sync_grads = self._sync_grads, False
         try:
@@ -213,12 +438,7 @@ class Scheduler:
 
     def unsharded_grad_bytes(self) -> int:
         """Bytes of full-size gradients held now (non-zero only inside ``no_sync`` accumulation)."""
-        return sum(
-            p.unsharded.grad.numel() * p.unsharded.grad.element_size()
-            for unit in self.units
-            for p in unit.trainable
-            if p.unsharded.grad is not None
-        )
+        return sum(p.stashed_nbytes for p in self.sharded_params())
 
     def sharded_bytes(self) -> dict[str, int]:
         """This rank's bytes at rest: ``{"params": ..., "grads": ...}`` of the shards."""
@@ -232,24 +452,68 @@ class Scheduler:
         """Every ShardedParam of the model, unit by unit."""
         return [p for unit in self.units for p in unit.params]
 
-    @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip the sharded gradients by their global norm over all ranks (one all-reduce).
+    @contextmanager
+    def summon_full_params(self, writeback: bool = False) -> Iterator[None]:
+        """Gather every unit for code that runs outside ``forward()`` (generation in a callback).
 
-        Replicas (NO_SHARD, HYBRID_SHARD) hold the same shard, so the norm is reduced over the
-        shard group only. Returns the total norm before clipping, as ``clip_grad_norm_`` does.
+        Inside, each module holds its full parameters (in ``param_dtype``) and forward calls
+        run on them without gathering again. With ``writeback=True`` changes made to the full
+        parameters are copied into the shards on exit (needs ``param_dtype`` equal to the
+        shards' dtype). A collective: call it on every rank. Costs: the whole model's full
+        parameters on every rank while inside.
         """
-        grads = [p.sharded.grad.detach() for p in self.sharded_params() if p.sharded.grad is not None]
+        if self._root_depth or self._backward is not None:
+            raise RuntimeError("summon_full_params() is for code outside forward and backward; the model is running")
+        if writeback:
+            lossy = [p.fqn for p in self.sharded_params() if p.param_dtype != p.sharded.dtype]
+            if lossy:
+                raise ValueError(
+                    f"summon_full_params(writeback=True) would round the shards: parameters {lossy[:5]} are gathered "
+                    "in mixed_precision.param_dtype, not their own dtype. Use writeback=False, or load new "
+                    "weights with load_full_state_dict"
+                )
+        for unit in self.units:
+            unit.pinned += 1
+            unit.unshard()
+        try:
+            for unit in self.units:
+                unit.wait_unshard()
+            yield
+        finally:
+            if writeback:
+                with torch.no_grad():
+                    for param in self.sharded_params():
+                        if not param.aliased:
+                            param.sharded.copy_(param.local_rows(param.unsharded.detach(), param.shard_rank))
+            for unit in self.units:
+                unit.pinned -= 1
+                if not unit.pinned:
+                    unit.reshard()
+
+    @torch.no_grad()
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, parameters: Iterable[torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """Clip sharded gradients by their global norm over all ranks (one all-reduce).
+
+        ``parameters``: the sharded parameters to clip together (e.g. one optimizer's); default
+        all. Replicas (NO_SHARD, HYBRID_SHARD) hold the same shard, so the norm is reduced over
+        the shard group only. Returns the total norm before clipping, as ``clip_grad_norm_`` does.
+        """
+        chosen = None if parameters is None else {id(p) for p in parameters}
+        params = [p for p in self.sharded_params() if chosen is None or id(p.sharded) in chosen]
+        grads = [p.sharded.grad.detach() for p in params if p.sharded.grad is not None]
         norm_type = float(norm_type)
+        infinite = norm_type == float("inf")
         if grads:
             norms = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads])
-            local = norms.max() if math.isinf(norm_type) else norms.pow(norm_type).sum()
+            local = norms.max() if infinite else norms.pow(norm_type).sum()
         else:
             local = torch.zeros((), dtype=torch.float32)
         total = local.to(self.device, copy=True)
-        op = "max" if math.isinf(norm_type) else "sum"
+        op = "max" if infinite else "sum"
         collectives.all_reduce(total, self.root_unit.shard_comm, self.ledger, "clip_grad_norm", op=op).wait()
-        if not math.isinf(norm_type):
+        if not infinite:
             total = total.pow(1.0 / norm_type)
         clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for grad in grads:

@@ -1,8 +1,18 @@
 """FSDPUnit: the parameters that are gathered together and reduced together.
 
 A unit does *what*: one all-gather of all its shards, the copy-out into full parameters, one
-reduce-scatter of all its gradients, the swap back to shards. It registers no hooks and
-decides no order; the Scheduler (runtime.py) decides *when*.
+reduction of all its gradients, the swap back to shards. It registers no hooks and decides
+no order; the Scheduler (runtime.py) decides *when* and keeps the unit's ``training_state``.
+
+[Note: usage flags]
+Every reduction carries, after the gradient columns of each rank's row, one flag per
+parameter: 1 where this rank has a gradient for it, 0 where it has none (its columns are
+zeros). Reduced with SUM, each rank's shard ends with the number of ranks that had a gradient.
+A parameter no rank had a gradient for keeps ``sharded.grad`` as it was (None after
+``zero_grad``), so optimizers skip it; one that some rank had a gradient for gets the average
+over all ranks, zeros included: DDP with ``find_unused_parameters=True``. The flags cost K
+elements per rank and no extra collective; reading a global flag back (a device sync on CUDA)
+is only needed for parameters this rank did not use, and is deferred to the end of backward.
 """
 
 from __future__ import annotations
@@ -28,6 +38,15 @@ class ShardedState(Enum):
     UNSHARDED = auto()  # full parameters are filled and registered in the modules
 
 
+class TrainingState(Enum):
+    """What the step is doing with a unit (kept by the Scheduler)."""
+
+    IDLE = auto()  # not running: between steps, or its forward ended and backward has not reached it
+    FORWARD = auto()  # its forward is on the stack (the root: for the whole root forward)
+    PRE_BACKWARD = auto()  # backward reached its outputs: gathered, its gradients are being computed
+    POST_BACKWARD = auto()  # its gradients were reduced (or stashed) in the current backward
+
+
 class UnitContext(NamedTuple):
     """What every unit of a model shares: groups, dtypes, device and the engine's accounts."""
 
@@ -36,49 +55,67 @@ class UnitContext(NamedTuple):
     reduce_dtype: torch.dtype | None  # gradient reduction dtype; None: the shard's dtype
     device: torch.device  # where full parameters and collectives live
     ledger: CommLedger  # counts every collective
-    memory: MemoryAccount  # counts gathered parameter bytes
+    memory: MemoryAccount  # counts the buffers gathering and reducing allocate
+
+
+class GatherInFlight(NamedTuple):
+    """An all-gather in flight and the buffers it holds."""
+
+    work: Pending
+    flat_shard: torch.Tensor  # this rank's shards, flattened in the gather dtype
+    gathered: torch.Tensor  # every rank's flat shard, rank-major
+    nbytes: int  # both buffers' bytes ([Note: what gathering allocates])
+
+
+class UndecidedGrad(NamedTuple):
+    """A reduced gradient for a parameter this rank did not use: applied if any rank used it."""
+
+    param: ShardedParam
+    reduced: torch.Tensor  # this rank's shard of the averaged gradient
+    flag: torch.Tensor  # 0-dim: how many ranks had a gradient ([Note: usage flags])
 
 
 class PendingReduce:
-    """A unit's gradient reduce-scatter in flight; ``finish()`` adds the result into the shards."""
+    """A unit's gradient reduction in flight; ``finish()`` adds the result into the shards."""
 
-    def __init__(self, unit: FSDPUnit, work: Pending, output: torch.Tensor, present: list[bool]) -> None:
-        self.unit = unit
-        self.work = work
-        self.output = output
-        self.present = present
+    def __init__(self, unit: FSDPUnit, work: Pending, flat: torch.Tensor, output: torch.Tensor, params: list) -> None:
+        self.unit, self.work, self.flat, self.output, self.params = unit, work, flat, output, params
+        self.used: list[bool] = []  # per parameter: this rank had a gradient ([Note: usage flags])
+        self.nbytes = 0  # the buffers' bytes in the memory account, released by finish()
 
-    def finish(self) -> None:
-        """Wait for the reduce-scatter and add its result into the unit's sharded gradients."""
+    def finish(self) -> list[UndecidedGrad]:
+        """Wait, reduce across replicas if any, divide, add into ``sharded.grad``; return the
+        gradients of parameters this rank did not use ([Note: usage flags])."""
         self.work.wait()
-        self.unit.apply_reduced_grads(self.output, self.present)
+        undecided = self.unit.apply_reduced(self.output, self.params, self.used)
+        self.unit.memory.freed(self.unit.name, self.nbytes, "reduce_buffer")
+        return undecided
 
 
 class FSDPUnit:
     """One unit: its ShardedParams, their flat layout, and gather / reduce / reshard.
 
     Costs: while gathered, the full parameters in ``param_dtype``; during a gather, also the
-    flat gather buffer (as large again) until the copy-out ends; during a reduction, a flat
-    gradient buffer of the unit's trainable full size in ``reduce_dtype``.
+    flat shard and the gather buffer (the full size again) until the copy-out; during a
+    reduction, the unit's trainable full size in ``reduce_dtype`` plus one shard of it.
     """
 
     def __init__(self, name: str, module: nn.Module, params: list[ShardedParam], context: UnitContext) -> None:
         self.name = name
         self.module = module
         self.params = params
-        self.trainable = [p for p in params if p.requires_grad]
-        self.has_frozen = len(self.trainable) != len(params)
         self.shard_comm = context.shard_comm
         self.replicate_comm = context.replicate_comm
         self.device = context.device
         self.ledger = context.ledger
         self.memory = context.memory
         self.state = ShardedState.SHARDED
+        self.training_state = TrainingState.IDLE
+        self.pinned = 0  # > 0 inside summon_full_params: nothing reshards the unit
         self._aliased = bool(params) and all(p.aliased for p in params)  # [Note: aliased shards]
         self._shard_sizes = [p.shard_numel for p in params]
-        self.unsharded_nbytes = sum(p.unsharded_nbytes for p in params)  # what gathering the unit adds
-        self._gather: tuple[Pending, torch.Tensor] | None = None
-        self._grads_ready: set[int] = set()
+        self.unsharded_nbytes = sum(p.unsharded_nbytes for p in params)  # full parameters, padding included
+        self._gather: GatherInFlight | None = None
         self._param_dtype = params[0].param_dtype if params else torch.float32
         self._reduce_dtype = context.reduce_dtype or (params[0].sharded.dtype if params else torch.float32)
         dtypes = {p.param_dtype for p in params}
@@ -89,13 +126,17 @@ class FSDPUnit:
                 "Cast the module to one dtype, or wrap the differing parameters in their own unit"
             )
 
-    def _start_gather(self, shards: list[torch.Tensor], dtype: torch.dtype) -> tuple[Pending, torch.Tensor]:
+    # ---- gather -----------------------------------------------------------------------
+
+    def _start_gather(self, shards: list[torch.Tensor], dtype: torch.dtype) -> GatherInFlight:
         """Copy one shard-shaped tensor per parameter into a flat buffer (in ``dtype``, on the
-        compute device) and start ONE all-gather of it; return the work and the gather buffer."""
+        compute device) and start ONE all-gather of it."""
         flat_shard = torch.empty(sum(self._shard_sizes), dtype=dtype, device=self.device)
         torch._foreach_copy_(list(flat_shard.split(self._shard_sizes)), [s.detach().reshape(-1) for s in shards])
         gathered = flat_shard.new_empty(flat_shard.numel() * self.shard_comm.size)
-        return collectives.all_gather(gathered, flat_shard, self.shard_comm, self.ledger, self.name), gathered
+        nbytes = (flat_shard.numel() + gathered.numel()) * flat_shard.element_size()
+        work = collectives.all_gather(gathered, flat_shard, self.shard_comm, self.ledger, self.name)
+        return GatherInFlight(work, flat_shard, gathered, nbytes)
 
     def _rows(self, gathered: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Each parameter's ``(N, shard_numel)`` slice of a gather buffer."""
@@ -106,7 +147,48 @@ class FSDPUnit:
         if self.state is not ShardedState.SHARDED or not self.params or self._aliased:
             return
         self._gather = self._start_gather([p.sharded for p in self.params], self._param_dtype)
+        self.memory.allocated(self.name, self._gather.nbytes, "gather_buffer")
         self.state = ShardedState.GATHERING
+
+    def wait_unshard(self) -> None:
+        """Make the full parameters usable: start the gather if needed, wait, copy out, register.
+
+        ``requires_grad`` is copied from every sharded parameter, so freezing and unfreezing
+        between (or during) steps takes effect at the next use.
+        """
+        for param in self.params:
+            param.sync_requires_grad()
+        if self.state is ShardedState.UNSHARDED:
+            return
+        if self._aliased or not self.params:
+            for param in self.params:
+                param.install(unsharded=True)
+            self.state = ShardedState.UNSHARDED
+            return
+        self.unshard()
+        gather, self._gather = self._gather, None
+        gather.work.wait()
+        with torch.no_grad():
+            for param, param_rows in zip(self.params, self._rows(gather.gathered)):
+                param.fill_unsharded(param_rows)
+                param.install(unsharded=True)
+        self.memory.allocated(self.name, self.unsharded_nbytes, "params")
+        self.memory.freed(self.name, gather.nbytes, "gather_buffer")
+        self.state = ShardedState.UNSHARDED
+
+    def reshard(self) -> None:
+        """Register the shards again and free the full parameters (and any gather in flight)."""
+        if self._gather is not None:
+            gather, self._gather = self._gather, None
+            gather.work.wait()
+            self.memory.freed(self.name, gather.nbytes, "gather_buffer")
+        if self.state is ShardedState.UNSHARDED:
+            for param in self.params:
+                param.install(unsharded=False)
+                param.free_unsharded()
+            if not self._aliased:
+                self.memory.freed(self.name, self.unsharded_nbytes, "params")
+        self.state = ShardedState.SHARDED
 
     def gather_full(self, shards: list[torch.Tensor], keep: bool = True) -> list[torch.Tensor]:
         """All-gather one shard-shaped tensor per parameter (in its own dtype) into full tensors.
@@ -118,91 +200,85 @@ class FSDPUnit:
         if not self.params:
             return []
         dtype = functools.reduce(torch.promote_types, (s.dtype for s in shards))
-        work, gathered = self._start_gather(shards, dtype)
-        work.wait()
+        gather = self._start_gather(shards, dtype)
+        gather.work.wait()
         if not keep:
             return []
-        return [param.full_from_rows(param_rows) for param, param_rows in zip(self.params, self._rows(gathered))]
+        return [param.full_from_rows(rows) for param, rows in zip(self.params, self._rows(gather.gathered))]
 
-    def wait_unshard(self) -> None:
-        """Make the full parameters usable: start the gather if needed, wait, copy out, register."""
-        self.unshard()
-        if self._aliased and self.state is ShardedState.SHARDED:
-            for param in self.params:
-                param.install(unsharded=True)
-            self.memory.allocated(self.name, 0)
-            self.state = ShardedState.UNSHARDED
-            return
-        if self.state is not ShardedState.GATHERING:
-            return
-        work, gathered = self._gather
-        self._gather = None
-        work.wait()
-        with torch.no_grad():
-            for param, param_rows in zip(self.params, self._rows(gathered)):
-                param.fill_unsharded(param_rows)
-                param.install(unsharded=True)
-        self.memory.allocated(self.name, self.unsharded_nbytes)
-        self.state = ShardedState.UNSHARDED
+    # ---- reduce -----------------------------------------------------------------------
 
-    def reshard(self) -> None:
-        """Register the shards again and free the full parameters (and any gather in flight)."""
-        if self._gather is not None:
-            self._gather[0].wait()
-            self._gather = None
-        if self.state is ShardedState.UNSHARDED:
-            for param in self.params:
-                param.install(unsharded=False)
-                param.free_unsharded()
-            self.memory.freed(self.name, self.unsharded_nbytes)
-        self.state = ShardedState.SHARDED
+    def trainable_params(self) -> list[ShardedParam]:
+        """The parameters that train now (their sharded ``requires_grad``); read at every reduction."""
+        return [p for p in self.params if p.trainable]
 
-    def mark_grad_ready(self, param: ShardedParam) -> bool:
-        """Note that ``param`` has its gradient; True once every trainable parameter has one."""
-        self._grads_ready.add(id(param))
-        return len(self._grads_ready) == len(self.trainable)
-
-    @property
-    def has_unreduced_grads(self) -> bool:
-        """Whether some full gradient of this unit waits to be reduced."""
-        return any(p.unsharded.grad is not None for p in self.trainable)
+    def stash_grads(self) -> None:
+        """no_sync: keep each full gradient (summed in ``reduce_dtype``) for the next reduction."""
+        for param in self.params:
+            if param.trainable:
+                self.memory.allocated(self.name, param.stash_grad(self._reduce_dtype), "stashed_grads")
+            else:
+                param.drop_grads()
 
     def reduce_grads(self) -> PendingReduce | None:
-        """Flatten the full gradients (zeros for missing ones), start ONE reduce-scatter, free them.
+        """Flatten the full gradients (zeros where this rank has none) with their usage flags,
+        start ONE reduction and free them ([Note: usage flags]). None without trainable parameters.
 
-        [Note: missing gradients] A parameter without a gradient on this rank is reduced as
-        zeros and keeps ``sharded.grad`` as it was (None after ``zero_grad``), so optimizers
-        skip it as they would unsharded. As with DDP, every rank is assumed to give gradients
-        to the same parameters.
+        FULL_SHARD / SHARD_GRAD_OP / HYBRID_SHARD: a reduce-scatter in the shard group (HYBRID
+        then all-reduces the shard across replicas in ``finish``). NO_SHARD: one in-place
+        all-reduce of the flat buffer, which the sharded gradients then view (one copy in all).
         """
-        self._grads_ready.clear()
-        if not self.has_unreduced_grads:
-            return None
-        sizes = [p.shard_numel for p in self.trainable]
-        world = self.shard_comm.size
-        flat = torch.empty(world, sum(sizes), dtype=self._reduce_dtype, device=self.device)
-        present = []
-        for param, columns in zip(self.trainable, flat.split(sizes, dim=1)):
-            grad = param.unsharded.grad
-            present.append(grad is not None)
-            if grad is None:
-                columns.zero_()
+        params = []
+        for param in self.params:
+            if param.trainable:
+                params.append(param)
             else:
-                columns.copy_(param.padded_grad_rows(grad))
-            param.unsharded.grad = None
-        output = torch.empty(sum(sizes), dtype=self._reduce_dtype, device=self.device)
-        work = collectives.reduce_scatter(output, flat.view(-1), self.shard_comm, self.ledger, self.name)
-        return PendingReduce(self, work, output, present)
+                param.drop_grads()
+        if not params:
+            return None
+        sizes = [p.shard_numel for p in params]
+        total = sum(sizes)
+        world = self.shard_comm.size
+        flat = torch.empty(world, total + len(params), dtype=self._reduce_dtype, device=self.device)
+        stashed = sum(p.stashed_nbytes for p in params)
+        used = [p.take_grad_rows(columns) for p, columns in zip(params, flat[:, :total].split(sizes, dim=1))]
+        self.memory.freed(self.name, stashed, "stashed_grads")
+        flat[:, total:].fill_(1)
+        for index, has_grad in enumerate(used):
+            if not has_grad:
+                flat[:, total + index].zero_()
+        if world == 1:
+            output = flat.view(-1)
+            work = collectives.all_reduce(output, self.replicate_comm, self.ledger, self.name)
+            nbytes = flat.numel() * flat.element_size()
+        else:
+            output = flat.new_empty(total + len(params))
+            work = collectives.reduce_scatter(output, flat.view(-1), self.shard_comm, self.ledger, self.name)
+            nbytes = (flat.numel() + output.numel()) * flat.element_size()
+        pending = PendingReduce(self, work, flat, output, params)
+        pending.used, pending.nbytes = used, nbytes
+        self.memory.allocated(self.name, nbytes, "reduce_buffer")
+        return pending
 
-    def apply_reduced_grads(self, output: torch.Tensor, present: list[bool]) -> None:
-        """Reduce across replicas if any, divide by the data-parallel size, add into the shards."""
-        collectives.all_reduce(output, self.replicate_comm, self.ledger, self.name).wait()
-        output.div_(self.shard_comm.size * self.replicate_comm.size)  # [Note: SUM then divide]
-        pieces = output.split([p.shard_numel for p in self.trainable])
-        for param, piece, has_grad in zip(self.trainable, pieces, present):
-            if has_grad:  # [Note: missing gradients]
+    def apply_reduced(self, output: torch.Tensor, params: list[ShardedParam], used: list[bool]) -> list[UndecidedGrad]:
+        """Reduce across replicas (HYBRID_SHARD), divide by the data-parallel size, add into the
+        shards of the parameters this rank used; return the others for a later decision."""
+        if self.shard_comm.size > 1:
+            collectives.all_reduce(output, self.replicate_comm, self.ledger, self.name).wait()
+        total = output.numel() - len(params)
+        grads, flags = output[:total], output[total:]
+        grads.div_(self.shard_comm.size * self.replicate_comm.size)  # [Note: SUM then divide]
+        undecided = []
+        for param, piece, flag, has_grad in zip(params, grads.split([p.shard_numel for p in params]), flags, used):
+            if has_grad:
                 param.accumulate_sharded_grad(piece)
+            else:
+                undecided.append(UndecidedGrad(param, piece, flag))
+        return undecided
 
-    def clear_grad_marks(self) -> None:
-        """Forget which gradients arrived (at the end of every backward)."""
-        self._grads_ready.clear()
+    def drop_grads(self) -> None:
+        """Discard every full and stashed gradient of the unit (a failed iteration)."""
+        stashed = sum(p.stashed_nbytes for p in self.params)
+        for param in self.params:
+            param.drop_grads()
+        self.memory.freed(self.name, stashed, "stashed_grads")

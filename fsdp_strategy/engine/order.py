@@ -1,0 +1,56 @@
+"""ExecutionOrder: which unit to prefetch, from the order the previous run of a phase took.
+
+[Note: prefetch from the previous run]
+A phase is one outermost forward (with or without grad) or the k-th backward of an
+iteration. Each run of a phase records the units in the order they started; the next run of
+the same phase prefetches, at its i-th unit, the unit the previous run started at i+1, as long
+as it has followed the previous run so far. A step that takes another path (a unit skipped, a
+different branch) stops prefetching for the rest of that run instead of gathering units that
+will not run; its own order is what the following step prefetches from. At most one unit is
+prefetched ahead of the one running (see [Note: bounded prefetch] in runtime.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Any
+
+
+class ExecutionOrder:
+    """Per-phase records of unit order; ``record`` returns the unit to prefetch next, if any.
+
+    Costs: a list append and two lookups per unit start.
+    """
+
+    def __init__(self) -> None:
+        self._previous: dict[Hashable, list[Any]] = {}
+        self._current: dict[Hashable, list[Any]] = {}
+        self._following: dict[Hashable, bool] = {}
+
+    def start(self, phase: Hashable) -> None:
+        """Begin recording a run of ``phase``."""
+        self._current[phase] = []
+        self._following[phase] = True
+
+    def record(self, phase: Hashable, unit: Any) -> Any | None:
+        """Note that ``unit`` started in ``phase``; return the unit to prefetch now, or None."""
+        current = self._current.get(phase)
+        if current is None:
+            return None
+        index = len(current)
+        current.append(unit)
+        previous = self._previous.get(phase)
+        if not self._following[phase] or previous is None or index >= len(previous) or previous[index] is not unit:
+            self._following[phase] = False
+            return None
+        return previous[index + 1] if index + 1 < len(previous) else None
+
+    def commit(self, phase: Hashable) -> None:
+        """End the run of ``phase``: its order is what the next run prefetches from."""
+        current = self._current.pop(phase, None)
+        if current is not None:
+            self._previous[phase] = current
+
+    def discard(self) -> None:
+        """Drop the runs in progress (a failed iteration); finished records stay."""
+        self._current.clear()
