@@ -79,7 +79,7 @@ class FSDPCustomPrecision(FSDPPrecision):
         return super().forward_context()
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
-        """Clip by the global norm over every rank's shards (one all-reduce)."""
+        """Clip ``optimizer``'s parameters by their global norm over every rank's shards (one all-reduce)."""
         if self.clip_fn is None:
             raise RuntimeError("gradient clipping by norm needs the model to be set up by FSDPCustomStrategy")
-        self.clip_fn(clip_val)
+        self.clip_fn(clip_val, parameters=[p for group in optimizer.param_groups for p in group["params"]])

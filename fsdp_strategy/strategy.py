@@ -73,6 +73,9 @@ class FSDPCustomStrategy(ParallelStrategy):
             folder each rank writes its shards into; loads at any world size).
         async_save: write sharded checkpoints in the background (the step goes on).
         device_mesh: ``(replicate, shard)`` sizes or a 2-D ``DeviceMesh``, for HYBRID_SHARD.
+        param_init_fn: ``(module) -> None``, called on each module that still has tensors on the
+            meta device (``trainer.init_module(empty_init=True)``) to allocate and initialize them;
+            default: ``reset_parameters()`` and the enclosing ``_init_weights`` (Hugging Face).
         process_group_backend: "gloo", "nccl", ...; default: by device.
         timeout: timeout of every collective (a rank that dies fails the others after it).
 
@@ -100,13 +103,14 @@ class FSDPCustomStrategy(ParallelStrategy):
         state_dict_type: Literal["full", "sharded"] = "full",
         device_mesh: tuple[int, int] | Any = None,
         async_save: bool = False,
+        param_init_fn: Any = None,
         **kwargs: Any,
     ) -> None:
         if kwargs:
             raise TypeError(
                 f"FSDPCustomStrategy got unexpected arguments {sorted(kwargs)}; accepted: sharding_strategy, "
                 "auto_wrap_policy, mixed_precision, cpu_offload, activation_checkpointing_policy, state_dict_type, "
-                "device_mesh, async_save, process_group_backend, timeout"
+                "device_mesh, async_save, param_init_fn, process_group_backend, timeout"
             )
         super().__init__(
             accelerator=accelerator,
@@ -140,6 +144,9 @@ class FSDPCustomStrategy(ParallelStrategy):
             )
         self._process_group_backend = process_group_backend
         self._timeout = timeout
+        if param_init_fn is not None and not callable(param_init_fn):
+            raise TypeError(f"param_init_fn must be a callable (module) -> None, got {param_init_fn!r}")
+        self.param_init_fn = param_init_fn
 
     # ---- Lightning plumbing --------------------------------------------------------------
 
@@ -261,6 +268,7 @@ class FSDPCustomStrategy(ParallelStrategy):
             cpu_offload=self.cpu_offload,
             device=self.root_device,
             device_mesh=self._device_mesh,
+            param_init_fn=self.param_init_fn,
         )
         _move_torchmetrics_to_device(model, self.root_device)
         units = self.scheduler.units
@@ -302,6 +310,12 @@ class FSDPCustomStrategy(ParallelStrategy):
             yield
         if log.isEnabledFor(logging.DEBUG):  # counting the bytes walks every parameter: only when asked
             log.debug("no_sync holds %d bytes of full gradients", self.scheduler.unsharded_grad_bytes())
+
+    def on_exception(self, exception: BaseException) -> None:
+        """A failed fit/validate/test leaves no half-done iteration behind (see ``Scheduler.reset``)."""
+        if self.model is not None and is_sharded(self.model):
+            self.scheduler.reset()
+        super().on_exception(exception)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """Start the ledger's count for this step."""

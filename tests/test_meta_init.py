@@ -1,0 +1,169 @@
+"""Models created on the meta device are materialized unit by unit: by ``reset_parameters()``,
+by a Hugging Face model's own ``_init_weights`` (norms, rotary frequencies, ``Conv1D``), or by
+``param_init_fn``; ties survive, nothing stays on meta, and what nothing can initialize is named."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from dist_utils import run_ranks
+from test_strategy import LIGHTNING_ENV, quiet_trainer
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from fsdp_strategy import FSDPCustomStrategy
+from fsdp_strategy.checkpoint import full_state_dict
+from fsdp_strategy.engine import get_scheduler, shard_model
+
+transformers = pytest.importorskip("transformers")
+LLAMA = {
+    "vocab_size": 64,
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "max_position_embeddings": 32,
+}
+
+
+class LitLlama(L.LightningModule):
+    """A tiny LlamaForCausalLM built from a config (no download) in ``configure_model``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.llama = None
+        self.losses: list[float] = []
+        self.at_start: dict = {}
+
+    def configure_model(self) -> None:
+        if self.llama is None:
+            self.llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA))
+            self.at_start["created_on_meta"] = all(p.is_meta for p in self.llama.parameters())
+
+    def on_fit_start(self) -> None:
+        state = full_state_dict(self, rank0_only=False)
+        rotary = self.llama.model.rotary_emb
+        expected_freq, _ = rotary.compute_default_rope_parameters(self.llama.config)
+        self.at_start.update(
+            {
+                "norms_are_one": all(torch.all(v == 1) for k, v in state.items() if k.endswith("norm.weight")),
+                "inv_freq": torch.allclose(rotary.inv_freq, expected_freq),
+                "linear_std": state["llama.model.layers.0.mlp.up_proj.weight"].std().item(),
+                "finite": all(torch.isfinite(v).all() for v in state.values() if v.is_floating_point()),
+            }
+        )
+
+    def training_step(self, batch, batch_idx):
+        loss = self.llama(input_ids=batch[0], labels=batch[0]).loss
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def _llama_body(rank: int, world: int) -> dict:
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    torch.manual_seed(0)
+    strategy = FSDPCustomStrategy(auto_wrap_policy={LlamaDecoderLayer})
+    trainer = quiet_trainer(strategy=strategy, devices=world, max_steps=8)
+    module = LitLlama()
+    with trainer.init_module(empty_init=True):
+        module.configure_model()
+    batch = torch.randint(0, LLAMA["vocab_size"], (1, 12), generator=torch.Generator().manual_seed(0))
+    trainer.fit(module, DataLoader(TensorDataset(batch.repeat(16, 1)), batch_size=2))
+    scheduler = trainer.strategy.scheduler
+    return {
+        **module.at_start,
+        "losses": module.losses,
+        "no_meta": not any(t.is_meta for t in [*module.parameters(), *module.buffers()]),
+        "units": [u.name for u in scheduler.units],
+    }
+
+
+def test_hugging_face_llama_created_on_meta_trains(tmp_path):
+    for result in run_ranks(_llama_body, 2, tmp_path, env=LIGHTNING_ENV, timeout=240):
+        assert result["created_on_meta"] and result["no_meta"] and result["finite"]
+        assert result["norms_are_one"] and result["inv_freq"]  # RMSNorm and rotary: no reset_parameters()
+        assert 0.015 < result["linear_std"] < 0.025  # the config's initializer_range (0.02), not kaiming
+        assert result["units"] == ["root", "llama.model.layers.0", "llama.model.layers.1"]
+        assert result["losses"][-1] < result["losses"][0] - 1.0  # it learns the repeated sequence
+
+
+def _gpt2_body(rank: int, world: int) -> dict:
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    config = transformers.GPT2Config(vocab_size=64, n_embd=16, n_layer=2, n_head=2, n_positions=32)
+    with torch.device("meta"):
+        model = transformers.GPT2LMHeadModel(config)
+    shard_model(model, auto_wrap_policy={GPT2Block})
+    state = full_state_dict(model, rank0_only=False)
+    shards = get_scheduler(model).sharded_params()
+    tokens = torch.randint(0, 64, (2, 8))
+    model(input_ids=tokens, labels=tokens).loss.backward()
+    return {
+        "tied": model.lm_head.weight is model.transformer.wte.weight,
+        "one_param_for_both": sum(p.fqn == "transformer.wte.weight" for p in shards) == 1
+        and len(shards) == len({id(p.sharded) for p in shards}),
+        "conv1d_std": state["transformer.h.0.mlp.c_fc.weight"].std().item(),
+        "ln_ones": torch.all(state["transformer.h.0.ln_1.weight"] == 1).item(),
+        "finite_grads": all(torch.isfinite(p.sharded.grad).all() for p in shards if p.sharded.grad is not None),
+    }
+
+
+def test_gpt2_conv1d_and_tied_head_created_on_meta(tmp_path):
+    for result in run_ranks(_gpt2_body, 2, tmp_path):
+        assert result["tied"] and result["one_param_for_both"]
+        assert 0.015 < result["conv1d_std"] < 0.025 and result["ln_ones"] and result["finite_grads"]
+
+
+class Gain(nn.Module):
+    """No reset_parameters(): a learned gain and rotary-style frequencies computed in __init__."""
+
+    def __init__(self, dim: int = 6) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.full((dim,), 2.0))
+        self.register_buffer("freqs", 1.0 / (10.0 ** torch.arange(dim)), persistent=False)
+
+    def forward(self, x):
+        return x * self.gain * self.freqs
+
+
+class WithGain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 6)
+        self.gain = Gain()
+
+    def forward(self, x):
+        return self.gain(self.linear(x))
+
+
+def test_modules_nothing_can_initialize_are_named():
+    with torch.device("meta"):
+        model = WithGain()
+    with pytest.raises(ValueError, match=r"\['gain.gain', 'gain.freqs'\].*param_init_fn"):
+        shard_model(model)
+
+
+def test_param_init_fn_initializes_what_reset_parameters_cannot():
+    def init(module: nn.Module) -> None:
+        module.to_empty(device=torch.device("cpu"), recurse=False)
+        if isinstance(module, Gain):
+            module.gain.fill_(2.0)
+            module.freqs.copy_(1.0 / (10.0 ** torch.arange(6)))
+        else:
+            module.reset_parameters()
+
+    torch.manual_seed(0)
+    expected = WithGain()
+    with torch.device("meta"):
+        model = WithGain()
+    shard_model(model, param_init_fn=init)
+    assert torch.equal(model.gain.gain, expected.gain.gain) and torch.equal(model.gain.freqs, expected.gain.freqs)
+    assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    with pytest.raises(TypeError, match="param_init_fn must be a callable"):
+        shard_model(WithGain(), param_init_fn="reset")
