@@ -26,6 +26,7 @@ from fsdp_strategy.engine.init import ParamInitFn, materialize, meta_tensor_name
 from fsdp_strategy.engine.param import ShardedParam, ShardLayout
 from fsdp_strategy.engine.placement import plan_units
 from fsdp_strategy.engine.runtime import Scheduler
+from fsdp_strategy.engine.summon import summon_all_units
 from fsdp_strategy.engine.unit import FSDPUnit, UnitContext
 from fsdp_strategy.wrap import as_policy_fn, select_unit_modules
 
@@ -145,7 +146,7 @@ def summon_full_params(module: nn.Module, writeback: bool = False) -> Iterator[n
     submodule call works; ``writeback=True`` copies changes back into the shards on exit. A
     collective: every rank enters it. Costs: the full model on every rank while inside.
     """
-    with get_scheduler(module).summon_full_params(writeback=writeback):
+    with summon_all_units(get_scheduler(module), writeback=writeback):
         yield module
 
 

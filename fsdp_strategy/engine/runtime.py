@@ -3,10 +3,10 @@
 One iteration (see design.md, "One training step, as data"):
 - the root's outermost forward pre-hook starts it (resetting a failed previous one);
 - a unit's forward pre-hook gathers it, prefetches the next unit ([Note: prefetch from the
-  previous run]) and, with grad enabled, applies ``_PostBackward`` to its inputs that require
+  previous run]) and, with grad enabled, applies ``PostBackward`` to its inputs that require
   grad; its post-hook reshards it by policy and hooks its outputs for backward;
 - the pre-backward hook (on the outputs) gathers it again and prefetches;
-- ``_PostBackward`` fires when the gradients of the unit's forward inputs are computed
+- ``PostBackward`` fires when the gradients of the unit's forward inputs are computed
   ([Note: post-backward every rank agrees on]) and reduces and reshards the unit;
 - a callback queued at the end of every backward reduces, in one fixed unit order, the units
   that ran in this backward without a post-backward, settles every reduction and reshards.
@@ -50,9 +50,8 @@ import functools
 import logging
 import sys
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -64,60 +63,13 @@ from fsdp_strategy.config import MixedPrecision, ShardingStrategy
 from fsdp_strategy.engine import collectives
 from fsdp_strategy.engine.accounting import MemoryAccount
 from fsdp_strategy.engine.collectives import CommLedger
+from fsdp_strategy.engine.iteration import BackwardPass, Frame, PostBackward, UnitRun, autograd_running
 from fsdp_strategy.engine.order import ExecutionOrder
 from fsdp_strategy.engine.param import ShardedParam
 from fsdp_strategy.engine.traversal import grad_tensors, replace_grad_tensors
 from fsdp_strategy.engine.unit import FSDPUnit, PendingReduce, ShardedState, TrainingState, UndecidedGrad
 
 log = logging.getLogger(__name__)
-
-
-class _PostBackward(torch.autograd.Function):
-    """Identity on a unit's forward inputs; its backward runs the unit's post-backward."""
-
-    @staticmethod
-    def forward(ctx: Any, callback: Callable[[], None], *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.callback = callback
-        return inputs
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        ctx.callback()
-        return (None, *grads)
-
-
-@dataclass
-class _Frame:
-    """One call of a unit's forward."""
-
-    exception: BaseException | None  # the exception being handled when the call began (usually None)
-    counted: bool = False  # a post-backward was registered and counted for this call
-    input_ids: frozenset[int] = frozenset()  # ids of the inputs as the forward saw them
-
-
-@dataclass
-class _UnitRun:
-    """What the Scheduler tracks for one unit within an iteration."""
-
-    frames: list[_Frame] = field(default_factory=list)  # forward calls on the stack
-    post_backwards_due: int = 0  # post-backwards registered in forward and not yet fired
-    ran_forward: bool = False  # started in the outermost forward in progress
-    in_backward: bool = False  # backward reached it in the backward in progress
-    reduced: bool = False  # its gradients were reduced (or stashed) in the backward in progress
-    double_backward: bool = False  # [Note: double backward]
-    backward_hook: Callable[[torch.Tensor], None] | None = None  # the pre-backward hook put on its outputs
-
-
-@dataclass
-class _BackwardPass:
-    index: int  # the k-th backward of the iteration (its prefetch phase)
-    create_graph: bool  # [Note: double backward]
-    expected: deque[FSDPUnit]  # the reduction order ([Note: post-backward every rank agrees on])
-    ready: set[int] = field(default_factory=set)  # ids of units ready to reduce, waiting for their turn
-
-
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
 
 
 class Scheduler:
@@ -145,12 +97,12 @@ class Scheduler:
         self.ledger = ledger
         self.memory = memory
         self.device = device
-        self._runs = {id(unit): _UnitRun() for unit in units}
+        self._runs = {id(unit): UnitRun() for unit in units}
         self._root_depth = 0
         self._order = ExecutionOrder()
         self._forward_phase: tuple | None = None
         self._backwards_in_iteration = 0
-        self._backward: _BackwardPass | None = None
+        self._backward: BackwardPass | None = None
         self._ran_forward: dict[int, FSDPUnit] = {}  # units that ran forward with grad since their last reduction
         self._sync_grads = True
         self._pending_reduces: deque[PendingReduce] = deque()
@@ -168,13 +120,13 @@ class Scheduler:
             unit.module.register_forward_hook(post, always_call=True)
             run.backward_hook = torch._dynamo.disable(functools.partial(self._pre_backward, unit, run))
 
-    def _pre_forward(self, unit: FSDPUnit, run: _UnitRun, module: nn.Module, args: tuple, kwargs: dict) -> Any:
-        in_backward = _in_backward()
+    def _pre_forward(self, unit: FSDPUnit, run: UnitRun, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        in_backward = autograd_running()
         if unit is self.root_unit:
             if self._root_depth == 0 and not in_backward:
                 args, kwargs = self._start_iteration(args, kwargs)
             self._root_depth += 1
-        frame = _Frame(sys.exc_info()[1])
+        frame = Frame(sys.exc_info()[1])
         run.frames.append(frame)
         if not in_backward and unit.training_state is TrainingState.IDLE:
             unit.training_state = TrainingState.FORWARD
@@ -191,13 +143,13 @@ class Scheduler:
             if tensors:
                 frame.counted = not in_backward  # a recomputation's post-backward may never fire
                 callback = functools.partial(self._post_backward, unit, run, frame.counted)
-                outputs = _PostBackward.apply(callback, *tensors)
+                outputs = PostBackward.apply(callback, *tensors)
                 args, kwargs = replace_grad_tensors((args, kwargs), list(outputs))
                 run.post_backwards_due += frame.counted
                 frame.input_ids = frozenset(map(id, outputs))
         return args, kwargs
 
-    def _post_forward(self, unit: FSDPUnit, run: _UnitRun, module: nn.Module, args: tuple, output: Any) -> Any:
+    def _post_forward(self, unit: FSDPUnit, run: UnitRun, module: nn.Module, args: tuple, output: Any) -> Any:
         if not run.frames:  # our pre-hook did not run (a hook before it raised)
             return output
         frame = run.frames.pop()
@@ -207,7 +159,7 @@ class Scheduler:
         if raised is not None and raised is not frame.exception:
             self._forward_failed(unit, run, frame)
             return output
-        in_backward = _in_backward()
+        in_backward = autograd_running()
         hooked = False
         if torch.is_grad_enabled():
             for tensor in grad_tensors(output):
@@ -223,7 +175,7 @@ class Scheduler:
             self._end_forward()
         return output
 
-    def _pre_backward(self, unit: FSDPUnit, run: _UnitRun, grad: torch.Tensor) -> None:
+    def _pre_backward(self, unit: FSDPUnit, run: UnitRun, grad: torch.Tensor) -> None:
         self._enter_backward()
         if unit.training_state is TrainingState.PRE_BACKWARD:
             return
@@ -235,7 +187,7 @@ class Scheduler:
         if target is not None:
             target.unshard()  # [Note: bounded prefetch]
 
-    def _post_backward(self, unit: FSDPUnit, run: _UnitRun, counted: bool) -> None:
+    def _post_backward(self, unit: FSDPUnit, run: UnitRun, counted: bool) -> None:
         self._enter_backward()
         assert self._backward is not None
         run.post_backwards_due -= counted
@@ -276,7 +228,7 @@ class Scheduler:
         finally:
             self._finish_backward(backward)
 
-    def _finish_backward(self, backward: _BackwardPass) -> None:
+    def _finish_backward(self, backward: BackwardPass) -> None:
         for unit in self.units:
             run = self._runs[id(unit)]
             keep = unit.pinned or run.frames or (backward.create_graph and run.double_backward)
@@ -332,13 +284,13 @@ class Scheduler:
             return True
         return self.sharding_strategy.reshard_after_forward
 
-    def _reshard_after_backward(self, unit: FSDPUnit, run: _UnitRun) -> None:
+    def _reshard_after_backward(self, unit: FSDPUnit, run: UnitRun) -> None:
         if not unit.pinned and not run.frames and not run.double_backward:  # [Note: forward on the stack]
             unit.reshard()
 
-    def _forward_failed(self, unit: FSDPUnit, run: _UnitRun, frame: _Frame) -> None:
+    def _forward_failed(self, unit: FSDPUnit, run: UnitRun, frame: Frame) -> None:
         run.post_backwards_due -= frame.counted
-        if unit is self.root_unit and self._root_depth == 0 and not _in_backward():
+        if unit is self.root_unit and self._root_depth == 0 and not autograd_running():
             log.info("fsdp_custom: the root forward raised; the iteration is reset")
             self.reset()
         elif not run.frames:
@@ -350,12 +302,12 @@ class Scheduler:
     def _enter_backward(self) -> None:
         if self._backward is None:
             expected = deque(reversed(self._ran_forward.values()))
-            self._backward = _BackwardPass(self._backwards_in_iteration, torch.is_grad_enabled(), expected)
+            self._backward = BackwardPass(self._backwards_in_iteration, torch.is_grad_enabled(), expected)
             self._backwards_in_iteration += 1
             self._order.start(("backward", self._backward.index))
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
-    def _reduce(self, unit: FSDPUnit, run: _UnitRun) -> None:
+    def _reduce(self, unit: FSDPUnit, run: UnitRun) -> None:
         run.reduced = True
         if not self._sync_grads:
             unit.stash_grads()
@@ -412,10 +364,7 @@ class Scheduler:
             unit.drop_grads()
             unit.reshard()
             unit.training_state = TrainingState.IDLE
-            run = self._runs[id(unit)]
-            run.frames.clear()
-            run.post_backwards_due = 0
-            run.ran_forward = run.in_backward = run.reduced = run.double_backward = False
+            self._runs[id(unit)].clear()
         self._root_depth = 0
         self._backward = None
         self._ran_forward.clear()
@@ -436,6 +385,11 @@ class Scheduler:
         finally:
             self._sync_grads = previous
 
+    @property
+    def running(self) -> bool:
+        """Whether a forward of the root or a backward through the model is in progress."""
+        return bool(self._root_depth) or self._backward is not None
+
     def unsharded_grad_bytes(self) -> int:
         """Bytes of full-size gradients held now (non-zero only inside ``no_sync`` accumulation)."""
         return sum(p.stashed_nbytes for p in self.sharded_params())
@@ -451,44 +405,6 @@ class Scheduler:
     def sharded_params(self) -> list[ShardedParam]:
         """Every ShardedParam of the model, unit by unit."""
         return [p for unit in self.units for p in unit.params]
-
-    @contextmanager
-    def summon_full_params(self, writeback: bool = False) -> Iterator[None]:
-        """Gather every unit for code that runs outside ``forward()`` (generation in a callback).
-
-        Inside, each module holds its full parameters (in ``param_dtype``) and forward calls
-        run on them without gathering again. With ``writeback=True`` changes made to the full
-        parameters are copied into the shards on exit (needs ``param_dtype`` equal to the
-        shards' dtype). A collective: call it on every rank. Costs: the whole model's full
-        parameters on every rank while inside.
-        """
-        if self._root_depth or self._backward is not None:
-            raise RuntimeError("summon_full_params() is for code outside forward and backward; the model is running")
-        if writeback:
-            lossy = [p.fqn for p in self.sharded_params() if p.param_dtype != p.sharded.dtype]
-            if lossy:
-                raise ValueError(
-                    f"summon_full_params(writeback=True) would round the shards: parameters {lossy[:5]} are gathered "
-                    "in mixed_precision.param_dtype, not their own dtype. Use writeback=False, or load new "
-                    "weights with load_full_state_dict"
-                )
-        for unit in self.units:
-            unit.pinned += 1
-            unit.unshard()
-        try:
-            for unit in self.units:
-                unit.wait_unshard()
-            yield
-        finally:
-            if writeback:
-                with torch.no_grad():
-                    for param in self.sharded_params():
-                        if not param.aliased:
-                            param.sharded.copy_(param.local_rows(param.unsharded.detach(), param.shard_rank))
-            for unit in self.units:
-                unit.pinned -= 1
-                if not unit.pinned:
-                    unit.reshard()
 
     @torch.no_grad()
     def clip_grad_norm_(
