@@ -203,6 +203,31 @@ def gradient_penalty_loss(critic: nn.Module, real: torch.Tensor, fake: torch.Ten
     return critic(fake).mean() - critic(real).mean() + 10 * penalty
 
 
+class GeneratorCritic(nn.Module):
+    """A critic (blocks as units) run on real data first, whose inputs need no gradient, then on
+    the generator's output, whose inputs do: the same units with and without a post-backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.generator = MLPBlock()
+        self.critic = Critic()
+
+    def forward(self, real: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        return self.critic(real).mean() - self.critic(torch.tanh(self.generator(noise))).mean()
+
+
+class FreezeInStep(GeneratorCritic):
+    """A GAN step as written inside ``training_step`` (so inside the root forward): the critic
+    frozen with ``requires_grad_`` for the generator's loss, unfrozen for its own."""
+
+    def forward(self, real: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        fake = torch.tanh(self.generator(noise))
+        self.critic.requires_grad_(False)
+        generator_loss = -self.critic(fake).mean()
+        self.critic.requires_grad_(True)
+        return generator_loss + self.critic(fake.detach()).mean() - self.critic(real).mean()
+
+
 class Staged(nn.Module):
     """Activation checkpointing of a stage that contains units (non-reentrant or reentrant)."""
 

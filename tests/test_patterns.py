@@ -19,6 +19,8 @@ from pattern_models import (
     Dense,
     EarlyExit,
     ExpertBank,
+    FreezeInStep,
+    GeneratorCritic,
     InsideForward,
     LoRABlock,
     LoRAModel,
@@ -91,6 +93,10 @@ def _gp(model: nn.Module, batch: tuple, rank: int, step: int) -> torch.Tensor:
     return gradient_penalty_loss(model, *batch)
 
 
+def _gan(model: nn.Module, batch: tuple, rank: int, step: int) -> torch.Tensor:
+    return model(batch[0], batch[1])
+
+
 def _inside(model: nn.Module, tokens: torch.Tensor, rank: int, step: int) -> torch.Tensor:
     return model(torch.cat([tokens, tokens.flip(0)]))
 
@@ -110,6 +116,8 @@ PATTERNS = {
     "weight_readers": (Readers, {WeightReaders, MLPBlock}, _lm, _tokens, None, 3),
     "recurrent": (Recurrent, {MLPBlock}, _lm, _tokens, None, 3),
     "inside_forward": (InsideForward, {MLPBlock, nn.Embedding}, _inside, _tokens, None, 3),
+    "critic_real_then_fake": (GeneratorCritic, {Critic}, _gan, _gan_data, None, 3),
+    "freeze_inside_step": (FreezeInStep, {MLPBlock}, _gan, _gan_data, None, 3),
 }
 UNUSED_PARAMETER_PATTERNS = ["moe", "multitask", "finetune", "lora"]
 

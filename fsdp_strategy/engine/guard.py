@@ -6,8 +6,8 @@ that calls a submodule outside the forward of the unit that gathers it (a ``gene
 callback, a direct call of a block's layer from the root) would compute with this rank's rows
 silently. Every module that registers a sharded parameter gets a forward pre-hook that checks
 its units are gathered and raises otherwise, naming the module and what to do. The same hook
-copies ``requires_grad`` from the shards (a unit gathered for a whole step, like the root,
-follows freezing and ``toggle_optimizer`` within the step). Under ``torch.compile`` the check
+reconciles ``requires_grad`` of shards and full parameters (a unit gathered for a whole step,
+like the root, follows freezing and ``toggle_optimizer`` within the step). Under ``torch.compile`` the check
 is skipped (it compiles to nothing, so it breaks no graph). Costs: one Python call per call of
 such a module.
 """

@@ -46,13 +46,14 @@ class UnitRun:
     in_backward: bool = False  # backward reached it in the backward in progress
     reduced: bool = False  # its gradients were reduced (or stashed) in the backward in progress
     double_backward: bool = False  # [Note: double backward] in runtime.py
+    uncovered_call: bool = False  # [Note: calls without a post-backward] in runtime.py
     backward_hook: Callable[[torch.Tensor], None] | None = None  # the pre-backward hook put on its outputs
 
     def clear(self) -> None:
         """Forget the iteration (after a failure)."""
         self.frames.clear()
         self.post_backwards_due = 0
-        self.ran_forward = self.in_backward = self.reduced = self.double_backward = False
+        self.ran_forward = self.in_backward = self.reduced = self.double_backward = self.uncovered_call = False
 
 
 @dataclass

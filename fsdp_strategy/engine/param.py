@@ -86,6 +86,7 @@ class ShardedParam:
             )
         full = self._padded_full[: self.dim0 * self.row_numel].view(self.shape)
         self.unsharded = nn.Parameter(full, requires_grad=param.requires_grad)
+        self._agreed_requires_grad = param.requires_grad  # [Note: requires_grad on either side]
         self.stashed_grad: torch.Tensor | None = None  # no_sync: the full gradient so far, in reduce dtype
         self.free_unsharded()
 
@@ -101,13 +102,27 @@ class ShardedParam:
 
     @property
     def trainable(self) -> bool:
-        """Whether the parameter trains now: the sharded parameter's ``requires_grad`` decides."""
+        """Whether the parameter trains now (``requires_grad``, reconciled: see below)."""
+        self.sync_requires_grad()
         return self.sharded.requires_grad
 
     def sync_requires_grad(self) -> None:
-        """Copy ``requires_grad`` from the sharded to the full parameter (freeze/unfreeze at any time)."""
-        if self.unsharded.requires_grad != self.sharded.requires_grad:
-            self.unsharded.requires_grad_(self.sharded.requires_grad)
+        """Make ``requires_grad`` of the sharded and the full parameter agree, at any time.
+
+        [Note: requires_grad on either side]
+        A user freezes or unfreezes whichever tensor the module holds at that moment: the shard
+        between steps (``toggle_optimizer``, callbacks), the full parameter while its unit is
+        gathered (``self.disc.requires_grad_(False)`` inside ``training_step``). The side whose
+        flag differs from the value agreed at the last sync was changed since, and wins.
+        """
+        sharded, full = self.sharded.requires_grad, self.unsharded.requires_grad
+        if sharded == full:
+            self._agreed_requires_grad = sharded
+            return
+        value = full if sharded == self._agreed_requires_grad else sharded
+        self.sharded.requires_grad_(value)
+        self.unsharded.requires_grad_(value)
+        self._agreed_requires_grad = value
 
     def install(self, unsharded: bool) -> None:
         """Register the unsharded (or sharded) parameter at every place the parameter is used."""

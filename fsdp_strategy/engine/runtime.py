@@ -1,6 +1,6 @@
 """Scheduler: decides *when* units gather, reshard and reduce; owns every hook of the engine.
 
-One iteration (see design.md, "One training step, as data"):
+One iteration:
 - the root's outermost forward pre-hook starts it (resetting a failed previous one);
 - a unit's forward pre-hook gathers it, prefetches the next unit ([Note: prefetch from the
   previous run]) and, with grad enabled, applies ``PostBackward`` to its inputs that require
@@ -26,6 +26,12 @@ backward does not reach on some ranks is therefore still reduced in the same pla
 (it only delays the reductions after it on those ranks). A unit that runs forward on some
 ranks only, or that backward reaches on some ranks only under FULL_SHARD (its gather in
 backward is a collective), cannot be supported by any FSDP: the ranks' collectives differ.
+
+[Note: calls without a post-backward]
+A call of a unit whose inputs need no gradient (token ids, real images for a critic) gets no
+``PostBackward``, yet its weights get gradients. If the same unit is also called with inputs
+that do, that call's post-backward says nothing about the other call's weight gradients (which
+autograd may compute after it), so the unit is then reduced by the end-of-backward callback.
 
 [Note: bounded prefetch]
 At most one unit is prefetched ahead of the one running, and at most one reduction is in
@@ -147,6 +153,8 @@ class Scheduler:
                 args, kwargs = replace_grad_tensors((args, kwargs), list(outputs))
                 run.post_backwards_due += frame.counted
                 frame.input_ids = frozenset(map(id, outputs))
+            elif not in_backward:
+                run.uncovered_call = True  # [Note: calls without a post-backward]
         return args, kwargs
 
     def _post_forward(self, unit: FSDPUnit, run: UnitRun, module: nn.Module, args: tuple, output: Any) -> Any:
@@ -195,7 +203,7 @@ class Scheduler:
         if self._backward.create_graph or run.double_backward:  # [Note: double backward]
             run.double_backward = True
             return
-        if run.post_backwards_due > 0:  # another call of this unit is still ahead in backward
+        if run.post_backwards_due > 0 or run.uncovered_call:  # another call of this unit may be ahead in backward
             unit.training_state = TrainingState.IDLE
             self._reshard_after_backward(unit, run)
             return
@@ -236,7 +244,7 @@ class Scheduler:
                 unit.reshard()
             if not backward.create_graph:
                 run.double_backward = False
-            run.in_backward = run.reduced = False
+            run.in_backward = run.reduced = run.uncovered_call = False
             run.post_backwards_due = 0
             unit.training_state = TrainingState.FORWARD if run.frames else TrainingState.IDLE
         self._order.commit(("backward", backward.index))

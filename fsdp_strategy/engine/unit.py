@@ -153,8 +153,8 @@ class FSDPUnit:
     def wait_unshard(self) -> None:
         """Make the full parameters usable: start the gather if needed, wait, copy out, register.
 
-        ``requires_grad`` is copied from every sharded parameter, so freezing and unfreezing
-        between (or during) steps takes effect at the next use.
+        ``requires_grad`` of every parameter is reconciled ([Note: requires_grad on either side]),
+        so freezing and unfreezing between (or during) steps takes effect at the next use.
         """
         for param in self.params:
             param.sync_requires_grad()
@@ -184,6 +184,7 @@ class FSDPUnit:
             self.memory.freed(self.name, gather.nbytes, "gather_buffer")
         if self.state is ShardedState.UNSHARDED:
             for param in self.params:
+                param.sync_requires_grad()  # a change made to the full parameter outlives it
                 param.install(unsharded=False)
                 param.free_unsharded()
             if not self._aliased:
