@@ -1,9 +1,9 @@
 """Side-by-side step time, per-rank memory and bytes communicated: our engine vs torch's FSDP1,
-FSDP2 (``fully_shard``) and DDP, on the GPT-like model of anchors.md section F.
+FSDP2 (``fully_shard``) and DDP, on a GPT-like model (untied head, AdamW).
 
     python benchmarks/compare.py                                  # main config, 2 ranks, gloo, CPU
     python benchmarks/compare.py --d-model 768 --n-layers 8 --n-heads 12 --seq-len 64 --batch 1
-    python benchmarks/compare.py --vocab 1024 --d-model 128 --n-layers 2 --n-heads 4 --seq-len 64 --steps 23
+    python benchmarks/compare.py --vocab 1024 --d-model 128 --n-layers 2 --n-heads 4 --seq-len 64 --steps 20
 
 Each mode runs in freshly spawned ranks (one thread each, gloo, a file:// rendezvous); the step
 time is the slowest rank's, the median over timed steps; "single" is one process on the global

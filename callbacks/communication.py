@@ -5,12 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
-from fsdp_strategy.callbacks.ranks import MIB, due, log_to_loggers, stats_over_ranks
+from fsdp_strategy.callbacks.ranks import MIB, OptimizerStepWindow, due, log_to_loggers, stats_over_ranks
 from lightning.pytorch.callbacks import Callback
 
 
 class CommunicationMonitor(Callback):
-    """Logs, every ``log_every_n_steps`` steps, for the step just run (fsdp_custom only):
+    """Logs, every ``log_every_n_steps`` optimizer steps (at the steps Lightning logs at), the
+    collectives of the optimizer step just run, all its micro-batches summed under gradient
+    accumulation (fsdp_custom only):
 
     - per collective kind (``all_gather``, ``reduce_scatter``, ``all_reduce``):
       ``{prefix}/<kind>/calls``, ``wire_mib`` (what this rank sent, ring estimate),
@@ -30,15 +32,17 @@ class CommunicationMonitor(Callback):
         self.per_unit = per_unit
         self.prefix = prefix
         self._logging = False
+        self._window = OptimizerStepWindow()
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
-        self._logging = due(trainer, self.log_every_n_steps)
+        if self._window.begins(trainer):
+            self._logging = due(trainer, self.log_every_n_steps)
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, idx: int
     ) -> None:
         ledger = getattr(trainer.strategy, "comm_ledger", None)
-        if not self._logging or ledger is None:
+        if not self._window.ends(trainer) or not self._logging or ledger is None:
             return
         metrics: dict[str, float] = {}
         exposed = 0.0

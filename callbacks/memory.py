@@ -8,14 +8,15 @@ from typing import Any
 import lightning.pytorch as pl
 import psutil
 import torch
-from fsdp_strategy.callbacks.ranks import MIB, due, log_to_loggers, stats_over_ranks
+from fsdp_strategy.callbacks.ranks import MIB, OptimizerStepWindow, due, log_to_loggers, stats_over_ranks
 from lightning.pytorch.callbacks import Callback
 
 from fsdp_strategy.engine import get_scheduler, is_sharded
 
 
 class MemoryMonitor(Callback):
-    """Logs, as ``{prefix}/<name>/{min,max,mean,max_rank}`` over all ranks (MiB unless a count):
+    """Logs, every ``log_every_n_steps`` optimizer steps (at the steps Lightning logs at), as
+    ``{prefix}/<name>/{min,max,mean,max_rank}`` over all ranks (MiB unless a count):
 
     - CUDA: ``cuda_allocated_peak``, ``cuda_reserved_peak`` (in the step), ``cuda_alloc_retries``,
       ``cuda_ooms``; CPU: ``rss`` and ``rss_peak`` (of the process);
@@ -33,8 +34,11 @@ class MemoryMonitor(Callback):
         self.log_every_n_steps = log_every_n_steps
         self.prefix = prefix
         self._logging = False
+        self._window = OptimizerStepWindow()
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
+        if not self._window.begins(trainer):
+            return
         self._logging = due(trainer, self.log_every_n_steps)
         if not self._logging:
             return
@@ -46,7 +50,7 @@ class MemoryMonitor(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, idx: int
     ) -> None:
-        if not self._logging:
+        if not self._window.ends(trainer) or not self._logging:
             return
         stats = stats_over_ranks(trainer, self.read(trainer, pl_module))
         log_to_loggers(trainer, {f"{self.prefix}/{name}": value for name, value in stats.items()})

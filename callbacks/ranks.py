@@ -1,4 +1,5 @@
-"""Helpers shared by the monitors: every-n-steps cadence, statistics over ranks, logging."""
+"""Helpers shared by the monitors: Lightning's logging cadence, optimizer-step windows,
+statistics over ranks, logging."""
 
 from __future__ import annotations
 
@@ -6,13 +7,43 @@ from collections.abc import Mapping
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 
 MIB = 2**20
 
 
+def lightning_step(trainer: pl.Trainer) -> int:
+    """The step Lightning's loggers write training metrics at (batches that ended in an optimizer
+    step so far), so that the monitors' values land in the same rows as ``self.log`` values."""
+    return trainer.fit_loop.epoch_loop._batches_that_stepped
+
+
 def due(trainer: pl.Trainer, every_n_steps: int) -> bool:
-    """Whether the optimizer step about to run is one to log (steps 0, n, 2n, ...)."""
-    return trainer.global_step % every_n_steps == 0
+    """Whether Lightning logs training metrics at this step (its ``log_every_n_steps`` rule:
+    W&B steps n-1, 2n-1, ...), applied to the monitor's own ``every_n_steps``."""
+    return (lightning_step(trainer) + 1) % every_n_steps == 0
+
+
+class OptimizerStepWindow:
+    """Tells which batches begin and end an optimizer step: with ``accumulate_grad_batches=k``
+    a step spans ``k`` micro-batches, and the monitors report once per step, micro-batches summed."""
+
+    def __init__(self) -> None:
+        self._global_step_at_begin: int | None = None
+
+    def begins(self, trainer: pl.Trainer) -> bool:
+        """Call at batch start: whether this batch is the first of an optimizer step."""
+        if self._global_step_at_begin is not None:
+            return False
+        self._global_step_at_begin = trainer.global_step
+        return True
+
+    def ends(self, trainer: pl.Trainer) -> bool:
+        """Call at batch end: whether an optimizer stepped in this batch (the step is complete)."""
+        ended = self._global_step_at_begin is not None and trainer.global_step != self._global_step_at_begin
+        if ended:
+            self._global_step_at_begin = None
+        return ended
 
 
 def stats_over_ranks(trainer: pl.Trainer, values: Mapping[str, float]) -> dict[str, float]:
@@ -21,8 +52,11 @@ def stats_over_ranks(trainer: pl.Trainer, values: Mapping[str, float]) -> dict[s
     Costs: one all-gather of ``len(values)`` floats. Every rank must call it.
     """
     local = torch.tensor(list(values.values()), dtype=torch.float64, device=trainer.strategy.root_device)
-    gathered = trainer.strategy.all_gather(local)
-    table = gathered.reshape(-1, len(values)).cpu()
+    if dist.is_available() and dist.is_initialized():
+        rows = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+        dist.all_gather(rows, local)  # not strategy.all_gather: Lightning's goes through a deprecated autograd op
+        local = torch.stack(rows)
+    table = local.reshape(-1, len(values)).cpu()
     out: dict[str, float] = {}
     for column, name in enumerate(values):
         column_values = table[:, column]
@@ -34,6 +68,6 @@ def stats_over_ranks(trainer: pl.Trainer, values: Mapping[str, float]) -> dict[s
 
 
 def log_to_loggers(trainer: pl.Trainer, metrics: Mapping[str, float]) -> None:
-    """Send metrics to every logger of the Trainer at the current step (loggers write on rank 0)."""
+    """Send metrics to every logger of the Trainer at Lightning's step (loggers write on rank 0)."""
     for logger in trainer.loggers:
-        logger.log_metrics(dict(metrics), step=trainer.global_step)
+        logger.log_metrics(dict(metrics), step=lightning_step(trainer))

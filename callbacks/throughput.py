@@ -8,7 +8,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from fsdp_strategy.callbacks.ranks import due, log_to_loggers
+from fsdp_strategy.callbacks.ranks import OptimizerStepWindow, due, log_to_loggers
 from lightning.fabric.utilities.throughput import Throughput, get_available_flops
 from lightning.pytorch.callbacks import Callback
 
@@ -70,6 +70,7 @@ class ThroughputMonitor(Callback):
         self._throughput: Throughput | None = None
         self._counts = {"batches": 0, "samples": 0, "lengths": 0}
         self._t0 = self._step_start = 0.0
+        self._window = OptimizerStepWindow()
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         device = trainer.strategy.root_device
@@ -85,7 +86,8 @@ class ThroughputMonitor(Callback):
         self._t0 = time.perf_counter()
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
-        self._step_start = time.perf_counter()
+        if self._window.begins(trainer):
+            self._step_start = time.perf_counter()
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, idx: int
@@ -107,7 +109,7 @@ class ThroughputMonitor(Callback):
             lengths=counts["lengths"] if tokens is not None else None,
             flops=int(flops) if flops else None,  # this step's on one rank; Throughput multiplies by the ranks
         )
-        if due(trainer, self.log_every_n_steps) or counts["batches"] == self.window_size:
+        if self._window.ends(trainer) and due(trainer, self.log_every_n_steps):
             metrics = {f"{self.prefix}/{k}": float(v) for k, v in self._throughput.compute().items()}
             metrics[f"{self.prefix}/step_time_s"] = now - self._step_start
             log_to_loggers(trainer, metrics)

@@ -1,4 +1,6 @@
-"""Read the history of an offline W&B run back from its ``run-*.wandb`` file.
+"""Read the history of an offline W&B run back from its ``run-*.wandb`` file, without an account
+or network: ``python -m fsdp_strategy.callbacks.wandb_history RUN_DIR [KEY ...]`` prints the rows
+that hold the keys (all keys when none is given) as CSV, by ``trainer/global_step``.
 
 The file is a log of protobuf ``Record`` messages in 32 KiB blocks, each record behind a 7-byte
 header (CRC32, length, type: full/first/middle/last), after a 7-byte file header ``:W&B``.
@@ -6,8 +8,11 @@ header (CRC32, length, type: full/first/middle/last), after a 7-byte file header
 
 from __future__ import annotations
 
+import argparse
+import csv
 import json
 import struct
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -42,8 +47,9 @@ def _payloads(data: bytes) -> Iterator[bytes]:
             yield pending + payload
 
 
-def history(run_dir: Path) -> list[dict]:
-    """Every ``log()`` row of the offline run under ``run_dir`` (a ``wandb`` folder or a run folder)."""
+def history(run_dir: str | Path) -> list[dict]:
+    """Every ``log()`` row of the offline run under ``run_dir`` (a ``wandb`` folder: its latest run;
+    or a run folder). Costs: reads the whole run file."""
     files = sorted(Path(run_dir).rglob("run-*.wandb"))
     if not files:
         raise FileNotFoundError(f"no offline W&B run under {run_dir}")
@@ -56,3 +62,32 @@ def history(run_dir: Path) -> list[dict]:
                 {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
             )
     return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the history of an offline run as CSV; returns the exit status."""
+    parser = argparse.ArgumentParser(
+        prog="python -m fsdp_strategy.callbacks.wandb_history",
+        description="Print an offline W&B run's logged rows as CSV (no account or network needed).",
+    )
+    parser.add_argument("run_dir", help="a run folder (offline-run-*) or a wandb folder (its latest run)")
+    parser.add_argument("keys", nargs="*", help="metrics to print, e.g. train_loss memory/gathered_peak/max")
+    args = parser.parse_args(argv)
+    try:
+        rows = history(args.run_dir)
+    except (FileNotFoundError, ValueError) as error:
+        print(f"wandb_history: error: {error}", file=sys.stderr)
+        return 2
+    keys = args.keys or sorted(
+        {key for row in rows for key in row if not key.startswith("_")} - {"trainer/global_step"}
+    )
+    writer = csv.writer(sys.stdout)
+    writer.writerow(["trainer/global_step", *keys])
+    for row in rows:
+        if any(key in row for key in keys):
+            writer.writerow([row.get("trainer/global_step", ""), *(row.get(key, "") for key in keys)])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,18 +1,34 @@
 """The GPT example through LightningCLI: the strategy and its arguments from YAML or flags.
 
 python examples/cli.py fit --config examples/configs/cli.yaml
-python examples/cli.py fit --config examples/configs/cli.yaml --trainer.strategy fsdp_custom
 python examples/cli.py fit --config examples/configs/cli.yaml --trainer.max_steps 20
+python examples/cli.py fit --config examples/configs/cli.yaml \
+    --trainer.strategy.init_args.sharding_strategy SHARD_GRAD_OP
+
+``--trainer.strategy NAME`` would replace the whole strategy block of the YAML (wrap policy and
+checkpoint type included): change one argument with ``--trainer.strategy.init_args.ARG``.
+``trainer.max_steps`` also sets the model's LR schedule length and ``data.batch_size`` the
+batch its FLOP count is measured for, so each is given once.
 """
 
-from lightning.pytorch.cli import LightningCLI
+import noise
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lit_gpt import ByteDataModule, GPTModule
 
 import fsdp_strategy  # noqa: F401 - registers "fsdp_custom" and its variants with Lightning
 
 
+class GPTCLI(LightningCLI):
+    """LightningCLI with the values the model and the trainer share linked."""
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.link_arguments("trainer.max_steps", "model.max_steps")
+        parser.link_arguments("data.batch_size", "model.batch_size")
+
+
 def main() -> None:
-    LightningCLI(GPTModule, ByteDataModule, save_config_kwargs={"overwrite": True})
+    noise.quiet_known_noise()
+    GPTCLI(GPTModule, ByteDataModule, save_config_kwargs={"overwrite": True})
 
 
 if __name__ == "__main__":

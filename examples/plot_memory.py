@@ -1,6 +1,6 @@
 """Plot per-rank memory over one training step, from the engine's own accounting.
 
-    python examples/plot_memory.py --out docs/memory_step.png
+    python examples/plot_memory.py --out memory_step.png
     python examples/plot_memory.py --world 3 --d-model 256 --n-layers 6 --sharding SHARD_GRAD_OP
 
 Each rank trains the GPT model with the engine (no Lightning) for one warm-up step, then records
@@ -110,7 +110,7 @@ def plot(results: dict[int, dict], out: Path, title: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("docs/memory_step.png"))
+    parser.add_argument("--out", type=Path, default=Path("memory_step.png"))
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--sharding", default="FULL_SHARD")
     parser.add_argument("--d-model", type=int, default=256)

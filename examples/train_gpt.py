@@ -1,20 +1,27 @@
 """Train a byte-level GPT with ``Trainer(strategy="fsdp_custom")`` on the standard library's sources.
 
-    python examples/train_gpt.py                                  # 2 CPU processes, a few minutes
+    python examples/train_gpt.py                                  # 2 CPU processes, about 30 s
     python examples/train_gpt.py trainer.max_steps=20 strategy.sharding_strategy=SHARD_GRAD_OP
-    python examples/train_gpt.py resume=last                      # continue from the last checkpoint
+    python examples/train_gpt.py resume=last trainer.max_steps=300  # train a finished run further
+    python examples/train_gpt.py --help                           # this text and every key
 
-Any key of ``configs/gpt_small.yaml`` can be overridden as ``key=value``; ``config=FILE`` picks
-another YAML file. Metrics go to W&B (offline unless ``logger.offline=false`` and you are logged
-in), with the memory, throughput and communication monitors; checkpoints are sharded folders.
+Any key of ``configs/gpt_small.yaml`` can be overridden as ``key=value`` or ``--key=value``;
+``trainer.*`` and ``strategy.*`` take any argument of ``lightning.Trainer`` and
+``FSDPCustomStrategy``; ``config=FILE`` picks another YAML file. Metrics go to W&B (offline
+unless ``logger.offline=false`` and you are logged in; a resumed run continues the same W&B run),
+with the memory, throughput and communication monitors; checkpoints are sharded folders.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
+import example_config
 import lightning as L
+import noise
+import torch
 from fsdp_strategy.callbacks import CommunicationMonitor, MemoryMonitor, ThroughputMonitor
 from gpt import Block
 from lightning.pytorch.callbacks import ModelCheckpoint
@@ -27,26 +34,68 @@ import fsdp_strategy
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "gpt_small.yaml"
 
 
-def load_config(argv: list[str]) -> DictConfig:
-    """The YAML config (``config=FILE`` or the default) with ``key=value`` overrides merged in."""
-    overrides = OmegaConf.from_dotlist(argv)
-    path = overrides.pop("config", None) or DEFAULT_CONFIG
-    return OmegaConf.merge(OmegaConf.load(path), overrides)
+def checkpoint_step(path: Path) -> int:
+    """The ``global_step`` stored in a checkpoint (a sharded folder or a full file)."""
+    state_file = path / "lightning.pt" if path.is_dir() else path
+    return int(torch.load(state_file, map_location="cpu", weights_only=False, mmap=True)["global_step"])
+
+
+def resume_path(config: DictConfig, checkpoint_dir: Path) -> Path | None:
+    """The checkpoint to resume from; exits with a message when there is none or nothing to train."""
+    if config.resume is None:
+        return None
+    path = checkpoint_dir / "last.ckpt" if config.resume == "last" else Path(config.resume)
+    if not path.exists():
+        sys.exit(f"train_gpt.py: error: resume={config.resume}: no checkpoint at {path}; run without resume first")
+    step = checkpoint_step(path)
+    if step >= config.trainer.max_steps:
+        sys.exit(
+            f"train_gpt.py: error: {path} is at step {step} and trainer.max_steps={config.trainer.max_steps}: "
+            f"nothing to train. Continue with a larger max_steps: python examples/train_gpt.py "
+            f"resume={config.resume} trainer.max_steps={step + config.trainer.max_steps}"
+        )
+    return path
+
+
+def wandb_logger(config: DictConfig, root: Path, resuming: bool) -> WandbLogger:
+    """The W&B logger; a resumed run continues the W&B run of the checkpoint's run (same id)."""
+    id_file = root / "wandb_run_id"
+    run_id = id_file.read_text().strip() if resuming and id_file.is_file() else None
+    return WandbLogger(
+        project=config.logger.project,
+        save_dir=str(root.resolve()),
+        offline=config.logger.offline,
+        log_model=False,
+        id=run_id,  # Lightning's WandbLogger passes resume="allow": the run goes on under this id
+    )
 
 
 def main(argv: list[str]) -> None:
-    config = load_config(argv)
+    noise.quiet_known_noise()
+    config = example_config.parse_or_exit(
+        argv,
+        DEFAULT_CONFIG,
+        __doc__,
+        {
+            "trainer": (L.Trainer, {"strategy", "logger", "callbacks"}),
+            "strategy": (fsdp_strategy.FSDPCustomStrategy, {"accelerator", "parallel_devices", "precision_plugin"}),
+        },
+    )
     L.seed_everything(config.seed)
     root = Path(config.trainer.default_root_dir)
+    checkpoint_dir = root / "checkpoints"
+    resume = resume_path(config, checkpoint_dir)
+    logger = wandb_logger(config, root, resuming=resume is not None)
     every = config.monitors.log_every_n_steps
-    logger = WandbLogger(
-        project=config.logger.project, save_dir=str(root), offline=config.logger.offline, log_model=False
-    )
     checkpoints = ModelCheckpoint(
-        dirpath=root / "checkpoints", save_last=True, every_n_train_steps=config.trainer.val_check_interval
+        dirpath=checkpoint_dir,
+        save_last=True,
+        every_n_train_steps=config.trainer.val_check_interval,
+        enable_version_counter=False,  # a new run replaces last.ckpt instead of adding last-v1.ckpt
     )
+    strategy_args = {"auto_wrap_policy": {Block}, **OmegaConf.to_container(config.strategy)}
     trainer = L.Trainer(
-        strategy=fsdp_strategy.FSDPCustomStrategy(auto_wrap_policy={Block}, **OmegaConf.to_container(config.strategy)),
+        strategy=fsdp_strategy.FSDPCustomStrategy(**strategy_args),
         logger=logger,
         callbacks=[
             checkpoints,
@@ -56,18 +105,22 @@ def main(argv: list[str]) -> None:
         ],
         **OmegaConf.to_container(config.trainer),
     )
+    logger.log_hyperparams(OmegaConf.to_container(config))
     model_config = OmegaConf.to_container(config.model)
     module = GPTModule(
         model_config, OmegaConf.to_container(config.optimizer), config.trainer.max_steps, config.data.batch_size
     )
     data = ByteDataModule(seq_len=model_config["seq_len"], **OmegaConf.to_container(config.data))
-    trainer.fit(module, datamodule=data, ckpt_path=config.resume)
+    trainer.fit(module, datamodule=data, ckpt_path=resume)
     if trainer.is_global_zero:
         metrics = {k: round(float(v), 4) for k, v in trainer.callback_metrics.items()}
-        run_dir = Path(logger.experiment.dir).parent
+        run_dir = Path(os.path.relpath(Path(logger.experiment.dir).parent))
+        (root / "wandb_run_id").write_text(logger.experiment.id)
         logger.experiment.finish()
-        print(f"done: {trainer.global_step} steps, metrics {metrics}")
-        print(f"checkpoints: {checkpoints.dirpath} (resume with: python examples/train_gpt.py resume=last)")
+        steps = trainer.global_step
+        print(f"done: {steps} steps, metrics {metrics}")
+        print(f"checkpoints: {checkpoint_dir}")
+        print(f"train further with: python examples/train_gpt.py resume=last trainer.max_steps={2 * steps}")
         print(f"W&B run: {run_dir}" + (f" (upload it with: wandb sync {run_dir})" if config.logger.offline else ""))
 
 

@@ -9,19 +9,30 @@ from __future__ import annotations
 import argparse
 import sys
 
+from fsdp_strategy import __version__
 from fsdp_strategy.checkpoint.consolidation import FORMATS, consolidate
 
 
 def main(argv: list[str] | None = None) -> int:
     """Parse the command line and consolidate; returns the exit status."""
-    parser = argparse.ArgumentParser(prog="fsdp-consolidate", description=__doc__.splitlines()[0])
-    parser.add_argument("src", help="a sharded checkpoint folder (state_dict_type='sharded')")
-    parser.add_argument("dst", help="the output file (or folder, with --max-shard-size)")
-    parser.add_argument("--weights-only", action="store_true", help="only the model's state dict")
-    parser.add_argument("--dtype", default=None, help="cast floating tensors, e.g. bf16, fp16, fp32")
+    parser = argparse.ArgumentParser(
+        prog="fsdp-consolidate",
+        description="Turn a sharded checkpoint folder into one file (or safetensors shards); no process group needed.",
+        epilog="examples:\n"
+        "  fsdp-consolidate runs/ckpt/last.ckpt model.pt --weights-only --dtype bf16\n"
+        "  fsdp-consolidate runs/ckpt/last.ckpt out --format safetensors --max-shard-size 2GB",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("src", help="a sharded checkpoint folder (written with state_dict_type='sharded')")
+    parser.add_argument("dst", help="the output file (a folder with --max-shard-size); its parent folder must exist")
+    parser.add_argument("--weights-only", action="store_true", help="write only the model's state dict")
+    parser.add_argument("--dtype", default=None, help="cast floating tensors: bf16, fp16 or fp32")
     parser.add_argument("--format", default="torch", choices=FORMATS, help="torch (default) or safetensors")
-    parser.add_argument("--max-shard-size", default=None, help="safetensors: split into files of this size")
+    parser.add_argument(
+        "--max-shard-size", default=None, metavar="SIZE", help="safetensors: files of at most SIZE, e.g. 500MB, 2GB"
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     args = parser.parse_args(argv)
     try:
         out = consolidate(

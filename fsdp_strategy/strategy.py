@@ -9,6 +9,7 @@ hooks (precision, clipping, accumulation, checkpoints) onto the engine.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -53,6 +54,10 @@ from fsdp_strategy.wrap import apply_activation_checkpointing, as_policy_fn
 log = logging.getLogger(__name__)
 
 _STATE_DICT_TYPES = ("full", "sharded")
+
+
+def _count(count: int) -> str:
+    return f"{count / 1e6:.1f} M" if count >= 100_000 else f"{count:,}"
 
 
 class FSDPCustomStrategy(ParallelStrategy):
@@ -147,6 +152,7 @@ class FSDPCustomStrategy(ParallelStrategy):
         if param_init_fn is not None and not callable(param_init_fn):
             raise TypeError(f"param_init_fn must be a callable (module) -> None, got {param_init_fn!r}")
         self.param_init_fn = param_init_fn
+        self._ledger_global_step: int | None = None  # the global_step the ledger's count started at
 
     # ---- Lightning plumbing --------------------------------------------------------------
 
@@ -197,7 +203,8 @@ class FSDPCustomStrategy(ParallelStrategy):
 
     @property
     def comm_ledger(self) -> CommLedger:
-        """Calls and bytes per collective kind: ``last_step`` (the previous step) and ``current``."""
+        """Calls and bytes per collective kind: ``last_step`` (the previous optimizer step, its
+        micro-batches summed) and ``current``."""
         return self.scheduler.ledger
 
     def setup_environment(self) -> None:
@@ -272,9 +279,15 @@ class FSDPCustomStrategy(ParallelStrategy):
         )
         _move_torchmetrics_to_device(model, self.root_device)
         units = self.scheduler.units
+        params = self.scheduler.sharded_params()
+        full = sum(math.prod(p.shape) for p in params)
+        trainable = sum(math.prod(p.shape) for p in params if p.sharded.requires_grad)
+        local = sum(p.sharded.numel() for p in params)
         rank_zero_info(
             f"fsdp_custom: {self.sharding_strategy.value} over {self.world_size} ranks, {len(units)} units "
-            f"({', '.join(unit.name for unit in units[:8])}{', ...' if len(units) > 8 else ''})"
+            f"({', '.join(unit.name for unit in units[:8])}{', ...' if len(units) > 8 else ''}); "
+            f"{_count(full)} parameters ({_count(trainable)} trainable), {_count(local)} in this rank's "
+            "shards (what Lightning's model summary counts)"
         )
 
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
@@ -318,8 +331,12 @@ class FSDPCustomStrategy(ParallelStrategy):
         super().on_exception(exception)
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        """Start the ledger's count for this step."""
-        self.comm_ledger.start_step()
+        """Start the ledger's count at the first batch of each optimizer step (under gradient
+        accumulation a step's micro-batches are counted together)."""
+        global_step = self.lightning_module.trainer.global_step
+        if global_step != self._ledger_global_step:
+            self.comm_ledger.start_step()
+            self._ledger_global_step = global_step
         super().on_train_batch_start(batch, batch_idx)
 
     # ---- collectives for Lightning --------------------------------------------------------

@@ -2,7 +2,8 @@
 
 A policy is one of
 - a set (or list/tuple) of module classes, or of their dotted import paths (as YAML gives
-  them, e.g. ``["mypackage.model.Block"]``): every instance becomes a unit;
+  them, e.g. ``["mypackage.model.Block"]``; one path alone as a string also works): every
+  instance becomes a unit;
 - an int: a module becomes a unit once the parameters not already in a unit below it reach
   that many elements (torch's ``size_based_auto_wrap_policy`` rule);
 - a callable ``(module, recurse, nonwrapped_numel) -> bool`` as torch's policies
@@ -23,7 +24,8 @@ from torch.utils.checkpoint import checkpoint
 PolicyFn = Callable[[nn.Module, bool, int], bool]
 
 _ACCEPTED = (
-    "a set of nn.Module classes, an int (minimum parameter count), a callable (module, recurse, "
+    "a set of nn.Module classes or of their dotted import paths (e.g. {'mypackage.model.Block'}; one path "
+    "alone as a string works too), an int (minimum parameter count), a callable (module, recurse, "
     "nonwrapped_numel) -> bool, torch's ModuleWrapPolicy, or None"
 )
 
@@ -47,6 +49,8 @@ def as_policy_fn(policy: Any, argument: str = "auto_wrap_policy") -> PolicyFn | 
     module_classes = getattr(policy, "_module_classes", None)
     if module_classes is not None:
         policy = set(module_classes)
+    if isinstance(policy, str):
+        policy = [policy]
     if isinstance(policy, bool):
         raise TypeError(f"{argument}={policy!r} is not supported; accepted: {_ACCEPTED}")
     if isinstance(policy, int):
@@ -57,7 +61,9 @@ def as_policy_fn(policy: Any, argument: str = "auto_wrap_policy") -> PolicyFn | 
         policy = [_import_class(item, argument) if isinstance(item, str) else item for item in policy]
         bad = [item for item in policy if not (isinstance(item, type) and issubclass(item, nn.Module))]
         if bad or not policy:
-            raise TypeError(f"{argument}={policy!r} must contain nn.Module classes only; got {bad or 'an empty set'}")
+            raise TypeError(
+                f"{argument}={policy!r}: {bad or 'an empty set'} are not nn.Module classes; accepted: {_ACCEPTED}"
+            )
         return functools.partial(_class_policy, tuple(policy))
     if callable(policy) and not isinstance(policy, type):
         return policy
@@ -67,11 +73,16 @@ def as_policy_fn(policy: Any, argument: str = "auto_wrap_policy") -> PolicyFn | 
 def _import_class(path: str, argument: str) -> type:
     """``"package.module.Class"`` -> the class (how YAML configs name module classes)."""
     module_name, _, name = path.rpartition(".")
+    if not module_name:
+        raise ValueError(
+            f"{argument}={path!r}: a class name alone cannot be imported; give its dotted import path, "
+            f"e.g. 'mypackage.model.{path}' (or the class itself)"
+        )
     try:
         return getattr(importlib.import_module(module_name), name)
-    except (ImportError, AttributeError, ValueError):
+    except (ImportError, AttributeError) as error:
         raise ValueError(
-            f"{argument}={path!r}: cannot import it; give a dotted path like 'mypackage.model.Block'"
+            f"{argument}={path!r}: cannot import it ({error}); give a dotted path like 'mypackage.model.Block'"
         ) from None
 
 

@@ -10,11 +10,11 @@ import pytest
 import torch
 from dist_utils import run_ranks
 from fsdp_strategy.callbacks import CommunicationMonitor, MemoryMonitor, ThroughputMonitor
+from fsdp_strategy.callbacks.wandb_history import history
 from lightning.pytorch.loggers import WandbLogger
 from models import Block, TiedLM
 from test_strategy import LIGHTNING_ENV, LitLM
 from torch.utils.data import DataLoader, TensorDataset
-from wandb_offline import history
 
 from fsdp_strategy import FSDPCustomStrategy
 
@@ -92,3 +92,50 @@ def test_monitors_log_to_offline_wandb(tmp_path):
     assert tokens[-1] == pytest.approx(samples[-1] * 7)  # 7 tokens per sample
     assert merged["throughput/flops_per_sec"][-1] == pytest.approx(samples[-1] / 2 * 1000)  # 1000 FLOPs per 2 samples
     assert all(v > 0 for v in merged["throughput/step_time_s"])
+
+
+class _LoggingLM(LitLM):
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss)
+        return loss
+
+
+def _fit_accumulating(rank: int, world: int, root: str) -> None:
+    os.environ.update({"WANDB_SILENT": "true", "WANDB_MODE": "offline", "WANDB_DIR": root})
+    torch.manual_seed(0)
+    logger = WandbLogger(project="fsdp-test", save_dir=root, offline=True)
+    trainer = L.Trainer(
+        strategy=FSDPCustomStrategy(auto_wrap_policy={Block}),
+        accelerator="cpu",
+        devices=world,
+        max_steps=STEPS,
+        accumulate_grad_batches=2,
+        log_every_n_steps=2,
+        logger=logger,
+        callbacks=[MemoryMonitor(log_every_n_steps=2), CommunicationMonitor(log_every_n_steps=2)],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    data = torch.randint(0, 37, (STEPS * 2 * 2 * world, 7))
+    trainer.fit(_LoggingLM(), DataLoader(TensorDataset(data), batch_size=2))
+    if rank == 0:
+        logger.experiment.finish()
+
+
+def test_monitors_report_per_optimizer_step_in_lightning_rows(tmp_path):
+    """With accumulate_grad_batches=2 the monitors log once per optimizer step, micro-batches
+    summed, in the same W&B rows as Lightning's own ``self.log`` metrics."""
+    run_ranks(_fit_accumulating, 2, tmp_path, str(tmp_path), env=LIGHTNING_ENV, timeout=300)
+    rows = history(tmp_path / "wandb")
+
+    def steps(key: str) -> list[int]:
+        return sorted({row["trainer/global_step"] for row in rows if key in row})
+
+    assert steps("train_loss") == [1, 3]  # Lightning: every 2nd optimizer step
+    assert steps("comm/all_gather/calls") == steps("memory/rss/max") == [1, 3]
+    comm = [row for row in rows if "comm/all_gather/calls" in row]
+    # two micro-batches of (3 gathers in forward + 2 in backward); one reduction of the 3 units
+    assert [row["comm/all_gather/calls"] for row in comm] == [10, 10]
+    assert [row["comm/reduce_scatter/calls"] for row in comm] == [3, 3]

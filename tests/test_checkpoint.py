@@ -141,6 +141,21 @@ def test_consolidate_options_and_cli(saved_world2, tmp_path):
     assert module.returncode == 2 and "exists" in module.stderr  # nothing is overwritten by default
     assert torch.equal(torch.load(tmp_path / "cli.pt")["embed.weight"], saved["model"]["embed.weight"])
 
+    def cli_status(*args: str) -> str:
+        from fsdp_strategy.consolidate import main
+
+        return main([str(folder), *args])
+
+    assert cli_status(str(tmp_path / "no" / "such" / "dir" / "x.pt")) == 2  # a missing output folder: a message
+    assert cli_status(str(tmp_path / "st2"), "--format", "safetensors", "--max-shard-size", "2") == 2  # no unit
+    assert not (tmp_path / "st2").exists() and not (tmp_path / "no").exists()
+    with pytest.raises(ValueError, match="has no unit"):
+        consolidate(folder, tmp_path / "st3", output_format="safetensors", max_shard_size="2")
+    version = subprocess.run(["fsdp-consolidate", "--version"], capture_output=True, text=True)
+    assert version.returncode == 0 and version.stdout.startswith("fsdp-consolidate 0.")
+    helped = subprocess.run(["fsdp-consolidate", "--help"], capture_output=True, text=True).stdout
+    assert "``" not in helped and "--max-shard-size SIZE" in helped and "2GB" in helped
+
 
 def _peak(src, dst, **options) -> int:
     """Peak memory growth (bytes) of one consolidation, in a fresh process (tests/peak_memory.py)."""

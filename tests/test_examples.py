@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from wandb_offline import history
+from fsdp_strategy.callbacks.wandb_history import history
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_gpt.py"
@@ -27,26 +27,91 @@ SMALL = [
 ]
 
 
-def _run(command: list[str], timeout: float = 240) -> str:
+def _run(command: list[str], timeout: float = 240, expect: int = 0) -> str:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     output = done.stdout + done.stderr
-    assert done.returncode == 0, output[-4000:]
+    assert done.returncode == expect, output[-4000:]
     return output
 
 
+def _run_ids(wandb_dir: Path) -> list[str]:
+    return [run.name.rsplit("-", 1)[-1] for run in sorted(wandb_dir.glob("offline-run-*"))]
+
+
 @pytest.mark.slow
-def test_python_script_launch_and_resume(tmp_path):
+def test_python_script_launch_repeat_and_resume(tmp_path):
     args = [*SMALL, f"trainer.default_root_dir={tmp_path}"]
-    first = _run([sys.executable, str(EXAMPLE), "trainer.max_steps=4", *args])
+    _run([sys.executable, str(EXAMPLE), "trainer.max_steps=2", *args])
+    first = _run([sys.executable, str(EXAMPLE), "--trainer.max_steps=4", *args])  # a new run, same folder
     assert "done: 4 steps" in first and "FULL_SHARD over 2 ranks" in first
+    assert "train further with: python examples/train_gpt.py resume=last trainer.max_steps=8" in first
     assert "W&B run:" in first and "wandb sync" in first
     rows = history(tmp_path / "wandb")
     assert any("memory/sharded_params/max" in row for row in rows)
     assert any("comm/all_gather/calls" in row for row in rows)
+    reader = [sys.executable, "-m", "fsdp_strategy.callbacks.wandb_history", str(tmp_path / "wandb")]
+    csv_rows = _run([*reader, "comm/all_gather/calls"]).splitlines()
+    assert csv_rows[0] == "trainer/global_step,comm/all_gather/calls" and csv_rows[1:] == [
+        f"{step},{row['comm/all_gather/calls']}"
+        for step, row in enumerate(r for r in rows if "comm/all_gather/calls" in r)
+    ]
+    checkpoints = sorted(path.name for path in (tmp_path / "checkpoints").iterdir())
+    assert "last.ckpt" in checkpoints and not any(name.startswith("last-v") for name in checkpoints), checkpoints
     assert (tmp_path / "checkpoints" / "last.ckpt" / "fsdp_meta.json").is_file()  # a sharded folder
     resumed = _run([sys.executable, str(EXAMPLE), "trainer.max_steps=6", "resume=last", *args])
     assert "Restored all states" in resumed and "done: 6 steps" in resumed
+    ids = _run_ids(tmp_path / "wandb")
+    assert len(ids) == 3 and ids[2] == ids[1] != ids[0]  # the resumed run continues the second W&B run
+    finished = _run([sys.executable, str(EXAMPLE), "trainer.max_steps=6", "resume=last", *args], expect=1)
+    assert "is at step 6 and trainer.max_steps=6: nothing to train" in finished
+    assert "resume=last trainer.max_steps=12" in finished
+    assert len(_run_ids(tmp_path / "wandb")) == 3  # no empty W&B run
+
+
+def test_example_config_mistakes_are_errors_that_list_what_is_accepted(tmp_path):
+    def run(*args: str, expect: int = 2) -> str:
+        return _run([sys.executable, str(EXAMPLE), *args], expect=expect, timeout=120)
+
+    helped = run("--help", expect=0)
+    assert "trainer.max_steps" in helped and "max_steps: 150" in helped and "``" not in helped
+    assert "accepted keys of optimizer: lr, weight_decay, warmup_steps" in run("optimizer.lrr=0.1")
+    typo = run("trainer.max_stepz=5")
+    assert "trainer.max_stepz" in typo and "max_steps" in typo and "Traceback" not in typo
+    assert "no checkpoint at" in run("resume=last", f"trainer.default_root_dir={tmp_path}", expect=1)
+    assert not (tmp_path / "wandb").exists()
+
+
+def test_example_config_accepts_every_documented_form():
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        import example_config
+        import lightning as L
+
+        from fsdp_strategy import FSDPCustomStrategy
+
+        sections = {"trainer": (L.Trainer, {"strategy"}), "strategy": (FSDPCustomStrategy, set())}
+        default = ROOT / "examples" / "configs" / "gpt_small.yaml"
+        forms = [["trainer.max_steps=5"], ["--trainer.max_steps=5"], ["--trainer.max_steps", "5"]]
+        for argv in forms:
+            assert example_config.load(argv, default, sections).trainer.max_steps == 5, argv
+        extra = example_config.load(
+            ["trainer.accumulate_grad_batches=2", "strategy.cpu_offload=true"], default, sections
+        )
+        assert extra.trainer.accumulate_grad_batches == 2 and extra.strategy.cpu_offload is True
+        mistakes = {
+            "trainer.strategy=ddp": "cannot be set here",
+            "--monitors.log_every=5": "accepted keys of monitors: log_every_n_steps",
+            "strategy.shard=1": "strategy.shard.*sharding_strategy",
+            "--trainer.max_steps": "needs a value",
+            "max_steps": "overrides are key=value",
+            "model=3": "model is a section",
+        }
+        for arg, message in mistakes.items():
+            with pytest.raises(example_config.ConfigError, match=message):
+                example_config.load(arg.split(), default, sections)
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
 
 
 @pytest.mark.slow
@@ -69,9 +134,9 @@ def test_lightning_cli_example(tmp_path):
         "--data.max_bytes=100000",
     ]
     output = _run([*command, *overrides])
-    assert "FULL_SHARD over 2 ranks" in output and "max_steps=2" in output  # strategy built from the YAML
-    by_name = _run([*command, *overrides, "--trainer.strategy=fsdp_custom_shard_grad_op"])
-    assert "SHARD_GRAD_OP over 2 ranks" in by_name
+    assert "FULL_SHARD over 2 ranks, 5 units" in output  # strategy and wrap policy built from the YAML
+    changed = _run([*command, *overrides, "--trainer.strategy.init_args.sharding_strategy=SHARD_GRAD_OP"])
+    assert "SHARD_GRAD_OP over 2 ranks, 5 units" in changed  # README's form keeps the YAML's wrap policy
 
 
 @pytest.mark.slow

@@ -217,7 +217,7 @@ def test_registered_names_and_variants():
 @pytest.mark.parametrize(
     ("kwargs", "error", "message"),
     [
-        ({"auto_wrap_policy": "Block"}, TypeError, "auto_wrap_policy='Block'"),
+        ({"auto_wrap_policy": "Block"}, ValueError, "auto_wrap_policy='Block': a class name alone.*dotted"),
         ({"sharding_strategy": "ZERO"}, ValueError, "sharding_strategy='ZERO'.*accepted"),
         ({"activation_checkpointing_policy": 3.5}, TypeError, "activation_checkpointing_policy=3.5"),
         ({"state_dict_type": "npz"}, ValueError, "state_dict_type='npz'.*accepted"),

@@ -29,12 +29,16 @@ def test_class_set_int_callable_and_torch_policies_agree():
     torch_size = functools.partial(size_based_auto_wrap_policy, min_num_params=300)
     assert _names(model, 300) == _names(model, torch_size)
     assert _names(model, None) == []
+    for dotted in ("models.Block", ["models.Block"], {"models.Block"}, ("models.Block",)):  # as YAML/CLI give them
+        assert _names(model, dotted) == blocks, dotted
 
 
-@pytest.mark.parametrize("policy", ["Block", True, 0, [Block, "x"], 2.5])
+@pytest.mark.parametrize("policy", ["Block", {"Block"}, True, 0, [Block, "x"], 2.5, [3], "nope.Block"])
 def test_bad_policy_names_argument_and_value(policy):
-    with pytest.raises((TypeError, ValueError), match="auto_wrap_policy="):
+    with pytest.raises((TypeError, ValueError), match="auto_wrap_policy=") as error:
         as_policy_fn(policy)
+    if isinstance(policy, (str, set)):  # a name that is not an importable dotted path says what is
+        assert "dotted" in str(error.value)
 
 
 def test_tied_parameter_goes_to_lowest_common_unit_and_names_are_kept():

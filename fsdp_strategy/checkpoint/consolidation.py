@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +47,9 @@ def read_tensors(folder: Path, metadata: Any, keys: list[str], dtype: torch.dtyp
         stored = info.properties.dtype
         out[key] = torch.empty(info.size, dtype=dtype if dtype is not None and stored.is_floating_point else stored)
     if out:
-        dcp.load(out, storage_reader=dcp.FileSystemReader(str(folder)), no_dist=True)
+        with warnings.catch_warnings():  # no_dist=True is the intent here, torch warns about it anyway
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+            dcp.load(out, storage_reader=dcp.FileSystemReader(str(folder)), no_dist=True)
     return out
 
 
@@ -55,7 +58,7 @@ def _under(paths: dict[str, tuple], prefix: str) -> list[str]:
 
 
 def parse_size(text: str | int | None) -> int | None:
-    """'500MB', '2GB', '1.5GiB' or a byte count -> bytes."""
+    """'500MB', '2GB', '1.5GiB' (a string needs its unit) or an int of bytes -> bytes."""
     if text is None or isinstance(text, int):
         return text
     units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
@@ -63,9 +66,9 @@ def parse_size(text: str | int | None) -> int | None:
     for unit, factor in sorted(units.items(), key=lambda kv: -len(kv[0])):
         if upper.endswith(unit):
             return int(float(upper[: -len(unit)]) * factor)
-    if upper.isdigit():
-        return int(upper)
-    raise ValueError(f"max_shard_size={text!r} is not a size; use e.g. '500MB', '2GB' or a byte count")
+    if upper.replace(".", "", 1).isdigit():
+        raise ValueError(f"max_shard_size={text!r} has no unit; use e.g. '500MB', '2GB' or '1.5GiB'")
+    raise ValueError(f"max_shard_size={text!r} is not a size; use e.g. '500MB', '2GB' or '1.5GiB'")
 
 
 def consolidate(
@@ -95,6 +98,8 @@ def consolidate(
     limit = parse_size(max_shard_size)
     if limit is not None and output_format != "safetensors":
         raise ValueError("max_shard_size needs output_format='safetensors'")
+    if not dst.parent.is_dir():
+        raise FileNotFoundError(f"the output's folder {str(dst.parent)!r} does not exist; create it first")
     meta = layout.read_meta(src)
     problems = layout.verify_files(src, meta["checksums"], sorted(meta["checksums"]))
     if problems:

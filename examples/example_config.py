@@ -1,0 +1,104 @@
+"""Command-line config of ``train_gpt.py``: a YAML file with ``key=value`` (or ``--key=value``,
+``--key value``) overrides, every key checked before anything starts.
+
+Keys of ``trainer`` and ``strategy`` are checked against ``lightning.Trainer`` and
+``FSDPCustomStrategy`` (any of their arguments may be set); every other key must be in the YAML
+file. A mistake ends the script with a message naming the key and the accepted ones.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+OpenSections = dict[str, tuple[Callable, set[str]]]  # section -> (callable it configures, reserved keys)
+
+
+class ConfigError(ValueError):
+    """A command-line or YAML mistake; the message says what was wrong and what is accepted."""
+
+
+def normalize(argv: list[str]) -> list[str]:
+    """``--a.b=1``, ``--a.b 1`` and ``a.b=1`` -> ``["a.b=1"]``."""
+    items: list[str] = []
+    rest = list(argv)
+    while rest:
+        arg = rest.pop(0)
+        if arg.startswith("--"):
+            arg = arg[2:]
+            if "=" not in arg:
+                if not rest or rest[0].startswith("--"):
+                    raise ConfigError(f"--{arg} needs a value: --{arg}=VALUE or {arg}=VALUE")
+                arg = f"{arg}={rest.pop(0)}"
+        if "=" not in arg:
+            raise ConfigError(f"cannot read {arg!r}: overrides are key=value, e.g. trainer.max_steps=20")
+        items.append(arg)
+    return items
+
+
+def _accepted(section: DictConfig) -> str:
+    return ", ".join(str(key) for key in section)
+
+
+def _check_open_section(name: str, values: DictConfig, target: Callable, reserved: set[str]) -> None:
+    parameters = set(inspect.signature(target).parameters) - {"self", "args", "kwargs"} - reserved
+    taken = sorted(set(map(str, values)) & reserved)
+    if taken:
+        raise ConfigError(f"{', '.join(f'{name}.{key}' for key in taken)} cannot be set here: the script sets them")
+    unknown = sorted(set(map(str, values)) - parameters)
+    if unknown:
+        raise ConfigError(
+            f"unknown key(s) {', '.join(f'{name}.{key}' for key in unknown)}: {name} takes the arguments of "
+            f"{target.__qualname__}: {', '.join(sorted(parameters))}"
+        )
+
+
+def load(argv: list[str], default: Path, open_sections: OpenSections) -> DictConfig:
+    """The YAML config (``config=FILE`` or ``default``) with the overrides of ``argv`` merged in.
+
+    ``open_sections``: section name -> (the callable whose keyword arguments it may hold, the
+    arguments the script sets itself).
+    """
+    try:
+        overrides = OmegaConf.from_dotlist(normalize(argv))
+    except OmegaConfBaseException as error:
+        raise ConfigError(f"cannot parse the overrides {argv}: {error}") from None
+    path = overrides.pop("config", None) or default
+    if not Path(path).is_file():
+        raise ConfigError(f"config={path}: no such file")
+    base = OmegaConf.load(path)
+    for key in overrides:
+        if key not in base:
+            raise ConfigError(f"unknown key {key!r}; accepted top-level keys: config, {_accepted(base)}")
+        section = base[key]
+        if key in open_sections or not isinstance(section, DictConfig):
+            continue
+        value = overrides[key]
+        if not isinstance(value, DictConfig):
+            raise ConfigError(f"{key} is a section ({_accepted(section)}); set one of its keys, e.g. {key}.KEY=VALUE")
+        unknown = [str(sub) for sub in value if sub not in section]
+        if unknown:
+            raise ConfigError(f"unknown key {key}.{unknown[0]}; accepted keys of {key}: {_accepted(section)}")
+    config = OmegaConf.merge(base, overrides)
+    for name, (target, reserved) in open_sections.items():
+        _check_open_section(name, config[name], target, reserved)
+    return config
+
+
+def parse_or_exit(argv: list[str], default: Path, usage: str, open_sections: OpenSections) -> DictConfig:
+    """``load``, with ``-h``/``--help`` printing ``usage`` and the config, and mistakes exiting with 2."""
+    if "-h" in argv or "--help" in argv:
+        print(usage.replace("``", ""))
+        print(f"Configuration ({default}), every key can be overridden as key=value:\n")
+        print(OmegaConf.to_yaml(OmegaConf.load(default)))
+        raise SystemExit(0)
+    try:
+        return load(argv, default, open_sections)
+    except ConfigError as error:
+        print(f"{Path(sys.argv[0]).name}: error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
