@@ -8,6 +8,7 @@ hooks (precision, clipping, accumulation, checkpoints) onto the engine.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import math
 from collections.abc import Generator, Mapping
@@ -22,6 +23,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies.fsdp import _move_torchmetrics_to_device
 from lightning.fabric.utilities.distributed import (
+    _destroy_dist_connection,
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
@@ -221,7 +223,12 @@ class FSDPCustomStrategy(ParallelStrategy):
             self.root_device
         )
         assert self.cluster_environment is not None
+        created_here = not _distributed_is_initialized()
         _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
+        if created_here and self._process_group_backend != "nccl":
+            # Lightning registers this for NCCL only; a gloo group left to interpreter shutdown can
+            # abort the process ("terminate called without an active exception") after a good run.
+            atexit.register(_destroy_dist_connection)
         self._writer.setup()
         if isinstance(self._device_mesh, tuple):
             from torch.distributed.device_mesh import init_device_mesh

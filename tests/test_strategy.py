@@ -6,6 +6,11 @@ unsharded copy of the model with the global batch of every step.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import lightning as L
 import pytest
 import torch
@@ -19,6 +24,7 @@ from fsdp_strategy import FSDPCustomPrecision, FSDPCustomStrategy
 
 STEPS = 6
 PER_RANK = 2
+ROOT = Path(__file__).resolve().parents[1]
 LIGHTNING_ENV = {"LOCAL_RANK": "{rank}", "NODE_RANK": "0"}
 
 
@@ -244,6 +250,29 @@ def test_device_mesh_not_matching_world_size_fails_before_process_group(tmp_path
     with pytest.raises(ValueError, match=r"device_mesh=\(2, 2\) multiplies to 4, but the world size is 1"):
         trainer.fit(LitLM(), DataLoader(TensorDataset(_dataset(1, 1, 1)), batch_size=2))
     assert not dist.is_initialized()
+
+
+_EXIT_SCRIPT = """
+import atexit, sys
+import lightning as L, torch, torch.distributed as dist
+from torch.utils.data import DataLoader, TensorDataset
+sys.path.insert(0, "tests")
+from test_strategy import SequentialLM
+from fsdp_strategy import FSDPCustomStrategy
+atexit.register(lambda: print("group alive at exit:", dist.is_initialized()))  # runs after later hooks
+trainer = L.Trainer(strategy=FSDPCustomStrategy(), accelerator="cpu", devices=1, max_steps=1, logger=False,
+                    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+trainer.fit(SequentialLM(), DataLoader(TensorDataset(torch.randint(0, 37, (2, 7))), batch_size=2))
+print("group alive after fit:", dist.is_initialized())
+"""
+
+
+def test_gloo_group_created_by_the_strategy_is_destroyed_at_exit():
+    # a gloo group left to interpreter shutdown can abort a finished run (SIGABRT under torchrun)
+    env = {**os.environ, "MASTER_PORT": "29541"}
+    done = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "group alive after fit: True" in done.stdout and "group alive at exit: False" in done.stdout
 
 
 class SequentialLM(L.LightningModule):
