@@ -1,5 +1,9 @@
 """Side-by-side step time, per-rank memory and bytes communicated: our engine vs torch's FSDP1,
-FSDP2 (``fully_shard``) and DDP, on a GPT-like model (untied head, AdamW).
+FSDP2 (``fully_shard``) and DDP, on a GPT-like model (untied head, AdamW). Engine-level modes run a
+plain training loop; ``L_*`` modes run ``Trainer.fit`` with Lightning's strategies
+(``lightning_modes.py``): what a user compares.
+
+    python benchmarks/compare.py --modes L_ddp L_fsdp2 L_custom L_custom_grad_op --rounds 3
 
     python benchmarks/compare.py                                  # main config, 2 ranks, gloo, CPU
     python benchmarks/compare.py --d-model 768 --n-layers 8 --n-heads 12 --seq-len 64 --batch 1
@@ -30,11 +34,12 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from gpt import GPT, Block, GPTConfig  # noqa: E402
+from lightning_modes import LIGHTNING_MODES, run_lightning_mode  # noqa: E402
 
 # imported in every mode (it pulls in Lightning), so the peak RSS of all modes has the same baseline
 from fsdp_strategy.engine import get_scheduler, shard_model  # noqa: E402
 
-MODES = ["single", "ddp", "fsdp1", "fsdp1_grad_op", "fsdp2", "custom", "custom_grad_op"]
+MODES = ["single", "ddp", "fsdp1", "fsdp1_grad_op", "fsdp2", "custom", "custom_grad_op", *LIGHTNING_MODES]
 MIB = 2**20
 
 
@@ -146,25 +151,44 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
 
 
 def _table(rows: list[dict]) -> str:
-    ddp = next((r for r in rows if r["mode"] == "ddp"), rows[0])
-    single = next((r for r in rows if r["mode"] == "single"), None)
+    ddps = {r["mode"]: r for r in rows if r["mode"] in ("ddp", "L_ddp")}
+    references = {r["mode"]: r for r in rows if r["mode"] in ("single", "L_ddp")}
     lines = [
         "| mode | ranks | step s median [min-max] | x ddp | P+G+O MiB/rank (P/G/O) | peak RSS MiB/rank | "
-        "comm MiB/step/rank payload (wire) | max abs dloss vs single (first 5) |",
+        "comm MiB/step/rank payload (wire) | max abs dloss vs single / L_ddp (first 5) |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        lightning = r["mode"].startswith("L_")
+        ddp = ddps.get("L_ddp" if lightning else "ddp", rows[0])
+        reference = references.get("L_ddp" if lightning else "single")
         pgo = r["pgo_mib"]
+        memory = "-" if pgo is None else f"{sum(pgo):.1f} ({pgo[0]:.1f}/{pgo[1]:.1f}/{pgo[2]:.1f})"
         comm = "-" if r["comm_mib"] is None else f"{r['comm_mib'][0]:.1f} ({r['comm_mib'][1]:.1f})"
         dloss = "-"
-        if single is not None and r is not single:
-            dloss = f"{max(abs(a - b) for a, b in zip(r['losses'], single['losses'])):.2e}"
+        if reference is not None and r is not reference:
+            dloss = f"{max(abs(a - b) for a, b in zip(r['losses'], reference['losses'])):.2e}"
         lines.append(
             f"| {r['mode']} | {r['world']} | {r['step_s']:.3f} [{r['step_min']:.3f}-{r['step_max']:.3f}] | "
-            f"{r['step_s'] / ddp['step_s']:.2f} | {sum(pgo):.1f} ({pgo[0]:.1f}/{pgo[1]:.1f}/{pgo[2]:.1f}) | "
-            f"{r['rss_mib']:.0f} | {comm} | {dloss} |"
+            f"{r['step_s'] / ddp['step_s']:.2f} | {memory} | {r['rss_mib']:.0f} | {comm} | {dloss} |"
         )
     return "\n".join(lines)
+
+
+def _over_rounds(repeats: list[dict]) -> dict:
+    """One row from interleaved repeats of a mode: the median of their medians, their min-max."""
+    if len(repeats) == 1:
+        return repeats[0]
+    medians = [r["step_s"] for r in repeats]
+    row = dict(repeats[0])
+    row.update(
+        step_s=statistics.median(medians),
+        step_min=min(medians),
+        step_max=max(medians),
+        rss_mib=max(r["rss_mib"] for r in repeats),
+        rounds=medians,
+    )
+    return row
 
 
 def main() -> None:
@@ -178,12 +202,16 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--steps", type=int, default=10, help="timed steps")
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--modes", nargs="+", default=MODES, choices=MODES)
+    parser.add_argument("--modes", nargs="+", default=MODES[:7], choices=MODES)
+    parser.add_argument("--rounds", type=int, default=1, help="interleaved repeats of all modes; median of them")
     args = parser.parse_args()
-    rows = []
-    for mode in args.modes:
-        rows.append(run_mode(mode, args))
-        print(f"{mode}: {rows[-1]['step_s']:.3f} s/step", file=sys.stderr, flush=True)
+    runs: dict[str, list[dict]] = {mode: [] for mode in args.modes}
+    for _ in range(args.rounds):
+        for mode in args.modes:
+            row = run_lightning_mode(mode, args) if mode.startswith("L_") else run_mode(mode, args)
+            runs[mode].append(row)
+            print(f"{mode}: {row['step_s']:.3f} s/step", file=sys.stderr, flush=True)
+    rows = [_over_rounds(repeats) for repeats in runs.values()]
     table = _table(rows)
     print(table)
     name = f"v{args.vocab}_d{args.d_model}_l{args.n_layers}_s{args.seq_len}_b{args.batch}_w{args.world}"
