@@ -43,7 +43,8 @@ MODES = ["single", "ddp", "fsdp1", "fsdp1_grad_op", "fsdp2", "custom", "custom_g
 MIB = 2**20
 
 
-def _build(mode: str, config: GPTConfig):
+def build(mode: str, config: GPTConfig):
+    """The GPT model of ``config`` wrapped for ``mode``, and our engine's ledger (None for others)."""
     torch.manual_seed(0)
     model = GPT(config)
     ledger = None
@@ -87,7 +88,7 @@ def _rank(rank: int, world: int, mode: str, args: argparse.Namespace, rendezvous
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     config = GPTConfig(args.vocab, args.d_model, args.n_layers, args.n_heads, args.seq_len, tie_embeddings=False)
-    model, ledger = _build(mode, config)
+    model, ledger = build(mode, config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     generator = torch.Generator().manual_seed(1)
     total = args.warmup + args.steps
@@ -191,8 +192,8 @@ def _over_rounds(repeats: list[dict]) -> dict:
     return row
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_config_args(parser: argparse.ArgumentParser) -> None:
+    """The model, batch and run length options every benchmark script shares."""
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--d-model", type=int, default=384)
     parser.add_argument("--n-layers", type=int, default=6)
@@ -202,6 +203,11 @@ def main() -> None:
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--steps", type=int, default=10, help="timed steps")
     parser.add_argument("--warmup", type=int, default=3)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_args(parser)
     parser.add_argument("--modes", nargs="+", default=MODES[:7], choices=MODES)
     parser.add_argument("--rounds", type=int, default=1, help="interleaved repeats of all modes; median of them")
     args = parser.parse_args()

@@ -15,7 +15,10 @@ from torch import nn
 
 from fsdp_strategy import MixedPrecision
 from fsdp_strategy.engine import get_scheduler, shard_model
+from fsdp_strategy.engine.trace import PREFIX
 from fsdp_strategy.engine.unit import ShardedState
+
+HOOKS = ("pre_forward", "post_forward", "pre_backward", "post_backward", "end_of_backward")
 
 
 def _padded_numel(shape: torch.Size, world: int) -> int:
@@ -136,17 +139,49 @@ def _schedule_body(rank: int, world: int, strategy: str, param_dtype: torch.dtyp
     return result
 
 
+def _profiled_body(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    model = TiedLM()
+    shard_model(model, auto_wrap_policy={Block, nn.Embedding})
+    scheduler = get_scheduler(model)
+    lm_loss(model, make_batches(1, 2 * world)[0][rank::world]).backward()  # the second step prefetches
+    scheduler.ledger.start_step()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        lm_loss(model, make_batches(1, 2 * world)[0][rank::world]).backward()
+    spans = [(e.name, e.time_range.start, e.time_range.end) for e in profile.events() if e.name.startswith(PREFIX)]
+    hooks = [(start, end) for name, start, end in spans if name.removeprefix(PREFIX) in HOOKS]
+    counts: dict[str, int] = {}
+    for name, _, _ in spans:
+        counts[name.removeprefix(PREFIX)] = counts.get(name.removeprefix(PREFIX), 0) + 1
+    return {
+        "counts": counts,
+        "ledger": scheduler.ledger.snapshot(),
+        "inside_hooks": all(
+            any(h0 <= start and end <= h1 for h0, h1 in hooks)
+            for name, start, end in spans
+            if name.removeprefix(PREFIX) not in HOOKS
+        ),
+    }
+
+
 def _all_bodies(rank: int, world: int) -> dict:
     return {
         "full": _schedule_body(rank, world, "FULL_SHARD", None),
         "grad_op": _schedule_body(rank, world, "SHARD_GRAD_OP", None),
         "bf16": _schedule_body(rank, world, "FULL_SHARD", torch.bfloat16),
+        "profiled": _profiled_body(rank, world),
     }
 
 
 def test_schedule_counts_bytes_and_memory(tmp_path):
     world = 2
     result = run_ranks(_all_bodies, world, tmp_path)[0]
+    # a profiler sees every gather's copies and every reduction inside the engine's hook ranges
+    profiled, ledger = result["profiled"]["counts"], result["profiled"]["ledger"]
+    assert profiled["gather_copy_in"] == profiled["gather_copy_out"] == _calls(ledger, "all_gather") > 0
+    assert profiled["reduce_copy_in"] == profiled["reduce_apply"] == _calls(ledger, "reduce_scatter") > 0
+    assert profiled["wait_all_gather"] == _calls(ledger, "all_gather")
+    assert all(profiled.get(hook, 0) > 0 for hook in HOOKS) and result["profiled"]["inside_hooks"]
     units = 3  # root (embedding+head, frozen, scale), blocks.0, blocks.1 ran; "skipped" never runs
 
     full = result["full"]

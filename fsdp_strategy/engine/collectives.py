@@ -24,6 +24,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from fsdp_strategy.engine.trace import span
+
 # [Note: SUM then divide]
 # Gradients are reduced with ReduceOp.SUM and divided by the data-parallel size afterwards.
 # gloo's ReduceOp.AVG was silently wrong in some torch releases (pytorch#162338), and an
@@ -128,7 +130,8 @@ class Pending:
         if self._work is None:
             return
         start = time.perf_counter()
-        self._work.wait()
+        with span("wait_" + self._kind.value):
+            self._work.wait()
         end = time.perf_counter()
         self._work = None
         if self._ledger is not None:

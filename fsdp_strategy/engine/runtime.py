@@ -72,6 +72,7 @@ from fsdp_strategy.engine.collectives import CommLedger
 from fsdp_strategy.engine.iteration import BackwardPass, Frame, PostBackward, UnitRun, autograd_running
 from fsdp_strategy.engine.order import ExecutionOrder
 from fsdp_strategy.engine.param import ShardedParam
+from fsdp_strategy.engine.trace import traced
 from fsdp_strategy.engine.traversal import grad_tensors, replace_grad_tensors
 from fsdp_strategy.engine.unit import FSDPUnit, PendingReduce, ShardedState, TrainingState, UndecidedGrad
 
@@ -126,6 +127,7 @@ class Scheduler:
             unit.module.register_forward_hook(post, always_call=True)
             run.backward_hook = torch._dynamo.disable(functools.partial(self._pre_backward, unit, run))
 
+    @traced("pre_forward")
     def _pre_forward(self, unit: FSDPUnit, run: UnitRun, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         in_backward = autograd_running()
         if unit is self.root_unit:
@@ -157,6 +159,7 @@ class Scheduler:
                 run.uncovered_call = True  # [Note: calls without a post-backward]
         return args, kwargs
 
+    @traced("post_forward")
     def _post_forward(self, unit: FSDPUnit, run: UnitRun, module: nn.Module, args: tuple, output: Any) -> Any:
         if not run.frames:  # our pre-hook did not run (a hook before it raised)
             return output
@@ -183,6 +186,7 @@ class Scheduler:
             self._end_forward()
         return output
 
+    @traced("pre_backward")
     def _pre_backward(self, unit: FSDPUnit, run: UnitRun, grad: torch.Tensor) -> None:
         self._enter_backward()
         if unit.training_state is TrainingState.PRE_BACKWARD:
@@ -195,6 +199,7 @@ class Scheduler:
         if target is not None:
             target.unshard()  # [Note: bounded prefetch]
 
+    @traced("post_backward")
     def _post_backward(self, unit: FSDPUnit, run: UnitRun, counted: bool) -> None:
         self._enter_backward()
         assert self._backward is not None
@@ -216,6 +221,7 @@ class Scheduler:
             if not self._runs[id(ready)].reduced:
                 self._reduce(ready, self._runs[id(ready)])
 
+    @traced("end_of_backward")
     def _end_of_backward(self) -> None:
         backward = self._backward
         assert backward is not None

@@ -28,6 +28,7 @@ from fsdp_strategy.engine import collectives
 from fsdp_strategy.engine.accounting import MemoryAccount
 from fsdp_strategy.engine.collectives import CommGroup, CommLedger, Pending
 from fsdp_strategy.engine.param import ShardedParam
+from fsdp_strategy.engine.trace import span
 
 
 class ShardedState(Enum):
@@ -132,7 +133,8 @@ class FSDPUnit:
         """Copy one shard-shaped tensor per parameter into a flat buffer (in ``dtype``, on the
         compute device) and start ONE all-gather of it."""
         flat_shard = torch.empty(sum(self._shard_sizes), dtype=dtype, device=self.device)
-        torch._foreach_copy_(list(flat_shard.split(self._shard_sizes)), [s.detach().reshape(-1) for s in shards])
+        with span("gather_copy_in"):
+            torch._foreach_copy_(list(flat_shard.split(self._shard_sizes)), [s.detach().reshape(-1) for s in shards])
         gathered = flat_shard.new_empty(flat_shard.numel() * self.shard_comm.size)
         nbytes = (flat_shard.numel() + gathered.numel()) * flat_shard.element_size()
         work = collectives.all_gather(gathered, flat_shard, self.shard_comm, self.ledger, self.name)
@@ -168,7 +170,7 @@ class FSDPUnit:
         self.unshard()
         gather, self._gather = self._gather, None
         gather.work.wait()
-        with torch.no_grad():
+        with torch.no_grad(), span("gather_copy_out"):
             for param, param_rows in zip(self.params, self._rows(gather.gathered)):
                 param.fill_unsharded(param_rows)
                 param.install(unsharded=True)
@@ -242,7 +244,8 @@ class FSDPUnit:
         world = self.shard_comm.size
         flat = torch.empty(world, total + len(params), dtype=self._reduce_dtype, device=self.device)
         stashed = sum(p.stashed_nbytes for p in params)
-        used = [p.take_grad_rows(columns) for p, columns in zip(params, flat[:, :total].split(sizes, dim=1))]
+        with span("reduce_copy_in"):
+            used = [p.take_grad_rows(columns) for p, columns in zip(params, flat[:, :total].split(sizes, dim=1))]
         self.memory.freed(self.name, stashed, "stashed_grads")
         flat[:, total:].fill_(1)
         for index, has_grad in enumerate(used):
@@ -266,15 +269,16 @@ class FSDPUnit:
         shards of the parameters this rank used; return the others for a later decision."""
         if self.shard_comm.size > 1:
             collectives.all_reduce(output, self.replicate_comm, self.ledger, self.name).wait()
-        total = output.numel() - len(params)
-        grads, flags = output[:total], output[total:]
-        grads.div_(self.shard_comm.size * self.replicate_comm.size)  # [Note: SUM then divide]
-        undecided = []
-        for param, piece, flag, has_grad in zip(params, grads.split([p.shard_numel for p in params]), flags, used):
-            if has_grad:
-                param.accumulate_sharded_grad(piece)
-            else:
-                undecided.append(UndecidedGrad(param, piece, flag))
+        with span("reduce_apply"):
+            total = output.numel() - len(params)
+            grads, flags = output[:total], output[total:]
+            grads.div_(self.shard_comm.size * self.replicate_comm.size)  # [Note: SUM then divide]
+            undecided = []
+            for param, piece, flag, has_grad in zip(params, grads.split([p.shard_numel for p in params]), flags, used):
+                if has_grad:
+                    param.accumulate_sharded_grad(piece)
+                else:
+                    undecided.append(UndecidedGrad(param, piece, flag))
         return undecided
 
     def drop_grads(self) -> None:
