@@ -14,7 +14,7 @@ MIB = 2**20
 
 def lightning_step(trainer: pl.Trainer) -> int:
     """The step Lightning's loggers write training metrics at (batches that ended in an optimizer
-    step so far), so that the monitors' values land in the same rows as ``self.log`` values."""
+    step so far), so that the monitors' values carry the same ``trainer/global_step`` as ``self.log`` values."""
     return trainer.fit_loop.epoch_loop._batches_that_stepped
 
 

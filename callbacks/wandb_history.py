@@ -78,9 +78,13 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as error:
         print(f"wandb_history: error: {error}", file=sys.stderr)
         return 2
-    keys = args.keys or sorted(
-        {key for row in rows for key in row if not key.startswith("_")} - {"trainer/global_step"}
-    )
+    logged = sorted({key for row in rows for key in row if not key.startswith("_")} - {"trainer/global_step"})
+    missing = [key for key in args.keys if key not in logged]
+    if missing:
+        message = f"{args.run_dir} has no {missing}; logged keys: {', '.join(logged)}"
+        print(f"wandb_history: error: {message}", file=sys.stderr)
+        return 2
+    keys = args.keys or logged
     writer = csv.writer(sys.stdout)
     writer.writerow(["trainer/global_step", *keys])
     for row in rows:

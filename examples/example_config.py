@@ -3,7 +3,8 @@
 
 Keys of ``trainer`` and ``strategy`` are checked against ``lightning.Trainer`` and
 ``FSDPCustomStrategy`` (any of their arguments may be set); every other key must be in the YAML
-file. A mistake ends the script with a message naming the key and the accepted ones.
+file, and a value replacing an int, float or bool there must be one. A mistake ends the
+script with a message naming the key and what is accepted.
 """
 
 from __future__ import annotations
@@ -58,6 +59,29 @@ def _check_open_section(name: str, values: DictConfig, target: Callable, reserve
         )
 
 
+def _check_type(key: str, default: object, value: object) -> None:
+    """A value overriding an int, float or bool of the YAML must be one (an int may set a float)."""
+    if isinstance(default, bool):
+        ok = isinstance(value, bool)
+    elif isinstance(default, int):
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif isinstance(default, float):
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    else:
+        return
+    if not ok:
+        raise ConfigError(f"{key}={value!r}: expected {type(default).__name__} (the default is {default!r})")
+
+
+def _check_types(prefix: str, base: object, overrides: object) -> None:
+    if isinstance(base, DictConfig) and isinstance(overrides, DictConfig):
+        for key in overrides:
+            if key in base:
+                _check_types(f"{prefix}{key}.", base[key], overrides[key])
+    elif not isinstance(overrides, DictConfig):
+        _check_type(prefix.rstrip("."), base, overrides)
+
+
 def load(argv: list[str], default: Path, open_sections: OpenSections) -> DictConfig:
     """The YAML config (``config=FILE`` or ``default``) with the overrides of ``argv`` merged in.
 
@@ -75,12 +99,14 @@ def load(argv: list[str], default: Path, open_sections: OpenSections) -> DictCon
     for key in overrides:
         if key not in base:
             raise ConfigError(f"unknown key {key!r}; accepted top-level keys: config, {_accepted(base)}")
-        section = base[key]
-        if key in open_sections or not isinstance(section, DictConfig):
-            continue
-        value = overrides[key]
-        if not isinstance(value, DictConfig):
+        section, value = base[key], overrides[key]
+        if isinstance(section, DictConfig) and not isinstance(value, DictConfig):
             raise ConfigError(f"{key} is a section ({_accepted(section)}); set one of its keys, e.g. {key}.KEY=VALUE")
+        if key in open_sections:  # Trainer and strategy arguments take several types (devices=2 or "auto")
+            continue
+        _check_types(f"{key}.", section, value)
+        if not isinstance(section, DictConfig):
+            continue
         unknown = [str(sub) for sub in value if sub not in section]
         if unknown:
             raise ConfigError(f"unknown key {key}.{unknown[0]}; accepted keys of {key}: {_accepted(section)}")

@@ -82,11 +82,13 @@ def plot(results: dict[int, dict], out: Path, title: str) -> None:
         top = bottom + at_rest[name] / MIB
         axis.fill_between([0, end], bottom, top, color=color, label=f"sharded {name} at rest (rank 0)")
         bottom = top
+    highest = bottom
     for rank, result in sorted(results.items()):
         rest = sum(result["at_rest"].values()) / MIB
         times = [0.0] + [e[0] * 1000 for e in result["events"]]
         values = [rest] + [rest + e[3] / MIB for e in result["events"]]
         axis.step(times, values, where="post", label=f"rank {rank}: at rest + gathered full parameters")
+        highest = max(highest, *values)
         if rank == 0:
             for seconds, unit, event, now in result["events"]:
                 if event == "gather":
@@ -98,7 +100,7 @@ def plot(results: dict[int, dict], out: Path, title: str) -> None:
                         fontsize=7,
                         rotation=70,
                     )
-    axis.set_ylim(0, bottom * 1.25)
+    axis.set_ylim(0, highest * 1.25)  # room above the peak for the unit labels
     axis.set_xlabel("time in the step (ms)")
     axis.set_ylabel("MiB per rank")
     axis.set_title(title, pad=12)

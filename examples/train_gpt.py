@@ -1,6 +1,6 @@
 """Train a byte-level GPT with ``Trainer(strategy="fsdp_custom")`` on the standard library's sources.
 
-    python examples/train_gpt.py                                  # 2 CPU processes, about 30 s
+    python examples/train_gpt.py                                  # 2 CPU processes, about a minute
     python examples/train_gpt.py trainer.max_steps=20 strategy.sharding_strategy=SHARD_GRAD_OP
     python examples/train_gpt.py resume=last trainer.max_steps=300  # train a finished run further
     python examples/train_gpt.py --help                           # this text and every key
@@ -24,7 +24,7 @@ import noise
 import torch
 from fsdp_strategy.callbacks import CommunicationMonitor, MemoryMonitor, ThroughputMonitor
 from gpt import Block
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import WandbLogger
 from lit_gpt import ByteDataModule, GPTModule
 from omegaconf import DictConfig, OmegaConf
@@ -34,10 +34,20 @@ import fsdp_strategy
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "gpt_small.yaml"
 
 
-def checkpoint_step(path: Path) -> int:
-    """The ``global_step`` stored in a checkpoint (a sharded folder or a full file)."""
+def checkpoint_state(path: Path) -> dict:
+    """The trainer state stored in a checkpoint (a sharded folder or a full file), weights not read."""
     state_file = path / "lightning.pt" if path.is_dir() else path
-    return int(torch.load(state_file, map_location="cpu", weights_only=False, mmap=True)["global_step"])
+    return torch.load(state_file, map_location="cpu", weights_only=False, mmap=True)
+
+
+class WandbRunInCheckpoint(Callback):
+    """Stores the W&B run id in every checkpoint, so a resume continues the run that saved it."""
+
+    def __init__(self, logger: WandbLogger) -> None:
+        self.logger = logger
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        checkpoint["wandb_run_id"] = self.logger.version
 
 
 def resume_path(config: DictConfig, checkpoint_dir: Path) -> Path | None:
@@ -47,7 +57,7 @@ def resume_path(config: DictConfig, checkpoint_dir: Path) -> Path | None:
     path = checkpoint_dir / "last.ckpt" if config.resume == "last" else Path(config.resume)
     if not path.exists():
         sys.exit(f"train_gpt.py: error: resume={config.resume}: no checkpoint at {path}; run without resume first")
-    step = checkpoint_step(path)
+    step = int(checkpoint_state(path)["global_step"])
     if step >= config.trainer.max_steps:
         sys.exit(
             f"train_gpt.py: error: {path} is at step {step} and trainer.max_steps={config.trainer.max_steps}: "
@@ -57,10 +67,9 @@ def resume_path(config: DictConfig, checkpoint_dir: Path) -> Path | None:
     return path
 
 
-def wandb_logger(config: DictConfig, root: Path, resuming: bool) -> WandbLogger:
-    """The W&B logger; a resumed run continues the W&B run of the checkpoint's run (same id)."""
-    id_file = root / "wandb_run_id"
-    run_id = id_file.read_text().strip() if resuming and id_file.is_file() else None
+def wandb_logger(config: DictConfig, root: Path, resume: Path | None) -> WandbLogger:
+    """The W&B logger; a resumed run continues the W&B run that saved the checkpoint (same id)."""
+    run_id = checkpoint_state(resume).get("wandb_run_id") if resume is not None else None
     return WandbLogger(
         project=config.logger.project,
         save_dir=str(root.resolve()),
@@ -85,7 +94,7 @@ def main(argv: list[str]) -> None:
     root = Path(config.trainer.default_root_dir)
     checkpoint_dir = root / "checkpoints"
     resume = resume_path(config, checkpoint_dir)
-    logger = wandb_logger(config, root, resuming=resume is not None)
+    logger = wandb_logger(config, root, resume)
     every = config.monitors.log_every_n_steps
     checkpoints = ModelCheckpoint(
         dirpath=checkpoint_dir,
@@ -99,6 +108,7 @@ def main(argv: list[str]) -> None:
         logger=logger,
         callbacks=[
             checkpoints,
+            WandbRunInCheckpoint(logger),
             MemoryMonitor(log_every_n_steps=every),
             ThroughputMonitor(log_every_n_steps=every),
             CommunicationMonitor(log_every_n_steps=every),
@@ -115,7 +125,6 @@ def main(argv: list[str]) -> None:
     if trainer.is_global_zero:
         metrics = {k: round(float(v), 4) for k, v in trainer.callback_metrics.items()}
         run_dir = Path(os.path.relpath(Path(logger.experiment.dir).parent))
-        (root / "wandb_run_id").write_text(logger.experiment.id)
         logger.experiment.finish()
         steps = trainer.global_step
         print(f"done: {steps} steps, metrics {metrics}")

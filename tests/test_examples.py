@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from fsdp_strategy.callbacks.wandb_history import history
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,6 +53,7 @@ def test_python_script_launch_repeat_and_resume(tmp_path):
     assert any("comm/all_gather/calls" in row for row in rows)
     reader = [sys.executable, "-m", "fsdp_strategy.callbacks.wandb_history", str(tmp_path / "wandb")]
     csv_rows = _run([*reader, "comm/all_gather/calls"]).splitlines()
+    assert "logged keys: " in _run([*reader, "train_los"], expect=2)
     assert csv_rows[0] == "trainer/global_step,comm/all_gather/calls" and csv_rows[1:] == [
         f"{step},{row['comm/all_gather/calls']}"
         for step, row in enumerate(r for r in rows if "comm/all_gather/calls" in r)
@@ -59,10 +61,12 @@ def test_python_script_launch_repeat_and_resume(tmp_path):
     checkpoints = sorted(path.name for path in (tmp_path / "checkpoints").iterdir())
     assert "last.ckpt" in checkpoints and not any(name.startswith("last-v") for name in checkpoints), checkpoints
     assert (tmp_path / "checkpoints" / "last.ckpt" / "fsdp_meta.json").is_file()  # a sharded folder
+    # the checkpoint names its W&B run, so even an interrupted run's checkpoint resumes into its run
+    saved_by = torch.load(tmp_path / "checkpoints" / "last.ckpt" / "lightning.pt", weights_only=False)
     resumed = _run([sys.executable, str(EXAMPLE), "trainer.max_steps=6", "resume=last", *args])
     assert "Restored all states" in resumed and "done: 6 steps" in resumed
     ids = _run_ids(tmp_path / "wandb")
-    assert len(ids) == 3 and ids[2] == ids[1] != ids[0]  # the resumed run continues the second W&B run
+    assert len(ids) == 3 and ids[2] == ids[1] != ids[0] and saved_by["wandb_run_id"] == ids[1]
     finished = _run([sys.executable, str(EXAMPLE), "trainer.max_steps=6", "resume=last", *args], expect=1)
     assert "is at step 6 and trainer.max_steps=6: nothing to train" in finished
     assert "resume=last trainer.max_steps=12" in finished
@@ -99,6 +103,8 @@ def test_example_config_accepts_every_documented_form():
             ["trainer.accumulate_grad_batches=2", "strategy.cpu_offload=true"], default, sections
         )
         assert extra.trainer.accumulate_grad_batches == 2 and extra.strategy.cpu_offload is True
+        loose = example_config.load(["optimizer.lr=1", "trainer.devices=auto"], default, sections)
+        assert loose.optimizer.lr == 1 and loose.trainer.devices == "auto"
         mistakes = {
             "trainer.strategy=ddp": "cannot be set here",
             "--monitors.log_every=5": "accepted keys of monitors: log_every_n_steps",
@@ -106,6 +112,12 @@ def test_example_config_accepts_every_documented_form():
             "--trainer.max_steps": "needs a value",
             "max_steps": "overrides are key=value",
             "model=3": "model is a section",
+            "strategy=fsdp_custom": "strategy is a section",
+            "trainer=3": "trainer is a section",
+            "seed=abc": r"seed='abc': expected int",
+            "model.d_model=abc": r"model.d_model='abc': expected int",
+            "optimizer.lr=abc": r"optimizer.lr='abc': expected float",
+            "logger.offline=maybe": r"logger.offline='maybe': expected bool",
         }
         for arg, message in mistakes.items():
             with pytest.raises(example_config.ConfigError, match=message):
