@@ -151,6 +151,10 @@ def test_consolidate_options_and_cli(saved_world2, tmp_path):
     assert not (tmp_path / "st2").exists() and not (tmp_path / "no").exists()
     with pytest.raises(ValueError, match="has no unit"):
         consolidate(folder, tmp_path / "st3", output_format="safetensors", max_shard_size="2")
+    for size in ("0MB", "-1MB", "abcMB", 0):
+        with pytest.raises(ValueError, match="must be positive|is not a size"):
+            consolidate(folder, tmp_path / "st3", output_format="safetensors", max_shard_size=size)
+    assert not (tmp_path / "st3").exists()
     version = subprocess.run(["fsdp-consolidate", "--version"], capture_output=True, text=True)
     assert version.returncode == 0 and version.stdout.startswith("fsdp-consolidate 0.")
     helped = subprocess.run(["fsdp-consolidate", "--help"], capture_output=True, text=True).stdout

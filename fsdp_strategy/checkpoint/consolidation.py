@@ -58,14 +58,27 @@ def _under(paths: dict[str, tuple], prefix: str) -> list[str]:
 
 
 def parse_size(text: str | int | None) -> int | None:
-    """'500MB', '2GB', '1.5GiB' (a string needs its unit) or an int of bytes -> bytes."""
-    if text is None or isinstance(text, int):
-        return text
+    """'500MB', '2GB', '1.5GiB' (a string needs its unit) or an int of bytes -> bytes (positive)."""
+    if text is None:
+        return None
+    if isinstance(text, int):
+        size = text
+    else:
+        size = _size_in_bytes(text)
+    if size <= 0:
+        raise ValueError(f"max_shard_size={text!r} must be positive, e.g. '500MB' or '2GB'")
+    return size
+
+
+def _size_in_bytes(text: str) -> int:
     units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
     upper = text.strip().upper()
     for unit, factor in sorted(units.items(), key=lambda kv: -len(kv[0])):
         if upper.endswith(unit):
-            return int(float(upper[: -len(unit)]) * factor)
+            try:
+                return int(float(upper[: -len(unit)]) * factor)
+            except ValueError:
+                break
     if upper.replace(".", "", 1).isdigit():
         raise ValueError(f"max_shard_size={text!r} has no unit; use e.g. '500MB', '2GB' or '1.5GiB'")
     raise ValueError(f"max_shard_size={text!r} is not a size; use e.g. '500MB', '2GB' or '1.5GiB'")
