@@ -29,12 +29,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from gpt import GPT, Block, GPTConfig  # noqa: E402
 from lightning_modes import LIGHTNING_MODES, run_lightning_mode  # noqa: E402
+from spawn import spawn_ranks  # noqa: E402
 
 # imported in every mode (it pulls in Lightning), so the peak RSS of all modes has the same baseline
 from fsdp_strategy.engine import get_scheduler, shard_model  # noqa: E402
@@ -126,16 +126,8 @@ def _rank(rank: int, world: int, mode: str, args: argparse.Namespace, rendezvous
 
 def run_mode(mode: str, args: argparse.Namespace) -> dict:
     world = 1 if mode == "single" else args.world
-    context = mp.get_context("spawn")
-    queue = context.Queue()
     with tempfile.TemporaryDirectory() as tmp:
-        rendezvous = os.path.join(tmp, "rendezvous")
-        procs = [context.Process(target=_rank, args=(r, world, mode, args, rendezvous, queue)) for r in range(world)]
-        for proc in procs:
-            proc.start()
-        results = dict(queue.get(timeout=1800) for _ in procs)
-        for proc in procs:
-            proc.join()
+        results = spawn_ranks(_rank, world, world, mode, args, os.path.join(tmp, "rendezvous"))
     first = results[0]
     comm = first["comm"][-1] if first["comm"] else None
     return {

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from spawn import spawn_ranks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
@@ -158,15 +158,7 @@ def run_lightning_mode(mode: str, args) -> dict:
     import statistics
 
     world = args.world
-    context = mp.get_context("spawn")
-    queue = context.Queue()
-    port = _free_port()
-    procs = [context.Process(target=_rank, args=(r, world, mode, args, port, queue)) for r in range(world)]
-    for proc in procs:
-        proc.start()
-    results = dict(queue.get(timeout=1800) for _ in procs)
-    for proc in procs:
-        proc.join()
+    results = spawn_ranks(_rank, world, world, mode, args, _free_port())
     first = results[0]
     return {
         "mode": mode,

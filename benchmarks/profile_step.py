@@ -28,10 +28,10 @@ from collections import defaultdict
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from compare import add_config_args, build
 from gpt import GPTConfig
+from spawn import spawn_ranks
 
 from fsdp_strategy.engine import get_scheduler
 
@@ -85,20 +85,8 @@ def _rank(rank: int, world: int, mode: str, args: argparse.Namespace, rendezvous
 
 
 def _profile(mode: str, args: argparse.Namespace) -> dict:
-    context = mp.get_context("spawn")
-    queue = context.Queue()
     with tempfile.TemporaryDirectory() as tmp:
-        rendezvous = os.path.join(tmp, "rendezvous")
-        procs = [
-            context.Process(target=_rank, args=(r, args.world, mode, args, rendezvous, queue))
-            for r in range(args.world)
-        ]
-        for proc in procs:
-            proc.start()
-        results = dict(queue.get(timeout=1800) for _ in procs)
-        for proc in procs:
-            proc.join()
-    return results[0]
+        return spawn_ranks(_rank, args.world, args.world, mode, args, os.path.join(tmp, "rendezvous"))[0]
 
 
 def breakdown(mode: str, result: dict) -> dict[str, float]:
