@@ -36,7 +36,7 @@ DEFAULT_CONFIG = Path(__file__).parent / "configs" / "gpt_small.yaml"
 
 def checkpoint_state(path: Path) -> dict:
     """The trainer state stored in a checkpoint (a sharded folder or a full file), weights not read."""
-    state_file = path / "lightning.pt" if path.is_dir() else path
+    state_file = path / "meta.pt" if path.is_dir() else path  # a sharded folder keeps it in meta.pt, as Lightning's
     return torch.load(state_file, map_location="cpu", weights_only=False, mmap=True)
 
 

@@ -53,6 +53,7 @@ class ShardingStrategy(str, Enum):
     SHARD_GRAD_OP = "SHARD_GRAD_OP"  # as FULL_SHARD, but params stay gathered from forward to backward
     NO_SHARD = "NO_SHARD"  # everything replicated; grads all-reduced, as DDP
     HYBRID_SHARD = "HYBRID_SHARD"  # FULL_SHARD inside a shard group, replicated across groups
+    _HYBRID_SHARD_ZERO2 = "_HYBRID_SHARD_ZERO2"  # SHARD_GRAD_OP inside a shard group, replicated across groups
 
     @classmethod
     def from_any(cls, value: Any, argument: str = "sharding_strategy") -> ShardingStrategy:
@@ -75,6 +76,33 @@ class ShardingStrategy(str, Enum):
     def reshard_after_forward(self) -> bool:
         """Whether a non-root unit frees its gathered parameters right after its forward."""
         return self in (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether shards are replicated across groups of a (replicate, shard) mesh."""
+        return self in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+
+
+class BackwardPrefetch(str, Enum):
+    """When backward issues the next unit's all-gather (FSDP1's ``backward_prefetch``); None: never ahead."""
+
+    BACKWARD_PRE = "BACKWARD_PRE"  # when the current unit's backward starts: most overlap, one unit more memory
+    BACKWARD_POST = "BACKWARD_POST"  # once the current unit's gradients are computed: less overlap and memory
+
+    @classmethod
+    def from_any(cls, value: Any, argument: str = "backward_prefetch") -> BackwardPrefetch | None:
+        """Accept None, our enum, its name in any case, or torch's ``BackwardPrefetch`` member."""
+        if value is None or isinstance(value, cls):
+            return value
+        name = value.name if isinstance(value, Enum) else value
+        if not isinstance(name, str):
+            raise TypeError(f"{argument} must be a string, a BackwardPrefetch or None, got {type(value).__name__}")
+        try:
+            return cls[name.upper()]
+        except KeyError:
+            raise ValueError(
+                f"{argument}={value!r} is not supported; accepted: {[member.value for member in cls]} or None"
+            ) from None
 
 
 def _mapping_of(value: Any, argument: str, fields: tuple[str, ...]) -> Mapping[str, Any]:
@@ -150,15 +178,16 @@ class CPUOffload:
 
 
 def validate_device_mesh(device_mesh: Any, sharding_strategy: ShardingStrategy) -> Any:
-    """Check ``device_mesh`` against the strategy: None, a (replicate, shard) pair or a 2-D DeviceMesh."""
+    """Check ``device_mesh`` against the strategy: None, a (replicate, shard) pair or a 2-D DeviceMesh.
+
+    None with a hybrid strategy is left for the caller to fill (the strategy: one shard group per
+    node, as FSDP1 and Lightning do; ``shard_model`` needs a mesh)."""
     if device_mesh is None:
-        if sharding_strategy is ShardingStrategy.HYBRID_SHARD:
-            raise ValueError("sharding_strategy='HYBRID_SHARD' needs device_mesh=(replicate, shard), got None")
         return None
-    if sharding_strategy is not ShardingStrategy.HYBRID_SHARD:
+    if not sharding_strategy.hybrid:
         raise ValueError(
-            f"device_mesh={device_mesh!r} is only used with sharding_strategy='HYBRID_SHARD', "
-            f"got {sharding_strategy.value!r}"
+            f"device_mesh={device_mesh!r} is only used with sharding_strategy='HYBRID_SHARD' or "
+            f"'_HYBRID_SHARD_ZERO2', got {sharding_strategy.value!r}"
         )
     if isinstance(device_mesh, (tuple, list)):
         if len(device_mesh) != 2 or not all(isinstance(n, int) and n >= 1 for n in device_mesh):

@@ -1,6 +1,7 @@
 """``fsdp-consolidate SRC DST``: a sharded checkpoint folder to one file, no process group needed.
 
 fsdp-consolidate runs/ckpt/last.ckpt model.pt --weights-only --dtype bf16
+fsdp-consolidate runs/ckpt/last.ckpt gpt.pt --weights-only --strip-prefix model.
 python -m fsdp_strategy.consolidate runs/ckpt/last.ckpt out --format safetensors --max-shard-size 2GB
 """
 
@@ -32,6 +33,13 @@ def main(argv: list[str] | None = None) -> int:
         "--max-shard-size", default=None, metavar="SIZE", help="safetensors: files of at most SIZE, e.g. 500MB, 2GB"
     )
     parser.add_argument("--overwrite", action="store_true", help="replace DST if it exists")
+    parser.add_argument(
+        "--strip-prefix",
+        default=None,
+        metavar="PREFIX",
+        help="with --weights-only or safetensors: drop PREFIX (the LightningModule's attribute, e.g. 'model.') "
+        "from every key, for inner_module.load_state_dict(torch.load(DST))",
+    )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     args = parser.parse_args(argv)
     try:
@@ -43,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
             output_format=args.format,
             max_shard_size=args.max_shard_size,
             overwrite=args.overwrite,
+            strip_prefix=args.strip_prefix,
         )
     except (OSError, ValueError) as error:
         print(f"fsdp-consolidate: error: {error}", file=sys.stderr)

@@ -2,9 +2,11 @@
 
 Lightning gives a training dataloader a ``DistributedSampler``; on a resume from a checkpoint
 taken in the middle of an epoch it would replay the epoch from its first batch. The strategy
-swaps that sampler for :class:`ResumableDistributedSampler` (same order, same arguments) and
-makes the dataloader stateful, so the checkpoint records how many samples of the epoch the
-whole job consumed, and a resumed run skips exactly those, whatever its world size.
+swaps that sampler for :class:`ResumableDistributedSampler` (same order, same arguments), and
+the checkpoint records under its own key (``DATA_POSITION_KEY``) how many samples of the epoch
+the whole job consumed, so a resumed run skips exactly those, whatever its world size. The
+dataloader itself stays stateless: DDP and Lightning's FSDP load our checkpoints unchanged
+(Lightning's loops refuse a loader state they have no stateful loader for).
 
 [Note: global sample order]
 A DistributedSampler gives rank r the positions ``r, r + W, r + 2W, ...`` of one global
@@ -56,15 +58,39 @@ class ResumableDistributedSampler(DistributedSampler):
         self.skip_epoch, self.skip = epoch, consumed
 
 
-def make_resumable(dataloader: Any, consumed_batches: Callable[[], int]) -> Any:
-    """Return ``dataloader`` rebuilt around a ResumableDistributedSampler, with state hooks.
+DATA_POSITION_KEY = "fsdp_custom_data_position"  # a top-level checkpoint key: other strategies ignore it
+
+
+class DataPosition:
+    """Where the training epoch stands, as a checkpoint records it and a resume applies it."""
+
+    def __init__(self, sampler: ResumableDistributedSampler, batch_size: int, consumed_batches: Callable[[], int]):
+        self.sampler = sampler
+        self.batch_size = batch_size
+        self.consumed_batches = consumed_batches
+
+    def state_dict(self) -> dict[str, int]:
+        """The epoch and the global samples the whole job has consumed of it."""
+        return {
+            "epoch": self.sampler.epoch,
+            "consumed_samples": self.consumed_batches() * self.batch_size * self.sampler.num_replicas,
+            "world_size": self.sampler.num_replicas,
+        }
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Skip what a checkpoint says was consumed when its epoch is iterated next."""
+        self.sampler.resume_from(state["epoch"], state["consumed_samples"])
+
+
+def make_resumable(dataloader: Any, consumed_batches: Callable[[], int]) -> tuple[Any, DataPosition | None]:
+    """``dataloader`` rebuilt around a ResumableDistributedSampler, and its DataPosition.
 
     ``consumed_batches()`` tells how many batches of the current epoch each rank has taken.
-    Dataloaders without a plain DistributedSampler are returned unchanged.
+    Dataloaders without a plain DistributedSampler are returned unchanged (position None).
     """
     sampler = getattr(dataloader, "sampler", None)
     if not isinstance(dataloader, DataLoader) or type(sampler) is not DistributedSampler:
-        return dataloader
+        return dataloader, None
     from lightning.pytorch.utilities.data import _update_dataloader
 
     resumable = ResumableDistributedSampler(
@@ -72,18 +98,4 @@ def make_resumable(dataloader: Any, consumed_batches: Callable[[], int]) -> Any:
     )
     resumable.epoch = sampler.epoch
     loader = _update_dataloader(dataloader, resumable)
-    batch_size = loader.batch_size or 1
-
-    def state_dict() -> dict[str, int]:
-        return {
-            "epoch": resumable.epoch,
-            "consumed_samples": consumed_batches() * batch_size * resumable.num_replicas,
-            "world_size": resumable.num_replicas,
-        }
-
-    def load_state_dict(state: dict[str, int]) -> None:
-        resumable.resume_from(state["epoch"], state["consumed_samples"])
-
-    loader.state_dict = state_dict
-    loader.load_state_dict = load_state_dict
-    return loader
+    return loader, DataPosition(resumable, loader.batch_size or 1, consumed_batches)

@@ -15,7 +15,7 @@ from collections.abc import Generator, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import lightning.pytorch as pl
 import torch
@@ -44,10 +44,17 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from fsdp_strategy import checkpoint as ckpt
-from fsdp_strategy.checkpoint import layout, sharded
+from fsdp_strategy.arguments import (
+    check_backend,
+    check_fsdp_keywords,
+    check_timeout,
+    checkpointing_policy,
+    init_process_group_kwargs,
+)
+from fsdp_strategy.checkpoint import full, layout, sharded
 from fsdp_strategy.checkpoint.writer import CheckpointWriter
-from fsdp_strategy.config import CPUOffload, MixedPrecision, ShardingStrategy, validate_device_mesh
-from fsdp_strategy.data import make_resumable
+from fsdp_strategy.config import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy, validate_device_mesh
+from fsdp_strategy.data import DATA_POSITION_KEY, DataPosition, make_resumable
 from fsdp_strategy.engine import Scheduler, get_scheduler, is_sharded, shard_model
 from fsdp_strategy.engine.collectives import CommLedger
 from fsdp_strategy.precision import FSDPCustomPrecision
@@ -56,6 +63,15 @@ from fsdp_strategy.wrap import apply_activation_checkpointing, as_policy_fn
 log = logging.getLogger(__name__)
 
 _STATE_DICT_TYPES = ("full", "sharded")
+
+
+class _CheckpointToLoad(NamedTuple):
+    """A checkpoint read before setup, whose tensors ``setup`` copies into the shards."""
+
+    path: Path
+    is_folder: bool
+    meta: dict | None  # a sharded folder's fsdp_meta.json (None: Lightning FSDP's folder, or a file)
+    checkpoint: dict  # Lightning's state (a full file: everything, weights included)
 
 
 def _count(count: int) -> str:
@@ -67,7 +83,7 @@ class FSDPCustomStrategy(ParallelStrategy):
 
     Arguments (names and meanings as Lightning's ``FSDPStrategy``):
         sharding_strategy: "FULL_SHARD" (default), "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD",
-            or the enum (ours or torch's).
+            "_HYBRID_SHARD_ZERO2" (SHARD_GRAD_OP within the shard group), or the enum (ours or torch's).
         auto_wrap_policy: which modules become units: a set of classes, an int (minimum
             parameter count) or a callable ``(module, recurse, nonwrapped_numel) -> bool``.
             None: the whole model is one unit.
@@ -75,16 +91,24 @@ class FSDPCustomStrategy(ParallelStrategy):
             derived from ``Trainer(precision=...)``.
         cpu_offload: True or :class:`CPUOffload`: shards, gradients and optimizer state on CPU.
         activation_checkpointing_policy: modules to recompute in backward (same forms as
-            ``auto_wrap_policy``).
+            ``auto_wrap_policy``); ``activation_checkpointing`` (a class or list): Lightning's older form.
         state_dict_type: "full" (one file, gathered unit by unit to rank 0) or "sharded" (a DCP
             folder each rank writes its shards into; loads at any world size).
         async_save: write sharded checkpoints in the background (the step goes on).
-        device_mesh: ``(replicate, shard)`` sizes or a 2-D ``DeviceMesh``, for HYBRID_SHARD.
+        device_mesh: ``(replicate, shard)`` sizes or a 2-D ``DeviceMesh``, for the hybrid strategies;
+            default there: ``(num_nodes, devices)``, one shard group per node (as FSDP1).
         param_init_fn: ``(module) -> None``, called on each module that still has tensors on the
             meta device (``trainer.init_module(empty_init=True)``) to allocate and initialize them;
             default: ``reset_parameters()`` and the enclosing ``_init_weights`` (Hugging Face).
+        forward_prefetch: issue the next unit's all-gather when a unit's forward starts (default
+            True, unlike FSDP1's False: the engine never holds more than one unit ahead).
+        backward_prefetch: "BACKWARD_PRE" (default), "BACKWARD_POST" or None, as FSDP1's.
+        sync_module_states: broadcast global rank 0's parameters and buffers before sharding.
         process_group_backend: "gloo", "nccl", ...; default: by device.
-        timeout: timeout of every collective (a rank that dies fails the others after it).
+        timeout: a ``timedelta``: timeout of every collective (a rank that dies fails the others after it).
+        FSDP keywords Lightning passes through: ``use_orig_params=True`` and
+        ``limit_all_gathers=True`` are what the engine does; other values, ``process_group``,
+        ``device_id`` and ``ignored_states`` are refused saying why (``arguments.py``).
 
     Costs: per rank, 1/N of parameters, gradients and optimizer state at rest, plus the
     units gathered at the moment (the running one, the root and one prefetched).
@@ -105,20 +129,19 @@ class FSDPCustomStrategy(ParallelStrategy):
         cpu_offload: bool | CPUOffload | Any = None,
         mixed_precision: MixedPrecision | Any = None,
         auto_wrap_policy: Any = None,
+        activation_checkpointing: type[torch.nn.Module] | list[type[torch.nn.Module]] | None = None,
         activation_checkpointing_policy: Any = None,
         sharding_strategy: str | ShardingStrategy | Any = "FULL_SHARD",
         state_dict_type: Literal["full", "sharded"] = "full",
         device_mesh: tuple[int, int] | Any = None,
         async_save: bool = False,
         param_init_fn: Any = None,
-        **kwargs: Any,
+        forward_prefetch: bool = True,
+        backward_prefetch: str | BackwardPrefetch | Any = "BACKWARD_PRE",
+        sync_module_states: bool = False,
+        **fsdp_kwargs: Any,
     ) -> None:
-        if kwargs:
-            raise TypeError(
-                f"FSDPCustomStrategy got unexpected arguments {sorted(kwargs)}; accepted: sharding_strategy, "
-                "auto_wrap_policy, mixed_precision, cpu_offload, activation_checkpointing_policy, state_dict_type, "
-                "device_mesh, async_save, param_init_fn, process_group_backend, timeout"
-            )
+        check_fsdp_keywords(fsdp_kwargs)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -131,9 +154,10 @@ class FSDPCustomStrategy(ParallelStrategy):
         self.mixed_precision = MixedPrecision.from_any(mixed_precision)
         self.cpu_offload = CPUOffload.from_any(cpu_offload)
         as_policy_fn(auto_wrap_policy)
-        as_policy_fn(activation_checkpointing_policy, argument="activation_checkpointing_policy")
         self.auto_wrap_policy = auto_wrap_policy
-        self.activation_checkpointing_policy = activation_checkpointing_policy
+        self.activation_checkpointing_policy = checkpointing_policy(
+            activation_checkpointing, activation_checkpointing_policy
+        )
         if state_dict_type not in _STATE_DICT_TYPES:
             raise ValueError(f"state_dict_type={state_dict_type!r} is not supported; accepted: {_STATE_DICT_TYPES}")
         self._state_dict_type = state_dict_type
@@ -145,16 +169,22 @@ class FSDPCustomStrategy(ParallelStrategy):
             )
         self._writer = CheckpointWriter(async_save=async_save)
         self._device_mesh = validate_device_mesh(device_mesh, self.sharding_strategy)
-        if process_group_backend is not None and not isinstance(process_group_backend, str):
-            raise TypeError(
-                f"process_group_backend must be a string like 'gloo' or 'nccl', got {process_group_backend!r}"
-            )
-        self._process_group_backend = process_group_backend
-        self._timeout = timeout
+        self._process_group_backend = check_backend(process_group_backend)
+        self._timeout = check_timeout(timeout)
         if param_init_fn is not None and not callable(param_init_fn):
             raise TypeError(f"param_init_fn must be a callable (module) -> None, got {param_init_fn!r}")
         self.param_init_fn = param_init_fn
+        if not isinstance(forward_prefetch, bool):
+            raise TypeError(f"forward_prefetch must be a bool, got {forward_prefetch!r}")
+        self.forward_prefetch = forward_prefetch
+        self.backward_prefetch = BackwardPrefetch.from_any(backward_prefetch)
+        if not isinstance(sync_module_states, bool):
+            raise TypeError(f"sync_module_states must be a bool, got {sync_module_states!r}")
+        self.sync_module_states = sync_module_states
         self._ledger_global_step: int | None = None  # the global_step the ledger's count started at
+        self._data_position: DataPosition | None = None  # the training dataloader's, once built
+        self._data_position_to_load: dict | None = None  # from the checkpoint being resumed
+        self._checkpoint_to_load: _CheckpointToLoad | None = None  # read by load_checkpoint, applied in setup
 
     # ---- Lightning plumbing --------------------------------------------------------------
 
@@ -172,6 +202,12 @@ class FSDPCustomStrategy(ParallelStrategy):
         return self._process_group_backend
 
     @property
+    def mixed_precision_config(self) -> MixedPrecision | None:
+        """The MixedPrecision the engine uses: ``mixed_precision`` if given, else the one derived
+        from ``Trainer(precision=...)`` (None for full precision). Lightning's name."""
+        return self.mixed_precision or self.precision_plugin.mixed_precision_config
+
+    @property
     def is_distributed(self) -> bool:
         """Always True, so Lightning adds a DistributedSampler."""
         return True
@@ -182,7 +218,9 @@ class FSDPCustomStrategy(ParallelStrategy):
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
-        return True
+        """False: only then does Lightning pass ``weights_only`` to ``load_checkpoint``. The file is
+        read before setup; ``setup`` copies its tensors into the shards."""
+        return False
 
     @property
     def lightning_restore_optimizer(self) -> bool:
@@ -214,6 +252,8 @@ class FSDPCustomStrategy(ParallelStrategy):
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
+        if self.sharding_strategy.hybrid and self._device_mesh is None:  # FSDP1's default: shard within a node
+            self._device_mesh = (self.num_nodes, self.num_processes)
         if isinstance(self._device_mesh, tuple) and self._device_mesh[0] * self._device_mesh[1] != self.world_size:
             raise ValueError(
                 f"device_mesh={self._device_mesh} multiplies to {self._device_mesh[0] * self._device_mesh[1]}, "
@@ -224,7 +264,11 @@ class FSDPCustomStrategy(ParallelStrategy):
         )
         assert self.cluster_environment is not None
         created_here = not _distributed_is_initialized()
-        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
+        _init_dist_connection(
+            self.cluster_environment,
+            self._process_group_backend,
+            **init_process_group_kwargs(self.root_device, self._timeout),
+        )
         if created_here and self._process_group_backend != "nccl":
             # Lightning registers this for NCCL only; a gloo group left to interpreter shutdown can
             # abort the process ("terminate called without an active exception") after a good run.
@@ -269,6 +313,7 @@ class FSDPCustomStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+        self._load_into_shards(trainer)
 
     def _shard(self, model: torch.nn.Module) -> None:
         self.model = model = self.precision_plugin.convert_module(model)
@@ -278,22 +323,25 @@ class FSDPCustomStrategy(ParallelStrategy):
             model,
             sharding_strategy=self.sharding_strategy,
             auto_wrap_policy=self.auto_wrap_policy,
-            mixed_precision=self.mixed_precision or self.precision_plugin.mixed_precision_config,
+            mixed_precision=self.mixed_precision_config,
             cpu_offload=self.cpu_offload,
             device=self.root_device,
             device_mesh=self._device_mesh,
             param_init_fn=self.param_init_fn,
+            forward_prefetch=self.forward_prefetch,
+            backward_prefetch=self.backward_prefetch,
+            sync_module_states=self.sync_module_states,
         )
         _move_torchmetrics_to_device(model, self.root_device)
         units = self.scheduler.units
         params = self.scheduler.sharded_params()
-        full = sum(math.prod(p.shape) for p in params)
+        full_count = sum(math.prod(p.shape) for p in params)
         trainable = sum(math.prod(p.shape) for p in params if p.sharded.requires_grad)
         local = sum(p.sharded.numel() for p in params)
         rank_zero_info(
             f"fsdp_custom: {self.sharding_strategy.value} over {self.world_size} ranks, {len(units)} units "
             f"({', '.join(unit.name for unit in units[:8])}{', ...' if len(units) > 8 else ''}); "
-            f"{_count(full)} parameters ({_count(trainable)} trainable), {_count(local)} in this rank's "
+            f"{_count(full_count)} parameters ({_count(trainable)} trainable), {_count(local)} in this rank's "
             "shards (what Lightning's model summary counts)"
         )
 
@@ -387,8 +435,8 @@ class FSDPCustomStrategy(ParallelStrategy):
         return ckpt.full_state_dict(self.model, rank0_only=True)
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """Full: the gathered optimizer state keyed by parameter name on rank 0. Sharded: {} (the
-        save writes each rank's shards itself)."""
+        """Full: the gathered optimizer state in torch's layout (as DDP writes it) on rank 0.
+        Sharded: {} (the save writes each rank's shards itself)."""
         assert self.model is not None
         if self._state_dict_type == "sharded":
             return {}
@@ -409,6 +457,8 @@ class FSDPCustomStrategy(ParallelStrategy):
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any = None) -> None:
         """Write atomically: a temporary name, renamed once every rank is done ([Note: atomic commit])."""
+        if self._data_position is not None and "loops" in checkpoint:
+            checkpoint[DATA_POSITION_KEY] = self._data_position.state_dict()
         final, temporary = self._final_and_temporary(filepath)
         if self._state_dict_type == "full":
             self._writer.save_full(
@@ -426,22 +476,41 @@ class FSDPCustomStrategy(ParallelStrategy):
         self._writer.remove(Path(filepath))
 
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        """Load a sharded folder (any world size) or a full file into the shards; return the rest."""
-        assert self.model is not None and self.lightning_module is not None
+        """Read a checkpoint before setup: a sharded folder (ours or Lightning FSDP's, any world size)
+        or a full file (memory-mapped); ``setup`` copies its tensors into the shards. Returns
+        Lightning's state. ``weights_only`` as ``torch.load``'s."""
         self._writer.wait()
         path = Path(self.broadcast(str(checkpoint_path)))
-        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
-        strict = self.lightning_module.strict_loading
         if path.is_dir():
-            meta = layout.read_meta(path)
-            rank_zero_info(f"fsdp_custom: loading {path}: {sharded.describe_resharding(meta, self.model)}")
-            optimizers = list(self.optimizers) if fitting else []
-            return sharded.load_folder(path, self.model, optimizers, strict=strict, meta=meta)
-        if not path.exists():
+            meta = layout.folder_meta(path)
+            checkpoint = sharded.read_rest(path, meta, weights_only)
+        elif not path.exists():
             raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
-        rank_zero_info(f"fsdp_custom: loading full checkpoint {path}: each of {self.world_size} ranks takes its rows")
-        optimizers = list(self.optimizers) if fitting else []
-        return ckpt.load_full_checkpoint(path, self.model, optimizers, strict=strict)
+        else:
+            meta = None
+            checkpoint = full.load_file(path, weights_only)
+        self._checkpoint_to_load = _CheckpointToLoad(path, path.is_dir(), meta, checkpoint)
+        self._take_data_position(checkpoint)
+        return checkpoint
+
+    def _load_into_shards(self, trainer: pl.Trainer) -> None:
+        """Copy the tensors of the checkpoint ``load_checkpoint`` read into the shards (and optimizers)."""
+        pending, self._checkpoint_to_load = self._checkpoint_to_load, None
+        if pending is None:
+            return
+        assert self.model is not None and self.lightning_module is not None
+        optimizers = list(self.optimizers) if trainer.state.fn == TrainerFn.FITTING else []
+        strict = self.lightning_module.strict_loading
+        if pending.is_folder:
+            rank_zero_info(
+                f"fsdp_custom: loading {pending.path}: {sharded.describe_resharding(pending.meta, self.model)}"
+            )
+            sharded.load_tensors(pending.path, self.model, optimizers, pending.checkpoint, strict, meta=pending.meta)
+        else:
+            rank_zero_info(
+                f"fsdp_custom: loading full checkpoint {pending.path}: each of {self.world_size} ranks takes its rows"
+            )
+            full.apply_full_checkpoint(pending.checkpoint, self.model, optimizers, strict, pending.path)
 
     def process_dataloader(self, dataloader: object) -> object:
         """Make the training dataloader resumable mid-epoch, also on another world size (data.py)."""
@@ -449,7 +518,21 @@ class FSDPCustomStrategy(ParallelStrategy):
         if trainer is None or not trainer.training:
             return dataloader
         progress = trainer.fit_loop.epoch_loop.batch_progress
-        return make_resumable(dataloader, lambda: progress.current.processed)
+        loader, self._data_position = make_resumable(dataloader, lambda: progress.current.processed)
+        if self._data_position is not None and self._data_position_to_load is not None:
+            self._data_position.load_state_dict(self._data_position_to_load)
+        self._data_position_to_load = None
+        return loader
+
+    def _take_data_position(self, checkpoint: dict[str, Any]) -> None:
+        """Keep a loaded checkpoint's data position for the training dataloader (built after the
+        restore); one in Lightning's loop state (our checkpoints before format 2) moves here too."""
+        position = checkpoint.pop(DATA_POSITION_KEY, None)
+        fit_loop = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
+        legacy = fit_loop.pop("combined_loader", None)
+        if position is None and legacy:
+            position = legacy[0]
+        self._data_position_to_load = position
 
     @classmethod
     def get_registered_strategies(cls) -> list[str]:

@@ -93,7 +93,7 @@ def test_folder_is_an_ordinary_dcp_checkpoint(saved_world2, tmp_path):
     for name, tensor in saved["model"].items():
         assert torch.equal(plain["model"][name], tensor), name
     meta = json.loads((folder / "fsdp_meta.json").read_text())
-    assert meta["world_size"] == 2 and meta["format_version"] == 1
+    assert meta["world_size"] == 2 and meta["format_version"] == 2
     assert meta["plan"]["params"]["blocks.0.up.weight"]["shape"] == [21, 10]
 
 
@@ -108,9 +108,11 @@ def test_consolidate_torch_format_loads_into_plain_module(saved_world2, tmp_path
         assert torch.equal(plain.state_dict()[name], tensor), name
     assert checkpoint["epoch"] == 3
     optimizer = torch.optim.AdamW([p for p in plain.parameters() if p.requires_grad], lr=1e-2)
-    optimizer.load_state_dict(checkpoint["optimizer_states"][0])  # name-keyed state, same parameter order
+    optimizer.load_state_dict(checkpoint["optimizer_states"][0])  # torch's layout: by position
+    position = [id(p) for p in plain.parameters() if p.requires_grad].index(id(plain.blocks[0].up.weight))
     state = optimizer.state[plain.blocks[0].up.weight]
-    assert torch.equal(state["exp_avg"], saved["optim"]["state"]["blocks.0.up.weight"]["exp_avg"])
+    assert torch.equal(state["exp_avg"], saved["optim"]["state"][position]["exp_avg"])
+    assert optimizer.state_dict()["param_groups"] == saved["optim"]["param_groups"]
 
 
 def test_consolidate_options_and_cli(saved_world2, tmp_path):
@@ -268,7 +270,7 @@ def test_bad_checkpoints_fail_clearly_on_every_rank(tmp_path):
         "missing": r"__1_0\.distcp: missing",
         "version": r"fsdp_meta\.json: key 'format_version' is 99",
         "nonexistent": r"FileNotFoundError: checkpoint .*nope' does not exist",
-        "other_model": r"fsdp_meta\.json: key 'blocks\.0\.down\.bias' has shape \(12,\) in the checkpoint, \(10,\)",
+        "other_model": r"\.metadata: key 'blocks\.0\.down\.bias' has shape \(12,\) in the checkpoint, \(10,\)",
         "full_as_sharded": r"full\.ckpt' is a file, but a sharded checkpoint",
         "full_truncated": r"cut\.ckpt: not a readable checkpoint file",
         "full_missing_key": r"missing_key\.ckpt: checkpoint of another model: keys missing from it \['scale'\]",
@@ -351,3 +353,67 @@ def _async_body(rank: int, world: int, root: str) -> dict:
 def test_async_save_returns_at_once_and_keeps_the_values_of_its_step(tmp_path):
     for result in run_ranks(_async_body, 2, tmp_path, str(tmp_path)):
         assert result["in_flight"] and result["equal"]
+
+
+class _WithNorm(nn.Module):
+    """TiedLM and BatchNorm statistics after it, under one attribute (as in a LightningModule)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = _inner()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.net.norm(self.net.lm(tokens).transpose(1, 2)).transpose(1, 2)
+
+
+def _inner() -> nn.ModuleDict:
+    return nn.ModuleDict({"lm": TiedLM(), "norm": nn.BatchNorm1d(37)})
+
+
+def _with_norm(seed: int) -> nn.Module:
+    from fsdp_strategy import MixedPrecision
+
+    torch.manual_seed(seed)
+    model = _WithNorm()
+    shard_model(
+        model, auto_wrap_policy={Block}, mixed_precision=MixedPrecision(param_dtype="bf16", buffer_dtype="bf16")
+    )
+    return model
+
+
+def _buffer_dtype_body(rank: int, world: int, folder: str) -> dict:
+    model = _with_norm(0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for batch in make_batches(2, 2 * world):
+        lm_loss(model, batch[rank::world]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    live = model.net.norm.running_mean.clone()
+    full = full_state_dict(model, rank0_only=False)
+    save_folder(Path(folder), model, [], {})
+    fresh = _with_norm(1)
+    load_folder(Path(folder), fresh, [])
+    return {"live": live, "full": full["net.norm.running_mean"], "reloaded": fresh.net.norm.running_mean}
+
+
+def test_buffers_keep_their_dtype_in_checkpoints_and_prefix_strips(tmp_path):
+    folder = tmp_path / "norm"
+    result = run_ranks(_buffer_dtype_body, 2, tmp_path, str(folder))[0]
+    assert result["live"].dtype == torch.bfloat16  # trained in buffer_dtype, as asked
+    assert result["full"].dtype == torch.float32 and torch.equal(result["full"], result["live"].float())
+    meta = json.loads((folder / "fsdp_meta.json").read_text())
+    assert meta["plan"]["buffers"]["net.norm.running_mean"]["dtype"] == "float32"
+    assert result["reloaded"].dtype == torch.bfloat16 and torch.equal(result["reloaded"], result["live"])
+
+    inner = _inner()
+    inner.load_state_dict(torch.load(consolidate(folder, tmp_path / "n.pt", weights_only=True, strip_prefix="net")))
+    assert inner.norm.running_mean.dtype == torch.float32
+    assert torch.equal(inner.norm.running_mean, result["full"])
+    with pytest.raises(ValueError, match=r"the keys \['net.norm.bias', .*\] do not start with it"):
+        consolidate(folder, tmp_path / "x.pt", weights_only=True, strip_prefix="net.lm")
+    with pytest.raises(ValueError, match="use it with weights_only=True"):
+        consolidate(folder, tmp_path / "x.pt", strip_prefix="net.")
+    from fsdp_strategy.consolidate import main
+
+    assert main([str(folder), str(tmp_path / "cli.pt"), "--weights-only", "--strip-prefix", "net."]) == 0
+    _inner().load_state_dict(torch.load(tmp_path / "cli.pt"), strict=True)

@@ -361,3 +361,93 @@ def test_no_shard_all_reduces_each_unit_once_in_place(tmp_path):
     assert _calls(result["step"], "reduce_scatter") == 0 and _calls(result["step"], "all_gather") == 0
     assert result["step"]["all_reduce"]["payload_bytes"] == sum(4 * (sum(s) + len(s)) for s in reduced.values())
     assert len(set(result["flat_views"])) == 1  # the root's gradients are views of its one reduced buffer
+
+
+class _Probe(torch.autograd.Function):
+    """Identity whose backward calls ``record()``: what is gathered at that point of backward."""
+
+    @staticmethod
+    def forward(ctx, x, record):
+        ctx.record = record
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.record()
+        return grad, None
+
+
+class _ProbedBlock(MLPBlock):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Probe.apply(super().forward(x), self.at_output)
+
+
+class _ProbedChain(nn.Module):
+    """Four blocks; probes at each block's output (inside it) and between blocks (in the root)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 8)
+        self.blocks = nn.ModuleList([_ProbedBlock(8) for _ in range(4)])
+        self.head = nn.Linear(8, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for index, block in enumerate(self.blocks):
+            if index > 0:
+                x = _Probe.apply(x, self.between[index])
+            x = block(x)
+        return self.head(x)
+
+
+def _instrument(model: _ProbedChain) -> dict[str, list[bool]]:
+    """Record whether block k+1 is gathered as block k's forward starts, and whether block k-1 is
+    gathered when block k's backward starts (at its output) and once its gradients are done (between)."""
+    units = {u.module: u for u in get_scheduler(model).units}
+    blocks = [units[b] for b in model.blocks]
+    log: dict[str, list[bool]] = {"forward": [], "at_output": [], "between": []}
+
+    def note(kind: str, unit) -> bool:
+        log[kind].append(unit.state is not ShardedState.SHARDED)  # gathered or on its way
+        return True
+
+    for k, block in enumerate(model.blocks):
+        block.at_output = lambda k=k: k > 0 and note("at_output", blocks[k - 1])
+        if k + 1 < len(blocks):
+            block.register_forward_pre_hook(lambda *_, k=k: note("forward", blocks[k + 1]) and None)
+    model.between = {k: lambda k=k: note("between", blocks[k - 1]) for k in range(1, 4)}
+    return log
+
+
+def _prefetch_modes_body(rank: int, world: int) -> dict:
+    from fsdp_strategy.checkpoint import full_state_dict
+
+    results = {}
+    for forward, backward in [(True, "BACKWARD_PRE"), (False, "BACKWARD_POST"), (True, None)]:
+        torch.manual_seed(0)
+        model = _ProbedChain()
+        shard_model(model, auto_wrap_policy={_ProbedBlock}, forward_prefetch=forward, backward_prefetch=backward)
+        log = _instrument(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for batch in make_batches(2, 2 * world):
+            for values in log.values():
+                values.clear()
+            lm_loss(model, batch[rank::world] % VOCAB).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        results[f"{forward}/{backward}"] = {**log, "state": full_state_dict(model)}
+    return results
+
+
+def test_forward_and_backward_prefetch_options_change_when_not_what(tmp_path):
+    results = run_ranks(_prefetch_modes_body, 2, tmp_path)[0]
+    pre, post, none = results["True/BACKWARD_PRE"], results["False/BACKWARD_POST"], results["True/None"]
+    # step 2: forward prefetch gathers block k+1 as block k starts, unless forward_prefetch=False
+    assert pre["forward"] == [True] * 3 and none["forward"] == [True] * 3 and post["forward"] == [False] * 3
+    # BACKWARD_PRE: block k-1 is on its way when block k's backward starts; POST: once k's gradients
+    # are computed (between the blocks); None: only when backward reaches block k-1 itself
+    assert pre["at_output"] == [True] * 3 and pre["between"] == [True] * 3
+    assert post["at_output"] == [False] * 3 and post["between"] == [True] * 3
+    assert none["at_output"] == [False] * 3 and none["between"] == [False] * 3
+    for mode in (post, none):  # the schedule changes, the numbers do not
+        assert all(torch.equal(mode["state"][k], v) for k, v in pre["state"].items())

@@ -62,7 +62,7 @@ def test_python_script_launch_repeat_and_resume(tmp_path):
     assert "last.ckpt" in checkpoints and not any(name.startswith("last-v") for name in checkpoints), checkpoints
     assert (tmp_path / "checkpoints" / "last.ckpt" / "fsdp_meta.json").is_file()  # a sharded folder
     # the checkpoint names its W&B run, so even an interrupted run's checkpoint resumes into its run
-    saved_by = torch.load(tmp_path / "checkpoints" / "last.ckpt" / "lightning.pt", weights_only=False)
+    saved_by = torch.load(tmp_path / "checkpoints" / "last.ckpt" / "meta.pt", weights_only=False)
     resumed = _run([sys.executable, str(EXAMPLE), "trainer.max_steps=6", "resume=last", *args])
     assert "Restored all states" in resumed and "done: 6 steps" in resumed
     ids = _run_ids(tmp_path / "wandb")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import lightning as L
@@ -21,6 +22,7 @@ from models import Block, TiedLM, lm_loss, make_batches
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from fsdp_strategy import FSDPCustomPrecision, FSDPCustomStrategy
+from fsdp_strategy.arguments import init_process_group_kwargs
 
 STEPS = 6
 PER_RANK = 2
@@ -228,15 +230,48 @@ def test_registered_names_and_variants():
         ({"activation_checkpointing_policy": 3.5}, TypeError, "activation_checkpointing_policy=3.5"),
         ({"state_dict_type": "npz"}, ValueError, "state_dict_type='npz'.*accepted"),
         ({"device_mesh": (2, 2)}, ValueError, "only used with sharding_strategy='HYBRID_SHARD'"),
-        ({"sharding_strategy": "HYBRID_SHARD"}, ValueError, "needs device_mesh"),
         ({"sharding_strategy": "HYBRID_SHARD", "device_mesh": (2, 0)}, ValueError, "two positive ints"),
-        ({"limit_all_gathers": True}, TypeError, "unexpected arguments \\['limit_all_gathers'\\]"),
         ({"cpu_offload": "yes"}, TypeError, "cpu_offload must be"),
+        ({"limit_al_gathers": True}, TypeError, "unexpected arguments \\['limit_al_gathers'\\]"),
+        ({"limit_all_gathers": False}, ValueError, "limit_all_gathers=False has no meaning.*one all-gather ahead"),
+        ({"use_orig_params": False}, ValueError, "use_orig_params=False has no meaning.*flat parameters"),
+        ({"process_group": "group"}, ValueError, "process_group='group' has no meaning.*device_mesh"),
+        ({"device_id": 0}, ValueError, "device_id=0 has no meaning.*devices"),
+        ({"timeout": 30}, TypeError, "timeout must be a datetime.timedelta.*got 30"),
+        ({"timeout": timedelta(0)}, ValueError, "must be positive"),
+        ({"process_group_backend": "glo"}, ValueError, "process_group_backend='glo' is not a backend.*'gloo'"),
+        ({"process_group_backend": 1}, TypeError, "process_group_backend must be a string"),
+        ({"backward_prefetch": "BACKWARD_MID"}, ValueError, "backward_prefetch='BACKWARD_MID'.*BACKWARD_PRE"),
+        ({"forward_prefetch": "yes"}, TypeError, "forward_prefetch must be a bool"),
+        ({"sync_module_states": 1}, TypeError, "sync_module_states must be a bool"),
+        ({"activation_checkpointing": Block, "activation_checkpointing_policy": {Block}}, ValueError, "both"),
+        ({"activation_checkpointing": "Block"}, TypeError, "activation_checkpointing must be a module class"),
     ],
 )
 def test_bad_arguments_fail_at_construction(kwargs, error, message):
     with pytest.raises(error, match=message):
         FSDPCustomStrategy(**kwargs)
+
+
+def test_lightning_and_fsdp_arguments_keep_their_meaning():
+    strategy = FSDPCustomStrategy(
+        use_orig_params=True,
+        limit_all_gathers=True,
+        activation_checkpointing=[Block],
+        backward_prefetch=None,
+        process_group_backend="cpu:gloo,cuda:nccl",
+        timeout=timedelta(minutes=5),
+    )
+    assert strategy.activation_checkpointing_policy == {Block} and strategy.backward_prefetch is None
+    assert strategy.mixed_precision_config is None  # "32-true"
+    given = FSDPCustomStrategy(mixed_precision={"param_dtype": "bf16"})
+    assert given.mixed_precision_config.param_dtype == torch.bfloat16
+    trainer = L.Trainer(strategy=FSDPCustomStrategy(), accelerator="cpu", devices=1, precision="bf16-mixed")
+    derived = trainer.strategy.mixed_precision_config
+    assert (derived.param_dtype, derived.reduce_dtype) == (torch.bfloat16, torch.float32)
+    kwargs = init_process_group_kwargs(torch.device("cuda", 1), timedelta(minutes=5))
+    assert kwargs["device_id"] == torch.device("cuda", 1)  # NCCL binds the group to the rank's GPU
+    assert init_process_group_kwargs(torch.device("cpu"), None)["device_id"] is None
 
 
 def test_bad_precision_names_value():
@@ -365,3 +400,28 @@ def test_fp16_inf_check_is_all_reduced_so_every_rank_skips_the_step(tmp_path):
     for result in results:  # rank 0 saw finite gradients, yet skipped the step like rank 1
         assert result["scaler"] == "ShardedGradScaler" and result["unchanged"]
         assert result["scale"] == 2.0**8 * 0.5  # backed off once, on both ranks
+
+
+def _sync_module_states_body(rank: int, world: int) -> dict:
+    from fsdp_strategy.checkpoint import full_state_dict
+
+    result = {}
+    for sync in (True, False):
+        torch.manual_seed(rank)  # every rank initializes differently
+        module = LitLM()
+        initial = {k: v.clone() for k, v in module.state_dict().items()}
+        trainer = quiet_trainer(strategy=FSDPCustomStrategy(sync_module_states=sync), devices=world)
+        trainer.validate(module, DataLoader(TensorDataset(_dataset(world, 1, 1)), batch_size=2), verbose=False)
+        result[sync] = {"initial": initial, "sharded": full_state_dict(trainer.strategy.model, rank0_only=False)}
+    return result
+
+
+def test_sync_module_states_gives_every_rank_rank0s_weights_and_buffers(tmp_path):
+    ranks = run_ranks(_sync_module_states_body, 2, tmp_path, env=LIGHTNING_ENV, timeout=120)
+    rank0_initial = ranks[0][True]["initial"]
+    for result in ranks:
+        synced = result[True]["sharded"]
+        assert all(torch.equal(synced[k], v) for k, v in rank0_initial.items())  # "net.position" is a buffer
+    unsynced = ranks[1][False]["sharded"]  # rows from each rank's own init: neither rank's whole model
+    assert not torch.equal(unsynced["net.embed.weight"], rank0_initial["net.embed.weight"])
+    assert not torch.equal(unsynced["net.position"], rank0_initial["net.position"])

@@ -27,23 +27,22 @@ FORMATS = ("torch", "safetensors")
 
 
 def stored_tensors(folder: Path) -> tuple[Any, dict[str, tuple]]:
-    """The folder's DCP metadata (read once) and ``{stored key: path}`` of its tensors, e.g.
-    ``("model", "net.embed.weight")`` or ``("optimizer_0", "net.embed.weight", "exp_avg")``."""
+    """The folder's DCP metadata (read once) and ``{stored key: path}`` of its entries, e.g.
+    ``("model", "net.embed.weight")`` or ``("optimizer_0", "state", "net.embed.weight", "exp_avg")``."""
     metadata = dcp.FileSystemReader(str(folder)).read_metadata()
-    paths = {
-        key: tuple(path)
-        for key, path in metadata.planner_data.items()
-        if hasattr(metadata.state_dict_metadata.get(key), "size")
-    }
-    return metadata, paths
+    return metadata, {key: tuple(path) for key, path in metadata.planner_data.items()}
 
 
 def read_tensors(folder: Path, metadata: Any, keys: list[str], dtype: torch.dtype | None = None) -> dict:
-    """Full tensors for ``keys``, in ``dtype`` when floating: the output tensors are allocated and
-    filled by ONE ``dcp.load``, which reads one stored chunk at a time straight into them."""
-    out = {}
+    """Full tensors (or the stored objects) for ``keys``, tensors in ``dtype`` when floating: the
+    output tensors are allocated and filled by ONE ``dcp.load``, which reads one stored chunk at a
+    time straight into them."""
+    out: dict[str, Any] = {}
     for key in keys:
         info = metadata.state_dict_metadata[key]
+        if not hasattr(info, "size"):
+            out[key] = None  # an object (param groups): DCP puts it here
+            continue
         stored = info.properties.dtype
         out[key] = torch.empty(info.size, dtype=dtype if dtype is not None and stored.is_floating_point else stored)
     if out:
@@ -93,16 +92,20 @@ def consolidate(
     output_format: str = "torch",
     max_shard_size: int | str | None = None,
     overwrite: bool = False,
+    strip_prefix: str | None = None,
 ) -> Path:
     """Write the sharded checkpoint ``src`` as one file (or safetensors shards) at ``dst``.
 
     "torch": ``torch.load(dst)["state_dict"]`` loads into the unsharded LightningModule
     (``weights_only``: ``torch.load(dst)`` is that state dict); the rest of Lightning's state and
-    the optimizer states (full tensors, keyed by parameter name) come along unless
+    the optimizer states (full tensors, in torch's layout keyed by position) come along unless
     ``weights_only``, so ``Trainer(strategy="ddp").fit(ckpt_path=dst)`` resumes from it (DDP has
     no mid-epoch data position: resume from a checkpoint taken at an epoch's end for exactness).
     "safetensors": model weights only; with ``max_shard_size`` a folder of
     ``model-0000i-of-0000n.safetensors`` files and ``model.safetensors.index.json``.
+    ``strip_prefix`` (weights only): drop the LightningModule's attribute prefix (``"model."``)
+    from every key, so ``inner_module.load_state_dict(torch.load(dst))`` works; a key without
+    the prefix is an error.
     """
     src, dst = Path(src), Path(dst)
     if output_format not in FORMATS:
@@ -111,6 +114,11 @@ def consolidate(
     limit = parse_size(max_shard_size)
     if limit is not None and output_format != "safetensors":
         raise ValueError("max_shard_size needs output_format='safetensors'")
+    if strip_prefix is not None and output_format == "torch" and not weights_only:
+        raise ValueError(
+            f"strip_prefix={strip_prefix!r} writes a plain module state dict: use it with weights_only=True "
+            "(--weights-only) or the safetensors format; a Lightning checkpoint keeps the LightningModule's keys"
+        )
     if not dst.parent.is_dir():
         raise FileNotFoundError(f"the output's folder {str(dst.parent)!r} does not exist; create it first")
     meta = layout.read_meta(src)
@@ -121,47 +129,83 @@ def consolidate(
         raise FileExistsError(f"{str(dst)!r} exists; pass overwrite=True (--overwrite) to replace it")
     temporary = layout.temporary_path(dst)
     try:
+        rename = _prefix_stripper(src, strip_prefix)
         if output_format == "safetensors":
-            _write_safetensors(src, temporary, cast, limit)
+            _write_safetensors(src, temporary, cast, limit, rename)
         else:
-            _write_torch(src, temporary, cast, weights_only)
+            _write_torch(src, temporary, cast, weights_only, meta["format_version"], rename)
         layout.commit(temporary, dst)
     finally:
         layout.remove(temporary)
     return dst
 
 
-def _write_torch(src: Path, out: Path, dtype: torch.dtype | None, weights_only: bool) -> None:
+def _prefix_stripper(src: Path, prefix: str | None) -> Any:
+    """``model key -> output key``: without ``prefix`` (checked against every key first)."""
+    if prefix is None:
+        return lambda name: name
+    prefix = prefix if prefix.endswith(".") else prefix + "."
+    _, paths = stored_tensors(src)
+    outside = sorted(path[1] for path in paths.values() if path[0] == "model" and not path[1].startswith(prefix))
+    if outside:
+        raise ValueError(f"strip_prefix={prefix!r}: the keys {outside} do not start with it")
+    return lambda name: name.removeprefix(prefix)
+
+
+def _write_torch(
+    src: Path, out: Path, dtype: torch.dtype | None, weights_only: bool, version: int, rename: Any
+) -> None:
     metadata, paths = stored_tensors(src)
     model = read_tensors(src, metadata, _under(paths, "model"), dtype)
-    state_dict = {paths[key][1]: tensor for key, tensor in model.items()}
+    state_dict = {rename(paths[key][1]): tensor for key, tensor in model.items()}
     if weights_only:
         torch.save(state_dict, out)
         return
-    lightning_state = torch.load(src / layout.LIGHTNING_FILE, map_location="cpu", weights_only=False)
+    lightning_state = layout.load_object(
+        src / (layout.LEGACY_LIGHTNING_FILE if version == 1 else layout.LIGHTNING_FILE), weights_only=False
+    )
     lightning_state.pop("optimizer_layouts", None)
-    groups = lightning_state.pop("optimizer_groups", [])
+    legacy_groups = lightning_state.pop("optimizer_groups", [])
     # the data position belongs to fsdp_strategy's resumable sampler; a DDP or plain run has none to load
     lightning_state.get("loops", {}).get("fit_loop", {}).get("state_dict", {}).pop("combined_loader", None)
     prefixes = sorted({p[0] for p in paths.values() if p[0].startswith("optimizer_")}, key=lambda s: int(s[10:]))
     optimizer_states = []
     for index, prefix in enumerate(prefixes):
-        state: dict[str, dict[str, torch.Tensor]] = {}
-        for key, tensor in read_tensors(src, metadata, _under(paths, prefix)).items():
-            fqn, name = paths[key][-2], paths[key][-1]
-            state.setdefault(fqn, {})[name] = tensor
-        optimizer_states.append({"state": state, "param_groups": groups[index] if index < len(groups) else []})
+        entries = read_tensors(src, metadata, _under(paths, prefix))
+        group_paths = {key: paths[key] for key in entries if paths[key][1] == "param_groups"}
+        groups = legacy_groups[index] if version == 1 else _param_groups(entries, group_paths)
+        optimizer_states.append(_by_position(paths, entries, groups))
     torch.save({**lightning_state, "state_dict": state_dict, "optimizer_states": optimizer_states}, out)
 
 
-def _write_safetensors(src: Path, out: Path, dtype: torch.dtype | None, limit: int | None) -> None:
+def _param_groups(entries: dict[str, Any], group_paths: dict[str, tuple]) -> list[dict]:
+    """The param groups that DCP stored flattened (one entry per group and setting)."""
+    from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
+
+    rebuilt = unflatten_state_dict({key: entries[key] for key in group_paths}, group_paths)
+    return next(iter(rebuilt.values()))["param_groups"]
+
+
+def _by_position(paths: dict[str, tuple], entries: dict[str, Any], groups: list[dict]) -> dict[str, Any]:
+    """One optimizer's name-keyed state as ``optimizer.state_dict()`` of the plain model has it."""
+    position = {fqn: i for i, fqn in enumerate(fqn for group in groups for fqn in group["params"])}
+    state: dict[int, dict[str, Any]] = {}
+    for key, value in entries.items():
+        fqn, name = paths[key][-2], paths[key][-1]
+        if fqn in position:  # (optimizer_i, "state", fqn, key), or format 1's (optimizer_i, fqn, key)
+            state.setdefault(position[fqn], {})[name] = value
+    torch_groups = [{**group, "params": [position[fqn] for fqn in group["params"]]} for group in groups]
+    return {"state": dict(sorted(state.items())), "param_groups": torch_groups}
+
+
+def _write_safetensors(src: Path, out: Path, dtype: torch.dtype | None, limit: int | None, rename: Any) -> None:
     from safetensors.torch import save_file
 
     metadata, paths = stored_tensors(src)
-    keys = _under(paths, "model")
+    keys = [key for key in _under(paths, "model") if hasattr(metadata.state_dict_metadata[key], "size")]
     if limit is None:
         tensors = read_tensors(src, metadata, keys, dtype)
-        save_file({paths[key][1]: tensor.contiguous() for key, tensor in tensors.items()}, str(out))
+        save_file({rename(paths[key][1]): tensor.contiguous() for key, tensor in tensors.items()}, str(out))
         return
     out.mkdir(parents=True)
     shards: list[list[str]] = [[]]
@@ -180,8 +224,8 @@ def _write_safetensors(src: Path, out: Path, dtype: torch.dtype | None, limit: i
     for index, shard in enumerate(shards):
         name = f"model-{index + 1:05d}-of-{len(shards):05d}.safetensors"
         tensors = read_tensors(src, metadata, shard, dtype)
-        save_file({paths[key][1]: tensor.contiguous() for key, tensor in tensors.items()}, str(out / name))
-        weight_map.update({paths[key][1]: name for key in shard})
+        save_file({rename(paths[key][1]): tensor.contiguous() for key, tensor in tensors.items()}, str(out / name))
+        weight_map.update({rename(paths[key][1]): name for key in shard})
         del tensors
     index_file = {"metadata": {"format": "pt"}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index_file, indent=1, sort_keys=True))

@@ -2,8 +2,8 @@
 
 ``full_state_dict`` all-gathers one unit at a time and keeps the result on the CPU (on rank 0
 only, by default), so the extra device memory is about one unit, not the model. Loading
-goes the other way: each rank copies its own rows out of the full tensors. Optimizer state is
-keyed by parameter name, so it does not depend on the order in which parameters were given.
+goes the other way: each rank copies its own rows out of the full tensors. Optimizer state is in
+torch's own layout (keyed by position), as every other Lightning strategy writes it.
 Every function here is a collective: call it on every rank.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp_strategy.checkpoint import names
+from fsdp_strategy.checkpoint import layout, names
 from fsdp_strategy.checkpoint.layout import CheckpointError
 from fsdp_strategy.engine import collectives, get_scheduler
 from fsdp_strategy.engine.param import ShardedParam
@@ -47,8 +47,11 @@ def full_state_dict(module: nn.Module, rank0_only: bool = True) -> dict[str, tor
         full.update({id(p.sharded): tensor for p, tensor in zip(unit.params, tensors)})
     if not keep:
         return {}
+    dtypes = scheduler.saved_buffer_dtypes  # [Note: buffers keep their dtype in checkpoints]
     return {
-        name: full[id(value)] if id(value) in full else value.detach().cpu().clone()
+        name: full[id(value)]
+        if id(value) in full
+        else value.detach().to("cpu", dtypes.get(name, value.dtype), copy=True)
         for name, value in module.state_dict(keep_vars=True).items()
     }
 
@@ -95,37 +98,41 @@ def load_full_state_dict(
 def full_optimizer_state_dict(
     module: nn.Module, optimizer: torch.optim.Optimizer, rank0_only: bool = True
 ) -> dict[str, Any]:
-    """The optimizer's state with full tensors, keyed by parameter name (a collective).
+    """The optimizer's state with full tensors in torch's own layout (a collective).
 
-    Shard-shaped state (e.g. Adam's moments) is gathered unit by unit like the parameters;
-    other state (e.g. ``step``) is taken as is.
+    What ``optimizer.state_dict()`` of the same optimizer over the unsharded model returns:
+    state keyed by parameter position, ``param_groups`` listing positions, so DDP, a single
+    device and Lightning's FSDP load it unchanged. Shard-shaped state (Adam's moments) is
+    gathered unit by unit like the parameters; other state (``step``) is taken as is.
     """
     scheduler = get_scheduler(module)
     keep = not rank0_only or _is_rank0()
+    owners = names.shard_owners(module)
+    position = {
+        id(p.sharded): i for i, p in enumerate(p for group in names.optimizer_params(optimizer, owners) for p in group)
+    }
     per_param = {id(p): state for p, state in optimizer.state.items()}
-    out_state: dict[str, dict[str, Any]] = {}
-    gathered: dict[str, list[str]] = {}
+    out_state: dict[int, dict[str, Any]] = {}
     for unit in scheduler.units:
         states = [per_param.get(id(p.sharded), {}) for p in unit.params]
         keys = sorted({k for p, s in zip(unit.params, states) for k, v in s.items() if _shard_shaped(v, p)})
-        for key in keys:
+        for key in keys:  # a gather takes every parameter of the unit: zeros where one has no such state
             shards = [
                 s[key] if key in s else torch.zeros_like(p.sharded, dtype=torch.float32)
                 for p, s in zip(unit.params, states)
             ]
             for p, s, full in zip(unit.params, states, _gather_unit(unit, shards, keep)):
-                if key in s:
-                    out_state.setdefault(p.fqn, {})[key] = full
-                    gathered.setdefault(p.fqn, []).append(key)
+                if key in s and id(p.sharded) in position:
+                    out_state.setdefault(position[id(p.sharded)], {})[key] = full
         if keep:
             for p, s in zip(unit.params, states):
                 for key, value in s.items():
-                    if key not in keys:
-                        out_state.setdefault(p.fqn, {})[key] = value.clone() if torch.is_tensor(value) else value
+                    if key not in keys and id(p.sharded) in position:
+                        entry = out_state.setdefault(position[id(p.sharded)], {})
+                        entry[key] = value.clone() if torch.is_tensor(value) else value
     if not keep:
         return {}
-    groups = names.named_groups(optimizer, names.shard_owners(module))
-    return {"state": out_state, "param_groups": groups, "gathered_keys": gathered}
+    return {"state": dict(sorted(out_state.items())), "param_groups": names.torch_groups(optimizer)}
 
 
 def _shard_shaped(value: Any, param: ShardedParam) -> bool:
@@ -136,36 +143,43 @@ def _shard_shaped(value: Any, param: ShardedParam) -> bool:
 def load_full_optimizer_state_dict(
     module: nn.Module, optimizer: torch.optim.Optimizer, state_dict: Mapping[str, Any], source: Any = "optimizer state"
 ) -> None:
-    """Load a name-keyed full optimizer state into ``optimizer`` (each rank takes its rows)."""
-    owners = names.shard_owners(module)
-    names.check_names(optimizer, owners, state_dict["state"], source)
-    by_fqn = {p.fqn: p for p in owners.values()}
-    gathered = state_dict.get("gathered_keys", {})
-    local = {
-        fqn: {
-            key: by_fqn[fqn].local_rows(value, by_fqn[fqn].shard_rank) if key in gathered.get(fqn, ()) else value
-            for key, value in entry.items()
-        }
-        for fqn, entry in state_dict["state"].items()
-    }
-    names.load_named_state(optimizer, owners, local, state_dict["param_groups"], source)
+    """Load a full optimizer state into ``optimizer``, each rank taking its rows.
+
+    Accepts torch's layout keyed by position (ours, DDP's, a single device's, Lightning FSDP's
+    full files) and keyed by parameter name (FSDP's, Lightning's consolidated folders, our
+    format-1 files): see ``names.py``.
+    """
+    names.load_state(optimizer, names.shard_owners(module), state_dict, source, cut_rows=True)
 
 
 def load_full_checkpoint(
-    path: Path, module: nn.Module, optimizers: list[torch.optim.Optimizer], strict: bool = True
+    path: Path,
+    module: nn.Module,
+    optimizers: list[torch.optim.Optimizer],
+    strict: bool = True,
+    weights_only: bool | None = None,
 ) -> dict[str, Any]:
     """Load a full checkpoint file into the shards (and the optimizers); return Lightning's rest.
 
     Every rank reads the file (memory-mapped) and copies out its own rows, so it loads at any
-    world size. Errors name the file and the key.
+    world size. ``weights_only`` as ``torch.load``'s. Errors name the file and the key.
     """
-    checkpoint = load_file(path)
+    checkpoint = load_file(path, weights_only)
+    apply_full_checkpoint(checkpoint, module, optimizers, strict, path)
+    checkpoint.pop("state_dict")
+    return checkpoint
+
+
+def apply_full_checkpoint(
+    checkpoint: dict[str, Any], module: nn.Module, optimizers: list[torch.optim.Optimizer], strict: bool, path: Path
+) -> None:
+    """Copy a read full checkpoint's weights (and optimizer states, if ``optimizers``) into the shards."""
     if "state_dict" not in checkpoint:
         raise CheckpointError(f"{path}: key 'state_dict' is missing; not a Lightning checkpoint")
-    load_full_state_dict(module, checkpoint.pop("state_dict"), strict=strict, source=str(path))
+    load_full_state_dict(module, checkpoint["state_dict"], strict=strict, source=str(path))
     optimizer_states = checkpoint.get("optimizer_states")
     if optimizer_states is None or not optimizers:
-        return checkpoint
+        return
     if len(optimizer_states) != len(optimizers):
         raise CheckpointError(
             f"{path}: key 'optimizer_states' holds {len(optimizer_states)} optimizers, the model configures "
@@ -173,14 +187,11 @@ def load_full_checkpoint(
         )
     for optimizer, state in zip(optimizers, optimizer_states):
         load_full_optimizer_state_dict(module, optimizer, state, source=path)
-    return checkpoint
 
 
-def load_file(path: Path) -> dict[str, Any]:
-    """Read a full checkpoint file on the CPU; a file that is not one is named in the error."""
+def load_file(path: Path, weights_only: bool | None = None) -> dict[str, Any]:
+    """Read a full checkpoint file on the CPU, memory-mapped (``weights_only`` as ``torch.load``'s:
+    None is torch's default); a file that is not one is named in the error."""
     if not path.exists():
         raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-    except Exception as error:  # torch raises several types for damaged zip/pickle data
-        raise CheckpointError(f"{path}: not a readable checkpoint file ({type(error).__name__}: {error})") from None
+    return layout.load_object(path, weights_only, mmap=True)

@@ -1,10 +1,11 @@
 """What a checkpoint is on disk: file names, metadata, checksums and the atomic commit.
 
-A *sharded* checkpoint is a folder: the tensor files and ``.metadata`` written by
-``torch.distributed.checkpoint`` (an ordinary DCP checkpoint), ``fsdp_meta.json`` (format and
-package version, world size, sharding plan, dtypes, a CRC32 per file) and ``lightning.pt``
-(everything that is not a tensor shard: epoch, loops, callbacks, LR schedulers, optimizer
-hyper-parameters). A *full* checkpoint is one file in Lightning's usual layout.
+A *sharded* checkpoint is a folder in the layout of Lightning's FSDPStrategy (see
+[Note: Lightning's sharded layout] in sharded.py): the tensor files and ``.metadata`` written by
+``torch.distributed.checkpoint`` (an ordinary DCP checkpoint), ``meta.pt`` (everything that is
+not a tensor: epoch, loops, callbacks, LR schedulers) and our ``fsdp_meta.json`` (format and
+package version, world size, sharding plan, dtypes, a CRC32 per file). A *full* checkpoint is
+one file in Lightning's usual layout.
 
 [Note: atomic commit]
 Every checkpoint is written under a hidden temporary name next to its final one
@@ -17,15 +18,20 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 import uuid
 import zlib
 from pathlib import Path
 from typing import Any
 
-FORMAT_VERSION = 1
+import torch
+
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 META_FILE = "fsdp_meta.json"
-LIGHTNING_FILE = "lightning.pt"
+LIGHTNING_FILE = "meta.pt"  # Lightning's name (lightning.fabric.utilities.load._METADATA_FILENAME)
+LEGACY_LIGHTNING_FILE = "lightning.pt"  # format 1
 DCP_METADATA = ".metadata"
 
 
@@ -73,8 +79,37 @@ def write_meta(folder: Path, meta: dict[str, Any]) -> None:
 
 
 def is_sharded_checkpoint(path: Path) -> bool:
-    """Whether ``path`` is a folder written by ``state_dict_type="sharded"``."""
-    return path.is_dir() and (path / META_FILE).is_file()
+    """Whether ``path`` is a sharded checkpoint folder: ours, or one of Lightning's FSDPStrategy."""
+    return path.is_dir() and ((path / META_FILE).is_file() or _is_lightning_folder(path))
+
+
+def _is_lightning_folder(path: Path) -> bool:
+    return (path / LIGHTNING_FILE).is_file() and (path / DCP_METADATA).is_file()
+
+
+def folder_meta(folder: Path) -> dict[str, Any] | None:
+    """Our ``fsdp_meta.json`` (checked), or None for a folder of Lightning's FSDPStrategy."""
+    if folder.is_dir() and not (folder / META_FILE).exists() and _is_lightning_folder(folder):
+        return None
+    return read_meta(folder)
+
+
+def load_object(path: Path, weights_only: bool | None, mmap: bool = False) -> Any:
+    """``torch.load`` a checkpoint file on the CPU; errors name the file (``weights_only``: as
+    ``torch.load``'s, None being torch's default)."""
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=weights_only, mmap=mmap)
+    except pickle.UnpicklingError as error:
+        raise CheckpointError(
+            f"{path}: refused by weights_only loading ({error}). Pass weights_only=False to "
+            "trainer.fit/validate/test only for a checkpoint you trust"
+            if "Weights only load failed" in str(error)
+            else f"{path}: not a readable checkpoint file (UnpicklingError: {error})"
+        ) from None
+    except Exception as error:  # torch raises several types for damaged zip/pickle data
+        raise CheckpointError(f"{path}: not a readable checkpoint file ({type(error).__name__}: {error})") from None
 
 
 def read_meta(folder: Path) -> dict[str, Any]:
@@ -87,15 +122,18 @@ def read_meta(folder: Path) -> dict[str, Any]:
         )
     meta_path = folder / META_FILE
     if not meta_path.is_file():
-        raise CheckpointError(f"{str(folder)!r} has no {META_FILE}: not a checkpoint written by fsdp_strategy")
+        raise CheckpointError(
+            f"{str(folder)!r} has no {META_FILE} (nor Lightning FSDP's {LIGHTNING_FILE} and {DCP_METADATA}): "
+            "not a sharded checkpoint"
+        )
     try:
         meta = json.loads(meta_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise CheckpointError(f"{meta_path}: unreadable ({error})") from None
     version = meta.get("format_version")
-    if version != FORMAT_VERSION:
+    if version not in READABLE_VERSIONS:
         raise CheckpointError(
-            f"{meta_path}: key 'format_version' is {version!r}; this fsdp_strategy reads format {FORMAT_VERSION}"
+            f"{meta_path}: key 'format_version' is {version!r}; this fsdp_strategy reads formats {READABLE_VERSIONS}"
         )
     return meta
 

@@ -1,13 +1,22 @@
-"""Optimizer state keyed by parameter name: what full and sharded checkpoints share.
+"""Optimizer state in torch's layout: what full and sharded checkpoints share.
 
-Torch optimizers key their state by position; a checkpoint keys it by the parameter's name
-(``ShardedParam.fqn``), so it does not depend on the order parameters were given in, and a
-plain (unsharded) optimizer built the same way loads it as well.
+torch's ``optimizer.state_dict()`` keys per-parameter state by the ids listed in
+``param_groups[i]["params"]``: positions for a plain optimizer (what DDP, a single device and
+Lightning's FSDP write into full files, and what our full files hold), parameter names for
+FSDP's ``optim_state_dict`` (what sharded folders hold, Lightning's FSDP ones included). A
+saved id is resolved to one of this optimizer's parameters by name when every id is a name,
+else by position, group by group.
+
+[Note: full-shaped optimizer state]
+A per-parameter state tensor of the full parameter's shape (Adam's moments, SGD's momentum)
+is sharded like the parameter: each rank keeps its rows. Anything else (``step``) is kept
+whole on every rank. A 0-dim parameter's state is 0-dim too, like ``step``: there only
+``step`` is kept whole (torch's optimizers name their counter so).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -23,49 +32,104 @@ def shard_owners(module: nn.Module) -> dict[int, ShardedParam]:
     return {id(p.sharded): p for p in get_scheduler(module).sharded_params()}
 
 
+def optimizer_params(optimizer: torch.optim.Optimizer, owners: Mapping[int, ShardedParam]) -> list[list[ShardedParam]]:
+    """The optimizer's parameters, group by group, as ShardedParams (a parameter we do not shard is an error)."""
+    groups = []
+    for index, group in enumerate(optimizer.param_groups):
+        missing = [tuple(p.shape) for p in group["params"] if id(p) not in owners]
+        if missing:
+            raise ValueError(
+                f"optimizer param group {index} holds tensors that are not parameters of the sharded model "
+                f"(shapes {missing}); build the optimizer from the LightningModule's parameters after setup"
+            )
+        groups.append([owners[id(p)] for p in group["params"]])
+    return groups
+
+
+def torch_groups(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """The param groups as ``optimizer.state_dict()`` writes them: parameters by position."""
+    groups, position = [], 0
+    for group in optimizer.param_groups:
+        count = len(group["params"])
+        groups.append(
+            {**{k: v for k, v in group.items() if k != "params"}, "params": list(range(position, position + count))}
+        )
+        position += count
+    return groups
+
+
 def named_groups(optimizer: torch.optim.Optimizer, owners: Mapping[int, ShardedParam]) -> list[dict[str, Any]]:
-    """The optimizer's param groups with parameter names in place of the parameters."""
+    """The param groups with parameter names as ids (FSDP's ``optim_state_dict`` layout)."""
     return [
-        {**{k: v for k, v in group.items() if k != "params"}, "params": [owners[id(p)].fqn for p in group["params"]]}
-        for group in optimizer.param_groups
+        {**{k: v for k, v in group.items() if k != "params"}, "params": [p.fqn for p in params]}
+        for group, params in zip(optimizer.param_groups, optimizer_params(optimizer, owners))
     ]
 
 
-def check_names(
-    optimizer: torch.optim.Optimizer, owners: Mapping[int, ShardedParam], names: Iterable[str], source: Any
-) -> None:
-    """Raise if the saved state names parameters this optimizer does not hold."""
-    held = {owners[id(p)].fqn for group in optimizer.param_groups for p in group["params"]}
-    unknown = sorted(set(names) - held)
-    if unknown:
-        raise CheckpointError(f"{source}: optimizer state for parameters the optimizer does not hold: {unknown}")
+def resolve_ids(
+    optimizer: torch.optim.Optimizer, owners: Mapping[int, ShardedParam], saved_groups: list[dict], source: Any
+) -> dict[Any, ShardedParam]:
+    """``saved id -> ShardedParam``: by name when every saved id is a string, else by position."""
+    held = optimizer_params(optimizer, owners)
+    if len(saved_groups) != len(held):
+        raise CheckpointError(
+            f"{source}: optimizer state has {len(saved_groups)} param groups, the optimizer has {len(held)}"
+        )
+    saved_ids = [i for group in saved_groups for i in group["params"]]
+    if saved_ids and all(isinstance(i, str) for i in saved_ids):
+        by_name = {p.fqn: p for params in held for p in params}
+        unknown = sorted(set(saved_ids) - set(by_name))
+        if unknown:
+            raise CheckpointError(f"{source}: optimizer state for parameters the optimizer does not hold: {unknown}")
+        return {i: by_name[i] for i in saved_ids}
+    mapping = {}
+    for index, (group, params) in enumerate(zip(saved_groups, held)):
+        if len(group["params"]) != len(params):
+            raise CheckpointError(
+                f"{source}: optimizer param group {index} holds {len(group['params'])} parameters in the checkpoint, "
+                f"{len(params)} in the optimizer (a checkpoint of another model, or the optimizer is built differently)"
+            )
+        mapping.update(zip(group["params"], params))
+    return mapping
 
 
-def load_named_state(
+def is_full_shaped(param: ShardedParam, key: str, shape: tuple) -> bool:
+    """Whether a saved state tensor is sharded like its parameter ([Note: full-shaped optimizer state])."""
+    return tuple(shape) == tuple(param.shape) and not (param.shape == torch.Size([]) and key == "step")
+
+
+def load_state(
     optimizer: torch.optim.Optimizer,
     owners: Mapping[int, ShardedParam],
-    state: Mapping[str, dict[str, Any]],
-    saved_groups: list[dict[str, Any]],
+    state_dict: Mapping[str, Any],
     source: Any,
+    cut_rows: bool,
 ) -> None:
-    """Load name-keyed per-parameter ``state`` (already this rank's shards) and saved group settings."""
-    if len(saved_groups) != len(optimizer.param_groups):
-        raise CheckpointError(
-            f"{source}: optimizer state has {len(saved_groups)} param groups, the optimizer has "
-            f"{len(optimizer.param_groups)}"
-        )
-    check_names(optimizer, owners, state, source)
-    index_of: dict[str, int] = {}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            index_of[owners[id(p)].fqn] = len(index_of)
-    groups = [
-        {
-            **{k: v for k, v in saved.items() if k != "params"},
-            "params": [index_of[owners[id(p)].fqn] for p in group["params"]],
+    """Load a torch-layout optimizer state (ids: positions or names) into the sharded optimizer.
+
+    ``cut_rows``: the full-shaped tensors are whole and each rank takes its rows (a full file);
+    otherwise they are this rank's shards already (a sharded folder).
+    """
+    if "state" not in state_dict or "param_groups" not in state_dict:
+        raise CheckpointError(f"{source}: optimizer state without 'state' and 'param_groups' keys")
+    saved_groups = state_dict["param_groups"]
+    mapping = resolve_ids(optimizer, owners, saved_groups, source)
+    unknown = sorted(map(str, set(state_dict["state"]) - set(mapping)))
+    if unknown:
+        raise CheckpointError(f"{source}: optimizer state for ids no param group lists: {unknown}")
+    held = optimizer_params(optimizer, owners)
+    position = {id(p): index for index, p in enumerate(p for params in held for p in params)}
+    state = {}
+    for saved_id, entries in state_dict["state"].items():
+        param = mapping[saved_id]
+        state[position[id(param)]] = {
+            key: param.local_rows(value, param.shard_rank)
+            if cut_rows and torch.is_tensor(value) and is_full_shaped(param, key, value.shape)
+            else value
+            for key, value in entries.items()
         }
-        for saved, group in zip(saved_groups, optimizer.param_groups)
+    groups = [
+        {**{k: v for k, v in saved.items() if k != "params"}, "params": [position[id(p)] for p in params]}
+        for saved, params in zip(saved_groups, held)
     ]
-    optimizer.load_state_dict(
-        {"state": {index_of[fqn]: entries for fqn, entries in state.items()}, "param_groups": groups}
-    )
+    optimizer.load_state_dict({"state": state, "param_groups": groups})

@@ -9,6 +9,19 @@ checkpoint: torch's ``dcp_to_torch_save`` reads it, and loading into the shards 
 world size reshards. With a shard group of one (one rank, NO_SHARD) the full tensors are
 plain tensors. A 0-dim parameter cannot be sharded: it is a plain tensor that the lowest rank
 (shard rank 0, which holds its value) writes; on load only shard rank 0 keeps it.
+
+[Note: Lightning's sharded layout]
+The folder holds what Lightning's ``FSDPStrategy`` writes: DCP keys ``model`` (the state dict)
+and ``optimizer_<i>`` (FSDP's ``optim_state_dict``: ``state`` keyed by parameter name,
+``param_groups`` naming parameters), and ``meta.pt`` with the rest of Lightning's state. So
+Lightning's FSDP loads our folders, we load its folders, and Lightning's
+``consolidate_checkpoint`` turns ours into a file DDP resumes from. ``fsdp_meta.json`` (plan,
+checksums) is our addition. Format 1 (before this layout) kept optimizer state under
+``optimizer_<i>.<name>.<key>`` and the rest in ``lightning.pt``; it still loads.
+
+[Note: buffers keep their dtype in checkpoints]
+``buffer_dtype`` casts buffers for training (BatchNorm statistics in bf16); a checkpoint holds
+them in the dtype they had before, as FSDP1's does, so it loads anywhere unchanged.
 """
 
 from __future__ import annotations
@@ -63,36 +76,32 @@ def _view(param: ShardedParam, local: torch.Tensor, mesh: tuple[Any, tuple] | No
 
 
 def model_state(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's state dict with every parameter as its shard's checkpoint view."""
+    """The model's state dict with every parameter as its shard's checkpoint view, and buffers in
+    their saved dtype ([Note: buffers keep their dtype in checkpoints]: a copy where it differs)."""
     scheduler = get_scheduler(module)
     mesh = _mesh(scheduler)
     by_id = {id(p.sharded): p for p in scheduler.sharded_params()}
+    dtypes = scheduler.saved_buffer_dtypes
     state = {}
     for name, value in module.state_dict(keep_vars=True).items():
         param = by_id.get(id(value))
-        state[name] = _view(param, param.sharded.detach(), mesh) if param is not None else value.detach()
+        if param is not None:
+            state[name] = _view(param, param.sharded.detach(), mesh)
+        else:
+            state[name] = value.detach().to(dtypes.get(name, value.dtype))
     return state
 
 
-def optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, list[dict], dict]:
-    """(tensors keyed by parameter name, param groups naming parameters, per-key layout)."""
+def optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """FSDP's sharded ``optim_state_dict`` layout: state keyed by name, shards as checkpoint views."""
     owners, mesh = names.shard_owners(module), _mesh(get_scheduler(module))
-    tensors: dict[str, dict[str, torch.Tensor]] = {}
-    layouts: dict[str, dict[str, dict]] = {}
-    for group in optimizer.param_groups:
-        for tensor in group["params"]:
-            param = owners[id(tensor)]
-            for key, value in optimizer.state.get(tensor, {}).items():
-                if not torch.is_tensor(value):
-                    raise CheckpointError(f"optimizer state {param.fqn!r}/{key!r} is not a tensor ({type(value)})")
-                sharded = value.shape == param.sharded.shape
-                tensors.setdefault(param.fqn, {})[key] = _view(param, value, mesh) if sharded else value
-                layouts.setdefault(param.fqn, {})[key] = {
-                    "sharded": sharded,
-                    "dtype": str(value.dtype).removeprefix("torch."),
-                    "shape": list(value.shape),
-                }
-    return tensors, names.named_groups(optimizer, owners), layouts
+    state: dict[str, dict[str, Any]] = {}
+    for group in names.optimizer_params(optimizer, owners):
+        for param in group:
+            for key, value in optimizer.state.get(param.sharded, {}).items():
+                shard_shaped = torch.is_tensor(value) and value.shape == param.sharded.shape
+                state.setdefault(param.fqn, {})[key] = _view(param, value, mesh) if shard_shaped else value
+    return {"state": state, "param_groups": names.named_groups(optimizer, owners)}
 
 
 def plan(module: nn.Module) -> dict[str, Any]:
@@ -103,7 +112,8 @@ def plan(module: nn.Module) -> dict[str, Any]:
     params, buffers = {}, {}
     for name, value in module.state_dict(keep_vars=True).items():
         param = by_id.get(id(value))
-        entry = {"dtype": str(value.dtype).removeprefix("torch.")}
+        dtype = scheduler.saved_buffer_dtypes.get(name, value.dtype) if param is None else value.dtype
+        entry = {"dtype": str(dtype).removeprefix("torch.")}
         if param is not None:
             params[name] = {**entry, "shape": list(param.shape), "unit": unit_of[param.fqn], "fqn": param.fqn}
         else:
@@ -119,7 +129,7 @@ def write_dcp(folder: Path, state: dict, process_group: Any = None) -> None:
 
 
 def finish_folder(folder: Path, meta: dict, lightning_state: dict, process_group: Any = None) -> None:
-    """Checksum each rank's files, then rank 0 writes ``fsdp_meta.json`` and ``lightning.pt``."""
+    """Checksum each rank's files, then rank 0 writes ``meta.pt`` and ``fsdp_meta.json``."""
     rank, _ = collectives.process_rank(process_group)
     own = {p.name: layout.file_crc32(p) for p in folder.glob(f"__{rank}_*.distcp")}
     checksums = {}
@@ -132,21 +142,23 @@ def finish_folder(folder: Path, meta: dict, lightning_state: dict, process_group
         layout.write_meta(folder, {**meta, "checksums": checksums})
 
 
-def check_compatible(folder: Path, meta: dict, module: nn.Module, strict: bool) -> None:
-    """Missing or unexpected keys and shape mismatches, named with the file and the key."""
+def check_compatible(folder: Path, saved: dict[str, tuple | None], module: nn.Module, strict: bool) -> None:
+    """Missing or unexpected keys (with ``strict``) and shape mismatches, named with the folder and key.
+
+    ``saved``: the checkpoint's model keys and their shapes (None for a non-tensor entry).
+    """
     current = plan(module)
-    saved = {**meta["plan"]["params"], **meta["plan"]["buffers"]}
     here = {**current["params"], **current["buffers"]}
-    where = folder / layout.META_FILE
     missing, unexpected = sorted(set(here) - set(saved)), sorted(set(saved) - set(here))
+    where = folder / layout.DCP_METADATA
     if strict and (missing or unexpected):
         raise CheckpointError(
             f"{where}: checkpoint of another model: keys missing from it {missing}, unexpected keys {unexpected}"
         )
     for name in sorted(set(here) & set(saved)):
-        if saved[name]["shape"] != here[name]["shape"]:
+        if saved[name] is not None and list(saved[name]) != here[name]["shape"]:
             raise CheckpointError(
-                f"{where}: key {name!r} has shape {tuple(saved[name]['shape'])} in the checkpoint, "
+                f"{where}: key {name!r} has shape {tuple(saved[name])} in the checkpoint, "
                 f"{tuple(here[name]['shape'])} in the model"
             )
 
@@ -161,21 +173,91 @@ def verify_folder(folder: Path, meta: dict, process_group: Any = None) -> None:
         raise CheckpointError("checkpoint is damaged: " + "; ".join(found))
 
 
-def _optimizer_targets(module: nn.Module, optimizer: torch.optim.Optimizer, layouts: dict, where: Path) -> tuple:
-    """Empty local tensors for each saved optimizer state, and their checkpoint views."""
-    owners, mesh = names.shard_owners(module), _mesh(get_scheduler(module))
-    names.check_names(optimizer, owners, layouts, where)
-    locals_, views = {}, {}
-    by_fqn = {p.fqn: p for p in owners.values()}
-    for fqn, keys in layouts.items():
-        param = by_fqn[fqn]
-        for key, spec in keys.items():
-            dtype = getattr(torch, spec["dtype"])
-            shape = param.sharded.shape if spec["sharded"] else spec["shape"]
-            local = torch.zeros(shape, dtype=dtype, device=param.sharded.device)
-            locals_.setdefault(fqn, {})[key] = local
-            views.setdefault(fqn, {})[key] = _view(param, local, mesh) if spec["sharded"] else local
-    return locals_, views
+class _StoredKeys:
+    """The folder's DCP keys: ``flat key -> path`` (e.g. ``("optimizer_0", "state", name, "exp_avg")``)
+    and the stored size of each tensor (None for an object)."""
+
+    def __init__(self, folder: Path) -> None:
+        try:
+            metadata = dcp.FileSystemReader(str(folder)).read_metadata()
+        except Exception as error:  # DCP raises several types for a missing or damaged .metadata
+            where = folder / layout.DCP_METADATA
+            raise CheckpointError(f"{where}: unreadable ({type(error).__name__}: {error})") from None
+        self.paths = {key: tuple(path) for key, path in (metadata.planner_data or {}).items()}
+        self.sizes = {
+            key: tuple(info.size) if hasattr(info, "size") else None
+            for key, info in metadata.state_dict_metadata.items()
+        }
+        self.dtypes = {
+            key: getattr(getattr(info, "properties", None), "dtype", None)
+            for key, info in metadata.state_dict_metadata.items()
+        }
+
+    def model(self) -> dict[str, str]:
+        """``state-dict name -> flat key`` of the model's entries."""
+        return {path[1]: key for key, path in self.paths.items() if path[0] == "model" and len(path) == 2}
+
+    def optimizer(self, index: int, format_version: int) -> tuple[dict[tuple[str, str], str], dict[str, tuple]]:
+        """(``(parameter name, state key) -> flat key``, ``flat key -> path`` of the param groups' entries)."""
+        prefix, state, groups = f"optimizer_{index}", {}, {}
+        for key, path in self.paths.items():
+            if path[0] != prefix:
+                continue
+            if format_version == 1 and len(path) == 3:
+                state[(path[1], path[2])] = key
+            elif len(path) == 4 and path[1] == "state":
+                state[(path[2], path[3])] = key
+            elif path[1] == "param_groups":
+                groups[key] = path
+        return state, groups
+
+
+def _object_targets(stored: _StoredKeys, paths: dict[str, tuple]) -> dict[str, Any]:
+    """Targets for stored entries that are plain values (param groups): tensors to fill, or None
+    where DCP hands back the stored object."""
+    return {
+        key: None if stored.sizes[key] is None else torch.zeros(stored.sizes[key], dtype=stored.dtypes[key])
+        for key in paths
+    }
+
+
+def _nested(flat: dict[str, Any], paths: dict[str, tuple]) -> Any:
+    """Rebuild the nested value (lists and dicts) that DCP flattened into ``paths`` (prefix dropped)."""
+    from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
+
+    rebuilt = unflatten_state_dict({key: flat[key] for key in paths}, paths)
+    return next(iter(rebuilt.values()))
+
+
+def _buffer_targets(module: nn.Module, state: dict[str, torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(load target, buffer) for buffers saved in another dtype: copied back after the load."""
+    own = module.state_dict(keep_vars=True)
+    return [(state[name], own[name]) for name in get_scheduler(module).saved_buffer_dtypes if name in state]
+
+
+def _optimizer_targets(
+    module: nn.Module, stored: _StoredKeys, state_keys: dict[tuple[str, str], str], where: Path
+) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
+    """(``flat key -> tensor DCP loads into``, ``name -> {state key -> this rank's tensor}``)."""
+    by_fqn = {p.fqn: p for p in names.shard_owners(module).values()}
+    unknown = sorted({fqn for fqn, _ in state_keys} - set(by_fqn))
+    if unknown:
+        raise CheckpointError(f"{where}: optimizer state for parameters the model does not have: {unknown}")
+    mesh = _mesh(get_scheduler(module))
+    flat, local_state = {}, {}
+    for (fqn, key), flat_key in state_keys.items():
+        param, size, dtype = by_fqn[fqn], stored.sizes[flat_key], stored.dtypes[flat_key]
+        if size is None:  # a non-tensor entry: DCP hands back the object itself
+            flat[flat_key] = None
+            continue
+        if names.is_full_shaped(param, key, size):
+            local = torch.zeros(param.sharded.shape, dtype=dtype, device=param.sharded.device)
+            flat[flat_key] = _view(param, local, mesh)
+        else:
+            local = torch.zeros(size, dtype=dtype)
+            flat[flat_key] = local
+        local_state.setdefault(fqn, {})[key] = local
+    return flat, local_state
 
 
 def load_folder(
@@ -185,34 +267,71 @@ def load_folder(
     strict: bool = True,
     process_group: Any = None,
     meta: dict[str, Any] | None = None,
+    weights_only: bool | None = None,
 ) -> dict[str, Any]:
     """Load model (and optimizer) state into the shards, at any world size; return Lightning's state.
 
-    ``meta``: the folder's ``fsdp_meta.json`` if the caller has already read it.
+    Reads our folders and Lightning FSDP's ([Note: Lightning's sharded layout]). ``meta``: the
+    folder's ``fsdp_meta.json`` if the caller has read it. With ``strict=False`` the keys both
+    sides have are loaded. ``weights_only``: as ``torch.load``'s, for ``meta.pt``.
     """
-    meta = meta if meta is not None else layout.read_meta(folder)
-    check_compatible(folder, meta, module, strict)
-    verify_folder(folder, meta, process_group)
-    lightning_state = torch.load(folder / layout.LIGHTNING_FILE, map_location="cpu", weights_only=False)
-    state: dict[str, Any] = {"model": model_state(module)}
-    saved_optimizers = lightning_state.pop("optimizer_layouts", [])
-    groups = lightning_state.pop("optimizer_groups", [])
-    if optimizers and len(saved_optimizers) != len(optimizers):
-        raise CheckpointError(
-            f"{folder / layout.LIGHTNING_FILE}: key 'optimizer_layouts' holds {len(saved_optimizers)} optimizers, "
-            f"the model configures {len(optimizers)}"
-        )
-    targets = []
-    for index, optimizer in enumerate(optimizers):
-        locals_, views = _optimizer_targets(module, optimizer, saved_optimizers[index], folder / layout.META_FILE)
-        targets.append(locals_)
-        state[f"optimizer_{index}"] = views
-    dcp.load(state, storage_reader=dcp.FileSystemReader(str(folder)), process_group=process_group)
+    meta = meta if meta is not None else layout.folder_meta(folder)
+    rest = read_rest(folder, meta, weights_only)
+    load_tensors(folder, module, optimizers, rest, strict, process_group, meta)
+    return rest
+
+
+def read_rest(folder: Path, meta: dict[str, Any] | None, weights_only: bool | None = None) -> dict[str, Any]:
+    """Lightning's state of a folder (``meta.pt``; ``lightning.pt`` in format 1), read on the CPU."""
+    version = meta["format_version"] if meta is not None else layout.FORMAT_VERSION
+    return layout.load_object(
+        folder / (layout.LEGACY_LIGHTNING_FILE if version == 1 else layout.LIGHTNING_FILE), weights_only
+    )
+
+
+def load_tensors(
+    folder: Path,
+    module: nn.Module,
+    optimizers: list[torch.optim.Optimizer],
+    rest: dict[str, Any],
+    strict: bool = True,
+    process_group: Any = None,
+    meta: dict[str, Any] | None = None,
+) -> None:
+    """Load a folder's model (and optimizer) tensors into the shards (``rest``: its ``read_rest``;
+    format 1 keeps the param groups there)."""
+    version = meta["format_version"] if meta is not None else layout.FORMAT_VERSION
+    if meta is not None:
+        verify_folder(folder, meta, process_group)
+    stored = _StoredKeys(folder)
+    model_keys = stored.model()
+    check_compatible(folder, {name: stored.sizes[key] for name, key in model_keys.items()}, module, strict)
+    legacy_groups = rest.pop("optimizer_groups", [])
+    rest.pop("optimizer_layouts", None)
+    saved_count = len({path[0] for path in stored.paths.values() if path[0].startswith("optimizer_")})
+    if optimizers and saved_count not in (0, len(optimizers)):
+        raise CheckpointError(f"{folder}: holds {saved_count} optimizers, the model configures {len(optimizers)}")
+    model = model_state(module)
+    flat = {model_keys[name]: value for name, value in model.items() if name in model_keys}
+    buffers = _buffer_targets(module, {name: value for name, value in model.items() if name in model_keys})
+    loaded = []
+    for index in range(len(optimizers) if saved_count else 0):
+        state_keys, group_paths = stored.optimizer(index, version)
+        targets, local_state = _optimizer_targets(module, stored, state_keys, folder)
+        flat.update(targets)
+        flat.update(_object_targets(stored, group_paths))
+        loaded.append((local_state, state_keys, group_paths, targets))
+    dcp.load(flat, storage_reader=dcp.FileSystemReader(str(folder)), process_group=process_group)
+    for target, buffer in buffers:
+        buffer.data.copy_(target)
     _clear_scalar_padding(module)
     owners = names.shard_owners(module)
-    for optimizer, locals_, saved_groups in zip(optimizers, targets, groups):
-        names.load_named_state(optimizer, owners, locals_, saved_groups, folder / layout.LIGHTNING_FILE)
-    return lightning_state
+    for index, (optimizer, (local_state, state_keys, group_paths, targets)) in enumerate(zip(optimizers, loaded)):
+        for (fqn, key), flat_key in state_keys.items():
+            if targets[flat_key] is None:
+                local_state.setdefault(fqn, {})[key] = flat[flat_key]
+        groups = _nested(flat, group_paths)["param_groups"] if group_paths else legacy_groups[index]
+        names.load_state(optimizer, owners, {"state": local_state, "param_groups": groups}, folder, cut_rows=False)
 
 
 def _clear_scalar_padding(module: nn.Module) -> None:
@@ -247,16 +366,12 @@ def build_meta(module: nn.Module) -> dict[str, Any]:
     }
 
 
-def prepare_state(module: nn.Module, optimizers: list[torch.optim.Optimizer]) -> tuple[dict, dict]:
-    """(the tensors DCP writes, the optimizer layouts and groups that go to lightning.pt)."""
+def prepare_state(module: nn.Module, optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]:
+    """The tensors (and param groups) DCP writes ([Note: Lightning's sharded layout])."""
     state: dict[str, Any] = {"model": model_state(module)}
-    layouts, groups = [], []
     for index, optimizer in enumerate(optimizers):
-        tensors, optimizer_groups, optimizer_layouts = optimizer_state(module, optimizer)
-        state[f"optimizer_{index}"] = tensors
-        layouts.append(optimizer_layouts)
-        groups.append(optimizer_groups)
-    return state, {"optimizer_layouts": layouts, "optimizer_groups": groups}
+        state[f"optimizer_{index}"] = optimizer_state(module, optimizer)
+    return state
 
 
 def save_folder(
@@ -267,20 +382,24 @@ def save_folder(
     process_group: Any = None,
 ) -> None:
     """Write a complete sharded checkpoint into ``folder`` (every rank writes only its shards)."""
-    state, optimizer_info = prepare_state(module, optimizers)
-    write_dcp(folder, state, process_group)
-    finish_folder(folder, build_meta(module), {**lightning_state, **optimizer_info}, process_group)
+    write_dcp(folder, prepare_state(module, optimizers), process_group)
+    finish_folder(folder, build_meta(module), lightning_state, process_group)
 
 
-def describe_resharding(meta: dict[str, Any], module: nn.Module) -> str:
+def describe_resharding(meta: dict[str, Any] | None, module: nn.Module) -> str:
     """What differs between a checkpoint and the model it loads into, in one paragraph."""
     now = build_meta(module)
+    here = (
+        f"loading at world size {now['world_size']} ({now['sharding_strategy']}, "
+        f"{now['shard_world_size']} shards x {now['replicate_world_size']} replicas)."
+    )
+    if meta is None:
+        return f"a sharded checkpoint of Lightning's FSDPStrategy; {here} Parameters are resharded as they load."
     saved_params, here_params = meta["plan"]["params"], now["plan"]["params"]
     lines = [
         f"checkpoint written by fsdp_strategy {meta.get('package_version')} at world size {meta['world_size']} "
         f"({meta['sharding_strategy']}, {meta['shard_world_size']} shards x {meta['replicate_world_size']} "
-        f"replicas); loading at world size {now['world_size']} ({now['sharding_strategy']}, "
-        f"{now['shard_world_size']} shards x {now['replicate_world_size']} replicas)."
+        f"replicas); {here}"
     ]
     if (meta["shard_world_size"], meta["world_size"]) != (now["shard_world_size"], now["world_size"]):
         lines.append(

@@ -75,9 +75,9 @@ class CheckpointWriter:
                 layout.commit(temporary, final)
             collectives.barrier()
             return
-        state, optimizer_info = sharded.prepare_state(module, optimizers)
+        state = sharded.prepare_state(module, optimizers)
         meta = sharded.build_meta(module)
-        extra = {**copy.deepcopy(lightning_state), **optimizer_info}
+        extra = copy.deepcopy(lightning_state)
         planner = dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True)
         future = dcp.async_save(
             state, storage_writer=dcp.FileSystemWriter(str(temporary)), planner=planner, process_group=self._group

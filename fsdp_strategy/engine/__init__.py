@@ -18,11 +18,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_strategy.config import CPUOffload, MixedPrecision, ShardingStrategy, validate_device_mesh
+from fsdp_strategy.config import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy, validate_device_mesh
+from fsdp_strategy.engine import collectives
 from fsdp_strategy.engine.accounting import MemoryAccount
 from fsdp_strategy.engine.collectives import CommGroup, CommLedger
 from fsdp_strategy.engine.guard import install_guards
 from fsdp_strategy.engine.init import ParamInitFn, materialize, meta_tensor_names, weight_initializers
+from fsdp_strategy.engine.order import Prefetch
 from fsdp_strategy.engine.param import ShardedParam, ShardLayout
 from fsdp_strategy.engine.placement import plan_units
 from fsdp_strategy.engine.runtime import Scheduler
@@ -39,6 +41,10 @@ def comm_groups(
     sharding_strategy: ShardingStrategy, process_group: Any = None, device_mesh: Any = None
 ) -> tuple[CommGroup, CommGroup]:
     """The (shard, replicate) groups for a strategy: a 2-D mesh is ``(replicate, shard)``."""
+    if sharding_strategy.hybrid and device_mesh is None:
+        raise ValueError(
+            f"sharding_strategy={sharding_strategy.value!r} needs device_mesh: a 2-D (replicate, shard) DeviceMesh"
+        )
     if validate_device_mesh(device_mesh, sharding_strategy) is not None:
         if isinstance(device_mesh, tuple):
             raise TypeError(f"shard_model needs a DeviceMesh, got {device_mesh!r}; build one with init_device_mesh")
@@ -64,14 +70,19 @@ def shard_model(
     process_group: Any = None,
     device_mesh: Any = None,
     param_init_fn: ParamInitFn | None = None,
+    forward_prefetch: bool = True,
+    backward_prefetch: Any = "BACKWARD_PRE",
+    sync_module_states: bool = False,
 ) -> nn.Module:
     """Shard ``module``'s parameters in place across the ranks and install the schedule.
 
     Each parameter keeps its name; at rest it is a dim-0 shard (see [Note: shard layout]) and
     belongs to the lowest unit common to every place it is used ([Note: lowest common unit]).
     Modules still on the meta device are materialized unit by unit (see ``engine/init.py``;
-    ``param_init_fn`` has FSDP1's meaning). Costs at rest: 1/N of the parameters plus padding;
-    while running, the units gathered now.
+    ``param_init_fn`` has FSDP1's meaning). ``forward_prefetch``/``backward_prefetch``: which
+    all-gathers are issued ahead of their unit (see ``Prefetch``). ``sync_module_states``: every
+    parameter and buffer takes global rank 0's value before sharding (one broadcast each).
+    Costs at rest: 1/N of the parameters plus padding; while running, the units gathered now.
     """
     if is_sharded(module):
         raise ValueError(f"{type(module).__name__} is already sharded; shard_model is applied once")
@@ -81,6 +92,11 @@ def shard_model(
     precision = MixedPrecision.from_any(mixed_precision) or MixedPrecision()
     offload = CPUOffload.from_any(cpu_offload)
     policy = as_policy_fn(auto_wrap_policy)
+    if not isinstance(forward_prefetch, bool):
+        raise TypeError(f"forward_prefetch must be a bool, got {forward_prefetch!r}")
+    if not isinstance(sync_module_states, bool):
+        raise TypeError(f"sync_module_states must be a bool, got {sync_module_states!r}")
+    prefetch = Prefetch(forward_prefetch, BackwardPrefetch.from_any(backward_prefetch))
     shard_comm, replicate_comm = comm_groups(strategy, process_group, device_mesh)
     compute_device = torch.device(device) if device is not None else _default_device(module)
     storage_device = torch.device("cpu") if offload.offload_params else compute_device
@@ -100,6 +116,10 @@ def shard_model(
             for use in placement.uses[param_id]:
                 owned.setdefault(id(use.module), (module_names[id(use.module)], use.module))
         materialize(list(owned.values()), compute_device, param_init_fn, initializers, placement.uses)
+        if sync_module_states:
+            collectives.broadcast_from_rank0(
+                [use.module._parameters[use.name] for use in _first_uses(placement, index)]
+            )
         params = []
         for param_id in placement.params[index]:
             uses = placement.uses[param_id]
@@ -111,11 +131,18 @@ def shard_model(
     leftover = meta_tensor_names(module)
     if leftover:
         raise ValueError(f"parameters left on the meta device: {leftover}; materialize them before sharding")
-    _place_buffers(module, compute_device, precision.buffer_dtype)
-    scheduler = Scheduler(units, strategy, precision, ledger, memory, compute_device, device_mesh)
+    if sync_module_states:
+        collectives.broadcast_from_rank0([b for b in module.buffers() if b is not None])
+    buffer_dtypes = _place_buffers(module, compute_device, precision.buffer_dtype)
+    scheduler = Scheduler(units, strategy, precision, ledger, memory, compute_device, device_mesh, prefetch)
+    scheduler.saved_buffer_dtypes = buffer_dtypes
     install_guards(module, units)
     module.__dict__[_SCHEDULER_ATTR] = scheduler
     return module
+
+
+def _first_uses(placement: Any, index: int) -> list:
+    return [placement.uses[param_id][0] for param_id in placement.params[index]]
 
 
 def _default_device(module: nn.Module) -> torch.device:
@@ -125,12 +152,17 @@ def _default_device(module: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def _place_buffers(root: nn.Module, device: torch.device, dtype: torch.dtype | None) -> None:
-    for module in root.modules():
+def _place_buffers(root: nn.Module, device: torch.device, dtype: torch.dtype | None) -> dict[str, torch.dtype]:
+    """Move buffers to ``device``, floating ones cast to ``dtype``; return the original dtypes of the cast ones."""
+    original = {}
+    for module_name, module in root.named_modules(remove_duplicate=False):
         for name, buffer in module._buffers.items():
             if buffer is not None:
                 cast = dtype if (dtype is not None and buffer.is_floating_point()) else buffer.dtype
+                if cast != buffer.dtype:
+                    original[f"{module_name}.{name}" if module_name else name] = buffer.dtype
                 module._buffers[name] = buffer.to(device=device, dtype=cast)
+    return original
 
 
 def is_sharded(module: nn.Module) -> bool:

@@ -195,6 +195,18 @@ def all_gather_objects(value: Any, group: Any = None) -> list[Any]:
     return out
 
 
+@torch.no_grad()
+def broadcast_from_rank0(tensors: list[torch.Tensor]) -> None:
+    """Overwrite ``tensors`` in place with global rank 0's values (``sync_module_states``); blocking.
+
+    Costs: one broadcast per tensor (setup only). No-op without a process group.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    for tensor in tensors:
+        dist.broadcast(tensor.data, src=0)
+
+
 def barrier(group: Any = None) -> None:
     """Wait until every rank of ``group`` arrives (no-op without a process group)."""
     if dist.is_initialized():

@@ -48,12 +48,16 @@ class UnitRun:
     double_backward: bool = False  # [Note: double backward] in runtime.py
     uncovered_call: bool = False  # [Note: calls without a post-backward] in runtime.py
     backward_hook: Callable[[torch.Tensor], None] | None = None  # the pre-backward hook put on its outputs
+    prefetch_after_backward: FSDPUnit | None = (
+        None  # BACKWARD_POST: the unit to gather once this one's gradients are computed
+    )
 
     def clear(self) -> None:
         """Forget the iteration (after a failure)."""
         self.frames.clear()
         self.post_backwards_due = 0
         self.ran_forward = self.in_backward = self.reduced = self.double_backward = self.uncovered_call = False
+        self.prefetch_after_backward = None
 
 
 @dataclass

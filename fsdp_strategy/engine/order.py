@@ -13,7 +13,17 @@ prefetched ahead of the one running (see [Note: bounded prefetch] in runtime.py)
 from __future__ import annotations
 
 from collections.abc import Hashable
-from typing import Any
+from typing import Any, NamedTuple
+
+from fsdp_strategy.config import BackwardPrefetch
+
+
+class Prefetch(NamedTuple):
+    """Which all-gathers are issued ahead of their unit (FSDP1's ``forward_prefetch`` and
+    ``backward_prefetch``). Costs of prefetching: one more unit's full parameters held at a time."""
+
+    forward: bool = True  # in a unit's forward pre-hook, the next unit's (the previous step's order)
+    backward: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE  # None: each unit gathers on arrival
 
 
 class ExecutionOrder:

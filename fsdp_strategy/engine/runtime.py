@@ -65,12 +65,12 @@ import torch._dynamo
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from fsdp_strategy.config import MixedPrecision, ShardingStrategy
+from fsdp_strategy.config import BackwardPrefetch, MixedPrecision, ShardingStrategy
 from fsdp_strategy.engine import collectives
 from fsdp_strategy.engine.accounting import MemoryAccount
 from fsdp_strategy.engine.collectives import CommLedger
 from fsdp_strategy.engine.iteration import BackwardPass, Frame, PostBackward, UnitRun, autograd_running
-from fsdp_strategy.engine.order import ExecutionOrder
+from fsdp_strategy.engine.order import ExecutionOrder, Prefetch
 from fsdp_strategy.engine.param import ShardedParam
 from fsdp_strategy.engine.trace import traced
 from fsdp_strategy.engine.traversal import grad_tensors, replace_grad_tensors
@@ -95,8 +95,10 @@ class Scheduler:
         memory: MemoryAccount,
         device: torch.device,
         device_mesh: Any = None,
+        prefetch: Prefetch | None = None,
     ) -> None:
         self.device_mesh = device_mesh  # the HSDP (replicate, shard) mesh, if any
+        self.prefetch = prefetch or Prefetch()
         self.units = units
         self.root_unit = units[0]
         self.sharding_strategy = sharding_strategy
@@ -104,6 +106,8 @@ class Scheduler:
         self.ledger = ledger
         self.memory = memory
         self.device = device
+        # [Note: buffers keep their dtype in checkpoints] state-dict name -> dtype before buffer_dtype cast it
+        self.saved_buffer_dtypes: dict[str, torch.dtype] = {}
         self._runs = {id(unit): UnitRun() for unit in units}
         self._root_depth = 0
         self._order = ExecutionOrder()
@@ -144,7 +148,7 @@ class Scheduler:
         if not in_backward and self._forward_phase is not None:
             run.ran_forward = True
             target = self._order.record(self._forward_phase, unit)
-            if target is not None:
+            if target is not None and self.prefetch.forward:
                 target.unshard()  # [Note: bounded prefetch]
         if torch.is_grad_enabled():
             tensors = grad_tensors((args, kwargs))
@@ -196,13 +200,18 @@ class Scheduler:
         unit.wait_unshard()
         assert self._backward is not None
         target = self._order.record(("backward", self._backward.index), unit)
-        if target is not None:
+        if target is not None and self.prefetch.backward is BackwardPrefetch.BACKWARD_PRE:
             target.unshard()  # [Note: bounded prefetch]
+        elif target is not None and self.prefetch.backward is BackwardPrefetch.BACKWARD_POST:
+            run.prefetch_after_backward = target
 
     @traced("post_backward")
     def _post_backward(self, unit: FSDPUnit, run: UnitRun, counted: bool) -> None:
         self._enter_backward()
         assert self._backward is not None
+        if run.prefetch_after_backward is not None:  # BACKWARD_POST: this unit's gradients are computed
+            run.prefetch_after_backward.unshard()
+            run.prefetch_after_backward = None
         run.post_backwards_due -= counted
         run.in_backward = True
         if self._backward.create_graph or run.double_backward:  # [Note: double backward]
@@ -251,6 +260,7 @@ class Scheduler:
             if not backward.create_graph:
                 run.double_backward = False
             run.in_backward = run.reduced = run.uncovered_call = False
+            run.prefetch_after_backward = None
             run.post_backwards_due = 0
             unit.training_state = TrainingState.FORWARD if run.frames else TrainingState.IDLE
         self._order.commit(("backward", backward.index))

@@ -1,0 +1,99 @@
+"""The strategy's arguments that come from Lightning's ``FSDPStrategy`` and torch's FSDP: checked in
+the constructor, each accepted with its meaning there or refused with why it has none here.
+
+Lightning's ``FSDPStrategy(**kwargs)`` passes any other keyword to torch's FSDP1. A user
+switching strategies brings those along; ``FSDP_KEYWORDS`` says what each does here.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fsdp_strategy.wrap import as_policy_fn
+
+# keyword -> (value accepted as is, or None: any value refused; why)
+FSDP_KEYWORDS: dict[str, tuple[Any, str]] = {
+    "use_orig_params": (
+        True,
+        "the engine shards every parameter on its own and the optimizer sees them under their own names, which "
+        "is FSDP's use_orig_params=True; flat parameters (False) are not offered",
+    ),
+    "limit_all_gathers": (
+        True,
+        "the engine never has more than one all-gather ahead of the running unit, which is what "
+        "limit_all_gathers=True bounds; there is no unbounded mode (False)",
+    ),
+    "process_group": (
+        None,
+        "the strategy shards over the Trainer's ranks; for hybrid sharding pass device_mesh=(replicate, shard)",
+    ),
+    "device_id": (None, "each rank's device comes from Trainer(accelerator=..., devices=...)"),
+    "ignored_states": (None, "use ignored_modules=[...] (modules whose parameters are not sharded)"),
+}
+
+
+def check_fsdp_keywords(kwargs: dict[str, Any]) -> None:
+    """Raise for an FSDP keyword this strategy cannot honour (saying why) or an unknown one."""
+    unknown = sorted(set(kwargs) - set(FSDP_KEYWORDS))
+    if unknown:
+        raise TypeError(
+            f"FSDPCustomStrategy got unexpected arguments {unknown}; accepted: sharding_strategy, auto_wrap_policy, "
+            "mixed_precision, cpu_offload, activation_checkpointing_policy, state_dict_type, device_mesh, async_save, "
+            "param_init_fn, forward_prefetch, backward_prefetch, sync_module_states, process_group_backend, timeout, "
+            f"and FSDP's {sorted(FSDP_KEYWORDS)}"
+        )
+    for name, value in kwargs.items():
+        accepted, why = FSDP_KEYWORDS[name]
+        if accepted is None or value != accepted:
+            raise ValueError(f"{name}={value!r} has no meaning for fsdp_custom: {why}")
+
+
+def checkpointing_policy(activation_checkpointing: Any, policy: Any) -> Any:
+    """Lightning's deprecated ``activation_checkpointing`` (a class or list of classes) as a policy."""
+    if activation_checkpointing is not None and policy is not None:
+        raise ValueError(
+            "You cannot set both `activation_checkpointing` and `activation_checkpointing_policy`. Use the latter."
+        )
+    if activation_checkpointing is not None:
+        classes = activation_checkpointing if isinstance(activation_checkpointing, list) else [activation_checkpointing]
+        if not all(isinstance(c, type) and issubclass(c, torch.nn.Module) for c in classes):
+            raise TypeError(
+                f"activation_checkpointing must be a module class or a list of them, got {activation_checkpointing!r}"
+            )
+        policy = set(classes)
+    as_policy_fn(policy, argument="activation_checkpointing_policy")
+    return policy
+
+
+def check_backend(backend: Any) -> str | None:
+    """None, or a process group backend torch knows ("gloo", "nccl", "cpu:gloo,cuda:nccl", ...)."""
+    if backend is None:
+        return None
+    if not isinstance(backend, str):
+        raise TypeError(f"process_group_backend must be a string like 'gloo' or 'nccl', got {backend!r}")
+    known = [name for name in dist.Backend.backend_list if name != "undefined"]
+    names = [part.split(":")[-1] for part in backend.lower().split(",")]
+    if not all(names) or any(name not in known for name in names):
+        raise ValueError(f"process_group_backend={backend!r} is not a backend torch knows; accepted: {known}")
+    return backend
+
+
+def check_timeout(timeout: Any) -> timedelta | None:
+    """None (torch's default) or a positive ``datetime.timedelta``."""
+    if timeout is None:
+        return None
+    if not isinstance(timeout, timedelta):
+        raise TypeError(f"timeout must be a datetime.timedelta, e.g. timedelta(minutes=10), got {timeout!r}")
+    if timeout.total_seconds() <= 0:
+        raise ValueError(f"timeout={timeout!r} must be positive")
+    return timeout
+
+
+def init_process_group_kwargs(device: torch.device, timeout: timedelta | None) -> dict[str, Any]:
+    """``init_process_group`` options, as Lightning's FSDP passes them: the timeout, and on an
+    accelerator its device (NCCL then binds the group to it at once)."""
+    return {"timeout": timeout, "device_id": device if device.type != "cpu" else None}
