@@ -97,3 +97,18 @@ def init_process_group_kwargs(device: torch.device, timeout: timedelta | None) -
     """``init_process_group`` options, as Lightning's FSDP passes them: the timeout, and on an
     accelerator its device (NCCL then binds the group to it at once)."""
     return {"timeout": timeout, "device_id": device if device.type != "cpu" else None}
+
+
+def refuse_whole_model_averaging(callbacks: list) -> None:
+    """Raise for callbacks that average a whole copy of the model (SWA, EMA): each rank holds 1/N
+    of the parameters, and Lightning's averaging callbacks copy and update unsharded modules."""
+    from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    found = [type(c).__name__ for c in callbacks if isinstance(c, (StochasticWeightAveraging, WeightAveraging))]
+    if found:
+        raise MisconfigurationException(
+            f"{', '.join(found)} cannot work with the fsdp_custom strategy: it averages a whole copy of the model, "
+            "and each rank holds only its shard of the parameters (Lightning's FSDP refuses it too). Remove the "
+            "callback, or average inside a callback of your own under `with summon_full_params(model):`"
+        )

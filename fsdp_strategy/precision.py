@@ -39,8 +39,11 @@ class FSDPCustomPrecision(FSDPPrecision):
         if scaler is not None and precision != "16-mixed":
             raise ValueError(f"precision={precision!r} does not use a grad scaler, got {scaler}")
         self.precision = precision
+        self._scaler_settings: dict[str, Any] = {}
+        if scaler is not None and type(scaler).__name__ != "ShardedGradScaler":
+            self._scaler_settings = _scaler_settings(scaler)  # made sharded, same settings, in attach()
+            scaler = None
         self.scaler = scaler
-        self._user_scaler = scaler is not None
         self._low = _LOW.get(precision.split("-")[0], torch.float32)  # the dtype the name asks for
         self._desired_input_dtype = self._low if precision.endswith("-true") else torch.float32
         self.device_type = "cpu"
@@ -48,23 +51,34 @@ class FSDPCustomPrecision(FSDPPrecision):
 
     @classmethod
     def from_plugin(cls, plugin: Precision | None) -> FSDPCustomPrecision:
-        """Convert the plugin Lightning built from ``Trainer(precision=...)`` into this one."""
+        """Convert a plugin Lightning built from ``Trainer(precision=...)`` (or one of its own
+        classes a user passed) into this one; refuse what would lose its meaning.
+
+        Lightning's ``Precision``, ``MixedPrecision``, ``HalfPrecision``, ``DoublePrecision`` and
+        ``FSDPPrecision`` convert by their ``precision`` name; a ``GradScaler`` becomes a
+        ``ShardedGradScaler`` with its settings (its inf check then covers every rank's shards).
+        Any other plugin (a subclass, bitsandbytes, Transformer Engine, ...) is a ``TypeError``:
+        its own hooks would be dropped.
+        """
         if plugin is None or isinstance(plugin, cls):
             return plugin or cls("32-true")
-        precision = getattr(plugin, "precision", "32-true")
-        scaler = getattr(plugin, "scaler", None)
-        if scaler is not None and type(scaler).__name__ != "ShardedGradScaler":
-            scaler = None  # Lightning's default (unsharded) scaler: replaced by a sharded one at setup
-        return cls(precision, scaler=scaler)
+        if type(plugin) not in _convertible():
+            raise TypeError(
+                f"The fsdp_custom strategy cannot honour the precision plugin {type(plugin).__name__}: it converts "
+                "Lightning's Precision, MixedPrecision, HalfPrecision and FSDPPrecision by their precision name and "
+                "would drop this plugin's own behaviour. Use Trainer(precision=...) or "
+                "plugins=[FSDPCustomPrecision(...)]"
+            )
+        return cls(getattr(plugin, "precision", "32-true"), scaler=getattr(plugin, "scaler", None))
 
     def attach(self, device_type: str, clip_fn: Any) -> None:
         """Bind to the device type and the engine's sharded clipping; build the grad scaler."""
         self.device_type = device_type
         self.clip_fn = clip_fn
-        if self.precision == "16-mixed" and not self._user_scaler:
+        if self.precision == "16-mixed" and self.scaler is None:
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-            self.scaler = ShardedGradScaler(device=device_type)
+            self.scaler = ShardedGradScaler(device=device_type, **self._scaler_settings)
 
     @property
     def mixed_precision_config(self) -> MixedPrecision | None:  # type: ignore[override]
@@ -83,3 +97,22 @@ class FSDPCustomPrecision(FSDPPrecision):
         if self.clip_fn is None:
             raise RuntimeError("gradient clipping by norm needs the model to be set up by FSDPCustomStrategy")
         self.clip_fn(clip_val, parameters=[p for group in optimizer.param_groups for p in group["params"]])
+
+
+def _convertible() -> tuple[type, ...]:
+    from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision
+
+    return (Precision, MixedPrecision, HalfPrecision, DoublePrecision, FSDPPrecision)
+
+
+def _scaler_settings(scaler: Any) -> dict[str, Any]:
+    """A torch ``GradScaler``'s settings, for the ``ShardedGradScaler`` that replaces it."""
+    if not isinstance(scaler, torch.amp.GradScaler):
+        raise TypeError(f"scaler must be a torch GradScaler or ShardedGradScaler, got {type(scaler).__name__}")
+    return {
+        "init_scale": scaler.get_scale() if scaler.is_enabled() else 2.0**16,
+        "growth_factor": scaler.get_growth_factor(),
+        "backoff_factor": scaler.get_backoff_factor(),
+        "growth_interval": scaler.get_growth_interval(),
+        "enabled": scaler.is_enabled(),
+    }

@@ -50,6 +50,7 @@ from fsdp_strategy.arguments import (
     check_timeout,
     checkpointing_policy,
     init_process_group_kwargs,
+    refuse_whole_model_averaging,
 )
 from fsdp_strategy.checkpoint import full, layout, sharded
 from fsdp_strategy.checkpoint.writer import CheckpointWriter
@@ -58,6 +59,7 @@ from fsdp_strategy.data import DATA_POSITION_KEY, DataPosition, make_resumable
 from fsdp_strategy.engine import Scheduler, get_scheduler, is_sharded, shard_model
 from fsdp_strategy.engine.collectives import CommLedger
 from fsdp_strategy.precision import FSDPCustomPrecision
+from fsdp_strategy.sync_batchnorm import convert_sync_batchnorm
 from fsdp_strategy.wrap import apply_activation_checkpointing, as_policy_fn
 
 log = logging.getLogger(__name__)
@@ -305,8 +307,11 @@ class FSDPCustomStrategy(ParallelStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         """Shard the model (once: validate/test after fit reuse it), then set up optimizers and precision."""
         assert self.accelerator is not None and self.model is not None
+        refuse_whole_model_averaging(trainer.callbacks)
         self.accelerator.setup(trainer)
         if not is_sharded(self.model):  # validate/test after fit reuse the sharded model
+            if trainer.state.fn == TrainerFn.FITTING and self._layer_sync is not None:
+                self.model = self._sync_layers(self.model)
             self._shard(self.model)
         self.precision_plugin.attach(self.root_device.type, self.scheduler.clip_grad_norm_)
         self.barrier()
@@ -314,6 +319,16 @@ class FSDPCustomStrategy(ParallelStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         self._load_into_shards(trainer)
+
+    def _sync_layers(self, model: torch.nn.Module) -> torch.nn.Module:
+        """``Trainer(sync_batchnorm=True)``: our SyncBatchNorm (torch's refuses CPU tensors); any
+        other ``LayerSync`` plugin is applied as given. Not reverted at teardown: the layers hold
+        sharded parameters, and ours is plain BatchNorm outside training."""
+        from lightning.pytorch.plugins import TorchSyncBatchNorm
+
+        if type(self._layer_sync) is TorchSyncBatchNorm:
+            return convert_sync_batchnorm(model)
+        return self._layer_sync.apply(model)
 
     def _shard(self, model: torch.nn.Module) -> None:
         self.model = model = self.precision_plugin.convert_module(model)

@@ -195,6 +195,23 @@ def all_gather_objects(value: Any, group: Any = None) -> list[Any]:
     return out
 
 
+def all_gather_rows(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """Every rank's ``tensor`` stacked in rank order, shape ``(world, *tensor.shape)``; blocking."""
+    _, size = process_rank(group)
+    if size == 1:
+        return tensor.unsqueeze(0).clone()
+    out = tensor.new_empty(size * tensor.numel())
+    dist.all_gather_into_tensor(out, tensor.reshape(-1).contiguous(), group=group)
+    return out.view(size, *tensor.shape)
+
+
+def all_reduce_sum_(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """Sum ``tensor`` over the ranks in place; blocking (no-op for one rank)."""
+    if process_rank(group)[1] > 1:
+        dist.all_reduce(tensor, group=group)
+    return tensor
+
+
 @torch.no_grad()
 def broadcast_from_rank0(tensors: list[torch.Tensor]) -> None:
     """Overwrite ``tensors`` in place with global rank 0's values (``sync_module_states``); blocking.
