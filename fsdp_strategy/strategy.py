@@ -11,10 +11,10 @@ from __future__ import annotations
 import atexit
 import logging
 import math
+import os
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
 import lightning.pytorch as pl
@@ -52,7 +52,8 @@ from fsdp_strategy.arguments import (
     init_process_group_kwargs,
     refuse_whole_model_averaging,
 )
-from fsdp_strategy.checkpoint import full, layout, sharded
+from fsdp_strategy.checkpoint import full, layout, sharded, storage
+from fsdp_strategy.checkpoint.storage import Location
 from fsdp_strategy.checkpoint.writer import CheckpointWriter
 from fsdp_strategy.config import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy, validate_device_mesh
 from fsdp_strategy.data import DATA_POSITION_KEY, DataPosition, make_resumable
@@ -70,7 +71,7 @@ _STATE_DICT_TYPES = ("full", "sharded")
 class _CheckpointToLoad(NamedTuple):
     """A checkpoint read before setup, whose tensors ``setup`` copies into the shards."""
 
-    path: Path
+    path: Location
     is_folder: bool
     meta: dict | None  # a sharded folder's fsdp_meta.json (None: Lightning FSDP's folder, or a file)
     checkpoint: dict  # Lightning's state (a full file: everything, weights included)
@@ -465,16 +466,28 @@ class FSDPCustomStrategy(ParallelStrategy):
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Nothing: ``load_checkpoint`` already loaded the optimizer states."""
 
-    def _final_and_temporary(self, filepath: _PATH) -> tuple[Path, Path]:
-        final = Path(self.broadcast(str(filepath)))
-        temporary = Path(self.broadcast(str(layout.temporary_path(final)) if self.is_global_zero else None))
+    def _final_and_temporary(self, filepath: _PATH) -> tuple[Location, Location]:
+        final = storage.locate(self.broadcast(os.fspath(filepath)))
+        temporary = storage.locate(self.broadcast(storage.temporary(final).url if self.is_global_zero else None))
         return final, temporary
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any = None) -> None:
-        """Write atomically: a temporary name, renamed once every rank is done ([Note: atomic commit])."""
+        """Write atomically to a local path or any fsspec URL: a temporary name, moved once every rank
+        is done ([Note: atomic commit] in checkpoint/storage.py). Replaces only a checkpoint: anything
+        else at ``filepath`` is an error on every rank before anything is written."""
+        if storage_options is not None and self._state_dict_type == "sharded":
+            raise TypeError(
+                "`FSDPCustomStrategy.save_checkpoint(..., storage_options=...)` is not supported with "
+                "state_dict_type='sharded': the sharded save does not use the CheckpointIO (as Lightning's FSDP)"
+            )
         if self._data_position is not None and "loops" in checkpoint:
             checkpoint[DATA_POSITION_KEY] = self._data_position.state_dict()
         final, temporary = self._final_and_temporary(filepath)
+        refusal = self.broadcast(
+            storage.refuse_to_replace(final, self._state_dict_type) if self.is_global_zero else None
+        )
+        if refusal is not None:
+            raise refusal
         if self._state_dict_type == "full":
             self._writer.save_full(
                 final, temporary, lambda path: self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options)
@@ -488,23 +501,24 @@ class FSDPCustomStrategy(ParallelStrategy):
 
     def remove_checkpoint(self, filepath: _PATH) -> None:
         """Delete a checkpoint file or folder (after any save in flight)."""
-        self._writer.remove(Path(filepath))
+        self._writer.remove(storage.locate(filepath))
 
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         """Read a checkpoint before setup: a sharded folder (ours or Lightning FSDP's, any world size)
         or a full file (memory-mapped); ``setup`` copies its tensors into the shards. Returns
         Lightning's state. ``weights_only`` as ``torch.load``'s."""
         self._writer.wait()
-        path = Path(self.broadcast(str(checkpoint_path)))
-        if path.is_dir():
+        path = storage.locate(self.broadcast(os.fspath(checkpoint_path)))
+        is_folder = storage.isdir(path)
+        if is_folder:
             meta = layout.folder_meta(path)
             checkpoint = sharded.read_rest(path, meta, weights_only)
-        elif not path.exists():
+        elif not storage.exists(path):
             raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
         else:
             meta = None
             checkpoint = full.load_file(path, weights_only)
-        self._checkpoint_to_load = _CheckpointToLoad(path, path.is_dir(), meta, checkpoint)
+        self._checkpoint_to_load = _CheckpointToLoad(path, is_folder, meta, checkpoint)
         self._take_data_position(checkpoint)
         return checkpoint
 

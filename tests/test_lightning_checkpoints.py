@@ -22,10 +22,11 @@ from fsdp_strategy.checkpoint import CheckpointError, full_optimizer_state_dict,
 DDP = "ddp_find_unused_parameters_true"  # TiedLM has a block that is never called
 
 
-def _run(world: int, root: Path, strategy, max_steps: int, ckpt_path=None, module=None, **fit_kwargs):
+def _run(world: int, root: Path, strategy, max_steps: int, ckpt_path=None, module=None, saving_to=None, **fit_kwargs):
+    """Fit ScheduledLM, saving at step 4 into ``saving_to`` (default ``root``); the mean losses."""
     torch.manual_seed(1 if ckpt_path else 0)  # a resumed run starts from other weights: they must load
     module = module or ScheduledLM()
-    saver = ModelCheckpoint(dirpath=root, every_n_train_steps=4, save_top_k=-1)
+    saver = ModelCheckpoint(dirpath=saving_to or root, every_n_train_steps=4, save_top_k=-1)
     trainer = quiet_trainer(
         strategy=strategy,
         devices=world,

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from fsdp_strategy.checkpoint import layout
+from fsdp_strategy.checkpoint import layout, storage
 from fsdp_strategy.checkpoint.layout import CheckpointError
 from fsdp_strategy.config import parse_dtype
 
@@ -122,21 +122,21 @@ def consolidate(
     if not dst.parent.is_dir():
         raise FileNotFoundError(f"the output's folder {str(dst.parent)!r} does not exist; create it first")
     meta = layout.read_meta(src)
-    problems = layout.verify_files(src, meta["checksums"], sorted(meta["checksums"]))
+    problems = layout.verify_files(storage.locate(src), meta["checksums"], sorted(meta["checksums"]))
     if problems:
         raise CheckpointError("checkpoint is damaged: " + "; ".join(problems))
     if (dst.exists() or dst.is_symlink()) and not overwrite:
         raise FileExistsError(f"{str(dst)!r} exists; pass overwrite=True (--overwrite) to replace it")
-    temporary = layout.temporary_path(dst)
+    temporary = storage.temporary(storage.locate(dst))
     try:
         rename = _prefix_stripper(src, strip_prefix)
         if output_format == "safetensors":
-            _write_safetensors(src, temporary, cast, limit, rename)
+            _write_safetensors(src, Path(temporary.path), cast, limit, rename)
         else:
-            _write_torch(src, temporary, cast, weights_only, meta["format_version"], rename)
-        layout.commit(temporary, dst)
+            _write_torch(src, Path(temporary.path), cast, weights_only, meta["format_version"], rename)
+        storage.commit(temporary, storage.locate(dst))
     finally:
-        layout.remove(temporary)
+        storage.remove(temporary)
     return dst
 
 

@@ -9,15 +9,16 @@ Every function here is a collective: call it on every rank.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from fsdp_strategy.checkpoint import layout, names
+from fsdp_strategy.checkpoint import layout, names, storage
 from fsdp_strategy.checkpoint.layout import CheckpointError
+from fsdp_strategy.checkpoint.storage import Location
 from fsdp_strategy.engine import collectives, get_scheduler
 from fsdp_strategy.engine.param import ShardedParam
 from fsdp_strategy.engine.unit import FSDPUnit
@@ -153,7 +154,7 @@ def load_full_optimizer_state_dict(
 
 
 def load_full_checkpoint(
-    path: Path,
+    path: str | os.PathLike | Location,
     module: nn.Module,
     optimizers: list[torch.optim.Optimizer],
     strict: bool = True,
@@ -171,7 +172,7 @@ def load_full_checkpoint(
 
 
 def apply_full_checkpoint(
-    checkpoint: dict[str, Any], module: nn.Module, optimizers: list[torch.optim.Optimizer], strict: bool, path: Path
+    checkpoint: dict[str, Any], module: nn.Module, optimizers: list[torch.optim.Optimizer], strict: bool, path: Any
 ) -> None:
     """Copy a read full checkpoint's weights (and optimizer states, if ``optimizers``) into the shards."""
     if "state_dict" not in checkpoint:
@@ -189,9 +190,10 @@ def apply_full_checkpoint(
         load_full_optimizer_state_dict(module, optimizer, state, source=path)
 
 
-def load_file(path: Path, weights_only: bool | None = None) -> dict[str, Any]:
-    """Read a full checkpoint file on the CPU, memory-mapped (``weights_only`` as ``torch.load``'s:
-    None is torch's default); a file that is not one is named in the error."""
-    if not path.exists():
-        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
-    return layout.load_object(path, weights_only, mmap=True)
+def load_file(path: str | os.PathLike | Location, weights_only: bool | None = None) -> dict[str, Any]:
+    """Read a full checkpoint file on the CPU, memory-mapped on a local disk (``weights_only`` as
+    ``torch.load``'s: None is torch's default); a file that is not one is named in the error."""
+    where = storage.locate(path)
+    if not storage.exists(where):
+        raise FileNotFoundError(f"checkpoint {str(where)!r} does not exist")
+    return layout.load_object(where, weights_only, mmap=True)

@@ -1,17 +1,12 @@
-"""What a checkpoint is on disk: file names, metadata, checksums and the atomic commit.
+"""What a checkpoint is on disk: file names, metadata and checksums.
 
 A *sharded* checkpoint is a folder in the layout of Lightning's FSDPStrategy (see
 [Note: Lightning's sharded layout] in sharded.py): the tensor files and ``.metadata`` written by
 ``torch.distributed.checkpoint`` (an ordinary DCP checkpoint), ``meta.pt`` (everything that is
 not a tensor: epoch, loops, callbacks, LR schedulers) and our ``fsdp_meta.json`` (format and
 package version, world size, sharding plan, dtypes, a CRC32 per file). A *full* checkpoint is
-one file in Lightning's usual layout.
-
-[Note: atomic commit]
-Every checkpoint is written under a hidden temporary name next to its final one
-(``.NAME.tmp-<id>``) and renamed once every rank has finished writing; an older checkpoint of
-the same name is moved aside first and deleted after the rename. A crash at any point leaves
-the previous checkpoint (or none) under the final name, never a partial one.
+one file in Lightning's usual layout. Both live on any filesystem ``storage.py`` resolves, and
+are committed atomically ([Note: atomic commit] there).
 """
 
 from __future__ import annotations
@@ -19,13 +14,12 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import shutil
-import uuid
-import zlib
-from pathlib import Path
 from typing import Any
 
 import torch
+
+from fsdp_strategy.checkpoint import storage
+from fsdp_strategy.checkpoint.storage import Location
 
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
@@ -39,68 +33,41 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded: names the file and the key at fault."""
 
 
-def temporary_path(final: Path) -> Path:
-    """A fresh hidden name next to ``final`` for writing before the commit."""
-    return final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:12]}"
-
-
-def commit(temporary: Path, final: Path) -> None:
-    """Move a finished checkpoint to its final name (see [Note: atomic commit]). Rank 0 only."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    old = None
-    if final.exists() or final.is_symlink():
-        old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:12]}"
-        os.replace(final, old)
-    os.replace(temporary, final)
-    if old is not None:
-        remove(old)
-
-
-def remove(path: Path) -> None:
-    """Delete a checkpoint file or folder (missing is fine)."""
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    elif path.exists() or path.is_symlink():
-        path.unlink()
-
-
-def file_crc32(path: Path, chunk: int = 1 << 20) -> int:
-    """CRC32 of a file, read in 1 MiB chunks (bounded memory for any file size)."""
-    value = 0
-    with open(path, "rb") as handle:
-        while block := handle.read(chunk):
-            value = zlib.crc32(block, value)
-    return value
-
-
-def write_meta(folder: Path, meta: dict[str, Any]) -> None:
+def write_meta(folder: Location, meta: dict[str, Any]) -> None:
     """Write ``fsdp_meta.json`` into ``folder``."""
-    (folder / META_FILE).write_text(json.dumps(meta, indent=1, sort_keys=True))
+    with folder.fs.open(folder.child(META_FILE).path, "w") as handle:
+        handle.write(json.dumps(meta, indent=1, sort_keys=True))
 
 
-def is_sharded_checkpoint(path: Path) -> bool:
+def is_sharded_checkpoint(path: str | os.PathLike | Location) -> bool:
     """Whether ``path`` is a sharded checkpoint folder: ours, or one of Lightning's FSDPStrategy."""
-    return path.is_dir() and ((path / META_FILE).is_file() or _is_lightning_folder(path))
+    folder = storage.locate(path)
+    return storage.isdir(folder) and (storage.isfile(folder.child(META_FILE)) or _is_lightning_folder(folder))
 
 
-def _is_lightning_folder(path: Path) -> bool:
-    return (path / LIGHTNING_FILE).is_file() and (path / DCP_METADATA).is_file()
+def _is_lightning_folder(folder: Location) -> bool:
+    return storage.isfile(folder.child(LIGHTNING_FILE)) and storage.isfile(folder.child(DCP_METADATA))
 
 
-def folder_meta(folder: Path) -> dict[str, Any] | None:
+def folder_meta(path: str | os.PathLike | Location) -> dict[str, Any] | None:
     """Our ``fsdp_meta.json`` (checked), or None for a folder of Lightning's FSDPStrategy."""
-    if folder.is_dir() and not (folder / META_FILE).exists() and _is_lightning_folder(folder):
+    folder = storage.locate(path)
+    if storage.isdir(folder) and not storage.exists(folder.child(META_FILE)) and _is_lightning_folder(folder):
         return None
     return read_meta(folder)
 
 
-def load_object(path: Path, weights_only: bool | None, mmap: bool = False) -> Any:
-    """``torch.load`` a checkpoint file on the CPU; errors name the file (``weights_only``: as
-    ``torch.load``'s, None being torch's default)."""
-    if not path.is_file():
-        raise CheckpointError(f"{path}: missing")
+def load_object(path: str | os.PathLike | Location, weights_only: bool | None, mmap: bool = False) -> Any:
+    """``torch.load`` a checkpoint file on the CPU (memory-mapped with ``mmap`` on a local disk);
+    errors name the file (``weights_only``: as ``torch.load``'s, None being torch's default)."""
+    where = storage.locate(path)
+    if not storage.isfile(where):
+        raise CheckpointError(f"{where}: missing")
     try:
-        return torch.load(path, map_location="cpu", weights_only=weights_only, mmap=mmap)
+        if where.local:
+            return torch.load(where.path, map_location="cpu", weights_only=weights_only, mmap=mmap)
+        with where.fs.open(where.path, "rb") as handle:
+            return torch.load(handle, map_location="cpu", weights_only=weights_only)
     except pickle.UnpicklingError as error:
         raise CheckpointError(
             f"{path}: refused by weights_only loading ({error}). Pass weights_only=False to "
@@ -112,22 +79,24 @@ def load_object(path: Path, weights_only: bool | None, mmap: bool = False) -> An
         raise CheckpointError(f"{path}: not a readable checkpoint file ({type(error).__name__}: {error})") from None
 
 
-def read_meta(folder: Path) -> dict[str, Any]:
+def read_meta(path: str | os.PathLike | Location) -> dict[str, Any]:
     """Read and check ``fsdp_meta.json``: present, parseable, of a known format version."""
-    if not folder.exists():
+    folder = storage.locate(path)
+    if not storage.exists(folder):
         raise FileNotFoundError(f"checkpoint {str(folder)!r} does not exist")
-    if not folder.is_dir():
+    if not storage.isdir(folder):
         raise CheckpointError(
             f"{str(folder)!r} is a file, but a sharded checkpoint (a folder with {META_FILE}) is expected"
         )
-    meta_path = folder / META_FILE
-    if not meta_path.is_file():
+    meta_path = folder.child(META_FILE)
+    if not storage.isfile(meta_path):
         raise CheckpointError(
             f"{str(folder)!r} has no {META_FILE} (nor Lightning FSDP's {LIGHTNING_FILE} and {DCP_METADATA}): "
             "not a sharded checkpoint"
         )
     try:
-        meta = json.loads(meta_path.read_text())
+        with meta_path.fs.open(meta_path.path, "r") as handle:
+            meta = json.loads(handle.read())
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise CheckpointError(f"{meta_path}: unreadable ({error})") from None
     version = meta.get("format_version")
@@ -138,13 +107,13 @@ def read_meta(folder: Path) -> dict[str, Any]:
     return meta
 
 
-def verify_files(folder: Path, checksums: dict[str, int], names: list[str]) -> list[str]:
+def verify_files(folder: Location, checksums: dict[str, int], names: list[str]) -> list[str]:
     """Problems (missing file, wrong size or CRC32) among ``names``; [] when all are intact."""
     problems = []
     for name in names:
-        path = folder / name
-        if not path.is_file():
+        path = folder.child(name)
+        if not storage.isfile(path):
             problems.append(f"{path}: missing (written by the checkpoint, key 'checksums.{name}')")
-        elif file_crc32(path) != checksums[name]:
+        elif storage.crc32(path) != checksums[name]:
             problems.append(f"{path}: corrupted or truncated (CRC32 differs from key 'checksums.{name}')")
     return problems

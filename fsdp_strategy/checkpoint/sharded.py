@@ -27,15 +27,16 @@ them in the dtype they had before, as FSDP1's does, so it loads anywhere unchang
 from __future__ import annotations
 
 import logging
-from pathlib import Path
+import os
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from fsdp_strategy.checkpoint import layout, names
+from fsdp_strategy.checkpoint import layout, names, storage
 from fsdp_strategy.checkpoint.layout import CheckpointError
+from fsdp_strategy.checkpoint.storage import Location
 from fsdp_strategy.engine import Scheduler, collectives, get_scheduler
 from fsdp_strategy.engine.param import ShardedParam
 
@@ -121,28 +122,47 @@ def plan(module: nn.Module) -> dict[str, Any]:
     return {"params": params, "buffers": buffers}
 
 
-def write_dcp(folder: Path, state: dict, process_group: Any = None) -> None:
+def dcp_writer(folder: Location) -> Any:
+    """DCP's writer for ``folder``: its file-system writer on a local disk, its fsspec one elsewhere."""
+    if folder.local:
+        return dcp.FileSystemWriter(folder.path)
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    return FsspecWriter(folder.url)
+
+
+def dcp_reader(folder: Location) -> Any:
+    """DCP's reader for ``folder`` (see ``dcp_writer``)."""
+    if folder.local:
+        return dcp.FileSystemReader(folder.path)
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    return FsspecReader(folder.url)
+
+
+def write_dcp(folder: Location, state: dict, process_group: Any = None) -> None:
     """Every rank writes its own shards into ``folder`` (collectives only for the plan)."""
-    writer = dcp.FileSystemWriter(str(folder))
     planner = dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True)
-    dcp.save(state, storage_writer=writer, planner=planner, process_group=process_group)
+    dcp.save(state, storage_writer=dcp_writer(folder), planner=planner, process_group=process_group)
 
 
-def finish_folder(folder: Path, meta: dict, lightning_state: dict, process_group: Any = None) -> None:
+def finish_folder(folder: Location, meta: dict, lightning_state: dict, process_group: Any = None) -> None:
     """Checksum each rank's files, then rank 0 writes ``meta.pt`` and ``fsdp_meta.json``."""
     rank, _ = collectives.process_rank(process_group)
-    own = {p.name: layout.file_crc32(p) for p in folder.glob(f"__{rank}_*.distcp")}
+    mine = [n for n in storage.names(folder) if n.startswith(f"__{rank}_") and n.endswith(".distcp")]
+    own = {name: storage.crc32(folder.child(name)) for name in mine}
     checksums = {}
     for part in collectives.all_gather_objects(own, process_group):
         checksums.update(part)
     if rank == 0:
-        checksums[layout.DCP_METADATA] = layout.file_crc32(folder / layout.DCP_METADATA)
-        torch.save(lightning_state, folder / layout.LIGHTNING_FILE)
-        checksums[layout.LIGHTNING_FILE] = layout.file_crc32(folder / layout.LIGHTNING_FILE)
+        checksums[layout.DCP_METADATA] = storage.crc32(folder.child(layout.DCP_METADATA))
+        with folder.fs.open(folder.child(layout.LIGHTNING_FILE).path, "wb") as handle:
+            torch.save(lightning_state, handle)
+        checksums[layout.LIGHTNING_FILE] = storage.crc32(folder.child(layout.LIGHTNING_FILE))
         layout.write_meta(folder, {**meta, "checksums": checksums})
 
 
-def check_compatible(folder: Path, saved: dict[str, tuple | None], module: nn.Module, strict: bool) -> None:
+def check_compatible(folder: Location, saved: dict[str, tuple | None], module: nn.Module, strict: bool) -> None:
     """Missing or unexpected keys (with ``strict``) and shape mismatches, named with the folder and key.
 
     ``saved``: the checkpoint's model keys and their shapes (None for a non-tensor entry).
@@ -150,7 +170,7 @@ def check_compatible(folder: Path, saved: dict[str, tuple | None], module: nn.Mo
     current = plan(module)
     here = {**current["params"], **current["buffers"]}
     missing, unexpected = sorted(set(here) - set(saved)), sorted(set(saved) - set(here))
-    where = folder / layout.DCP_METADATA
+    where = folder.child(layout.DCP_METADATA)
     if strict and (missing or unexpected):
         raise CheckpointError(
             f"{where}: checkpoint of another model: keys missing from it {missing}, unexpected keys {unexpected}"
@@ -163,7 +183,7 @@ def check_compatible(folder: Path, saved: dict[str, tuple | None], module: nn.Mo
             )
 
 
-def verify_folder(folder: Path, meta: dict, process_group: Any = None) -> None:
+def verify_folder(folder: Location, meta: dict, process_group: Any = None) -> None:
     """Each rank checks a share of the files; any problem is raised on every rank."""
     rank, world = collectives.process_rank(process_group)
     files = sorted(meta.get("checksums", {}))
@@ -177,11 +197,11 @@ class _StoredKeys:
     """The folder's DCP keys: ``flat key -> path`` (e.g. ``("optimizer_0", "state", name, "exp_avg")``)
     and the stored size of each tensor (None for an object)."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Location) -> None:
         try:
-            metadata = dcp.FileSystemReader(str(folder)).read_metadata()
+            metadata = dcp_reader(folder).read_metadata()
         except Exception as error:  # DCP raises several types for a missing or damaged .metadata
-            where = folder / layout.DCP_METADATA
+            where = folder.child(layout.DCP_METADATA)
             raise CheckpointError(f"{where}: unreadable ({type(error).__name__}: {error})") from None
         self.paths = {key: tuple(path) for key, path in (metadata.planner_data or {}).items()}
         self.sizes = {
@@ -236,7 +256,7 @@ def _buffer_targets(module: nn.Module, state: dict[str, torch.Tensor]) -> list[t
 
 
 def _optimizer_targets(
-    module: nn.Module, stored: _StoredKeys, state_keys: dict[tuple[str, str], str], where: Path
+    module: nn.Module, stored: _StoredKeys, state_keys: dict[tuple[str, str], str], where: Location
 ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
     """(``flat key -> tensor DCP loads into``, ``name -> {state key -> this rank's tensor}``)."""
     by_fqn = {p.fqn: p for p in names.shard_owners(module).values()}
@@ -261,7 +281,7 @@ def _optimizer_targets(
 
 
 def load_folder(
-    folder: Path,
+    path: str | os.PathLike | Location,
     module: nn.Module,
     optimizers: list[torch.optim.Optimizer],
     strict: bool = True,
@@ -275,22 +295,23 @@ def load_folder(
     folder's ``fsdp_meta.json`` if the caller has read it. With ``strict=False`` the keys both
     sides have are loaded. ``weights_only``: as ``torch.load``'s, for ``meta.pt``.
     """
+    folder = storage.locate(path)
     meta = meta if meta is not None else layout.folder_meta(folder)
     rest = read_rest(folder, meta, weights_only)
     load_tensors(folder, module, optimizers, rest, strict, process_group, meta)
     return rest
 
 
-def read_rest(folder: Path, meta: dict[str, Any] | None, weights_only: bool | None = None) -> dict[str, Any]:
+def read_rest(folder: Location, meta: dict[str, Any] | None, weights_only: bool | None = None) -> dict[str, Any]:
     """Lightning's state of a folder (``meta.pt``; ``lightning.pt`` in format 1), read on the CPU."""
     version = meta["format_version"] if meta is not None else layout.FORMAT_VERSION
     return layout.load_object(
-        folder / (layout.LEGACY_LIGHTNING_FILE if version == 1 else layout.LIGHTNING_FILE), weights_only
+        folder.child(layout.LEGACY_LIGHTNING_FILE if version == 1 else layout.LIGHTNING_FILE), weights_only
     )
 
 
 def load_tensors(
-    folder: Path,
+    folder: Location,
     module: nn.Module,
     optimizers: list[torch.optim.Optimizer],
     rest: dict[str, Any],
@@ -321,7 +342,7 @@ def load_tensors(
         flat.update(targets)
         flat.update(_object_targets(stored, group_paths))
         loaded.append((local_state, state_keys, group_paths, targets))
-    dcp.load(flat, storage_reader=dcp.FileSystemReader(str(folder)), process_group=process_group)
+    dcp.load(flat, storage_reader=dcp_reader(folder), process_group=process_group)
     for target, buffer in buffers:
         buffer.data.copy_(target)
     _clear_scalar_padding(module)
@@ -375,13 +396,14 @@ def prepare_state(module: nn.Module, optimizers: list[torch.optim.Optimizer]) ->
 
 
 def save_folder(
-    folder: Path,
+    path: str | os.PathLike | Location,
     module: nn.Module,
     optimizers: list[torch.optim.Optimizer],
     lightning_state: dict,
     process_group: Any = None,
 ) -> None:
-    """Write a complete sharded checkpoint into ``folder`` (every rank writes only its shards)."""
+    """Write a complete sharded checkpoint into ``path`` (every rank writes only its shards)."""
+    folder = storage.locate(path)
     write_dcp(folder, prepare_state(module, optimizers), process_group)
     finish_folder(folder, build_meta(module), lightning_state, process_group)
 

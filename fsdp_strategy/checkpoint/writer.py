@@ -1,28 +1,31 @@
 """CheckpointWriter: writes checkpoints atomically, in the foreground or in the background.
 
 Every write goes to a temporary name and is committed by rank 0 once all ranks are done (see
-[Note: atomic commit]). With ``async_save`` a sharded save stages the shards to CPU memory,
-returns, and writes on a background thread that talks over its own gloo process group (so its
-collectives never interleave with training's); the next save, a removal, a load or the end of
-training waits for it. Costs of async: a CPU copy of this rank's shards while it is written.
+[Note: atomic commit] in storage.py), on a local disk or any fsspec filesystem. With
+``async_save`` a sharded save stages the shards to CPU memory, returns, and writes on a
+background thread that talks over its own gloo process group (so its collectives never
+interleave with training's); the next save, a removal, a load or the end of training waits for
+it. Costs of async: a CPU copy of this rank's shards while it is written.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+import os
 import threading
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from fsdp_strategy.checkpoint import layout, sharded
+from fsdp_strategy.checkpoint import sharded, storage
+from fsdp_strategy.checkpoint.storage import Location
 from fsdp_strategy.engine import collectives
 
 log = logging.getLogger(__name__)
+Where = str | os.PathLike | Location
 
 
 def _is_rank0() -> bool:
@@ -52,27 +55,29 @@ class CheckpointWriter:
             error, self._error = self._error, None
             raise RuntimeError(f"the background checkpoint save failed: {error}") from error
 
-    def save_full(self, final: Path, temporary: Path, write: Callable[[Path], None]) -> None:
-        """Rank 0 writes one file with ``write(temporary)``; committed after every rank arrives."""
+    def save_full(self, final: Where, temporary: Where, write: Callable[[str], None]) -> None:
+        """Rank 0 writes one file with ``write(temporary url)``; committed after every rank arrives."""
+        final, temporary = storage.locate(final), storage.locate(temporary)
         self.wait()
         if _is_rank0():
-            write(temporary)
+            write(temporary.url)
         collectives.barrier()
         if _is_rank0():
-            layout.commit(temporary, final)
+            storage.commit(temporary, final)
         collectives.barrier()
 
     def save_sharded(
-        self, final: Path, temporary: Path, module: nn.Module, optimizers: list, lightning_state: dict
+        self, final: Where, temporary: Where, module: nn.Module, optimizers: list, lightning_state: dict
     ) -> None:
         """Every rank writes its shards into ``temporary``; rank 0 commits it to ``final``."""
+        final, temporary = storage.locate(final), storage.locate(temporary)
         self.wait()
-        temporary.mkdir(parents=True, exist_ok=True)
+        storage.makedirs(temporary)
         if not self.async_save:
             sharded.save_folder(temporary, module, optimizers, lightning_state)
             collectives.barrier()
             if _is_rank0():
-                layout.commit(temporary, final)
+                storage.commit(temporary, final)
             collectives.barrier()
             return
         state = sharded.prepare_state(module, optimizers)
@@ -80,30 +85,30 @@ class CheckpointWriter:
         extra = copy.deepcopy(lightning_state)
         planner = dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True)
         future = dcp.async_save(
-            state, storage_writer=dcp.FileSystemWriter(str(temporary)), planner=planner, process_group=self._group
+            state, storage_writer=sharded.dcp_writer(temporary), planner=planner, process_group=self._group
         )
         self._thread = threading.Thread(
             target=self._finish, args=(future, temporary, final, meta, extra), name="fsdp-checkpoint", daemon=True
         )
         self._thread.start()
 
-    def _finish(self, future: Any, temporary: Path, final: Path, meta: dict, extra: dict) -> None:
+    def _finish(self, future: Any, temporary: Location, final: Location, meta: dict, extra: dict) -> None:
         try:
             (future.upload_completion if hasattr(future, "upload_completion") else future).result()
             sharded.finish_folder(temporary, meta, extra, self._group)
             collectives.barrier(self._group)
             if _is_rank0():
-                layout.commit(temporary, final)
+                storage.commit(temporary, final)
             collectives.barrier(self._group)
         except BaseException as error:  # noqa: BLE001 - reported by the next wait()
             log.error("background checkpoint save to %s failed: %s", final, error)
             self._error = error
 
-    def remove(self, path: Path) -> None:
+    def remove(self, path: Where) -> None:
         """Delete a checkpoint (file or folder) on rank 0, after any save in flight."""
         self.wait()
         if _is_rank0():
-            layout.remove(path)
+            storage.remove(storage.locate(path))
 
     def teardown(self) -> None:
         """Finish the save in flight and release the background process group."""

@@ -1,0 +1,181 @@
+"""Where a checkpoint lives: a local path or any fsspec URL (``s3://``, ``gs://``, ``memory://``,
+``file://``), resolved as Lightning's ``get_filesystem`` does; and how one is committed.
+
+[Note: atomic commit]
+A checkpoint is written under a hidden temporary name next to its final one (``.NAME.tmp-<id>``:
+``ckpt_path="last"`` and ModelCheckpoint ignore names starting with a dot) and moved to its
+final name by rank 0 once every rank has finished. Replacing a checkpoint of ours leaves no
+moment without a complete checkpoint under a name ``ckpt_path="last"`` finds: on a local disk a
+file is replaced by one atomic ``rename``, a folder is swapped with the new one by one atomic
+``renameat2(RENAME_EXCHANGE)`` (Linux); elsewhere (other systems, object stores) the old one is
+first renamed to ``STEM.replaced-<id>SUFFIX`` (``last.replaced-1f2e.ckpt``: still found by
+``ckpt_path="last"``, and older than the new one) and deleted once the new one is in place.
+A save never deletes what is not a checkpoint: see ``refuse_to_replace``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import uuid
+import zipfile
+import zlib
+from pathlib import PurePosixPath
+from typing import Any, NamedTuple
+
+from lightning.fabric.utilities.cloud_io import get_filesystem
+
+
+class Location(NamedTuple):
+    """A file or folder on some filesystem: ``fs``, its ``path`` there, and the ``url`` as given."""
+
+    fs: Any
+    path: str
+    url: str
+
+    @property
+    def local(self) -> bool:
+        """Whether it is on this machine's disk (os calls and memory-mapping apply)."""
+        return "file" in _protocols(self.fs)
+
+    @property
+    def name(self) -> str:
+        return PurePosixPath(self.path).name
+
+    def child(self, name: str) -> Location:
+        """The entry ``name`` inside this folder."""
+        return Location(self.fs, f"{self.path.rstrip('/')}/{name}", f"{self.url.rstrip('/')}/{name}")
+
+    def sibling(self, name: str) -> Location:
+        """The entry ``name`` next to this one."""
+        parent = str(PurePosixPath(self.path).parent)
+        url_parent = self.url.rstrip("/").rsplit("/", 1)[0] if "/" in self.url.rstrip("/") else "."
+        return Location(self.fs, f"{parent}/{name}", f"{url_parent}/{name}")
+
+    def __str__(self) -> str:
+        return self.url
+
+
+def _protocols(fs: Any) -> tuple[str, ...]:
+    protocol = fs.protocol
+    return tuple(protocol) if isinstance(protocol, (tuple, list)) else (protocol,)
+
+
+def locate(where: str | os.PathLike | Location) -> Location:
+    """Resolve a path or URL as Lightning does (``get_filesystem``)."""
+    if isinstance(where, Location):
+        return where
+    url = os.fspath(where)
+    fs = get_filesystem(url)
+    path = url if "file" in _protocols(fs) and "://" not in url else fs._strip_protocol(url)
+    return Location(fs, path, url)
+
+
+def exists(loc: Location) -> bool:
+    return loc.fs.exists(loc.path)
+
+
+def isdir(loc: Location) -> bool:
+    return loc.fs.isdir(loc.path)
+
+
+def isfile(loc: Location) -> bool:
+    return loc.fs.isfile(loc.path)
+
+
+def names(loc: Location) -> list[str]:
+    """The names of a folder's entries."""
+    return sorted(PurePosixPath(entry).name for entry in loc.fs.ls(loc.path, detail=False))
+
+
+def makedirs(loc: Location) -> None:
+    loc.fs.makedirs(loc.path, exist_ok=True)
+
+
+def remove(loc: Location) -> None:
+    """Delete a checkpoint file or folder (missing is fine)."""
+    if loc.fs.exists(loc.path):
+        loc.fs.rm(loc.path, recursive=True)
+
+
+def crc32(loc: Location, chunk: int = 1 << 20) -> int:
+    """CRC32 of a file, read in 1 MiB chunks (bounded memory for any file size)."""
+    value = 0
+    with loc.fs.open(loc.path, "rb") as handle:
+        while block := handle.read(chunk):
+            value = zlib.crc32(block, value)
+    return value
+
+
+def temporary(final: Location) -> Location:
+    """A fresh hidden name next to ``final`` for writing before the commit."""
+    return final.sibling(f".{final.name}.tmp-{uuid.uuid4().hex[:12]}")
+
+
+def refuse_to_replace(final: Location, state_dict_type: str) -> BaseException | None:
+    """The error a save to ``final`` must raise before writing anything, or None.
+
+    A save replaces only a checkpoint: a file torch wrote, or a folder holding a sharded
+    checkpoint (ours or Lightning FSDP's), or an empty folder (sharded only). A full save onto
+    another folder is Lightning's ``IsADirectoryError``; anything else is a ``FileExistsError``.
+    """
+    from fsdp_strategy.checkpoint import layout
+
+    if not exists(final):
+        return None
+    if isdir(final):
+        if layout.is_sharded_checkpoint(final):
+            return None
+        if state_dict_type == "full":
+            return IsADirectoryError(f"The checkpoint path exists and is a directory: {final}")
+        entries = names(final)
+        if not entries:
+            return None
+        return FileExistsError(
+            f"{final} is a folder of other files ({entries[:5]}{' ...' if len(entries) > 5 else ''}), not a "
+            "checkpoint: a sharded save would mix with them. Save to another path"
+        )
+    if _is_torch_file(final):
+        return None
+    return FileExistsError(f"{final} exists and is not a checkpoint written by torch; it is not overwritten")
+
+
+def _is_torch_file(loc: Location) -> bool:
+    try:
+        with loc.fs.open(loc.path, "rb") as handle, zipfile.ZipFile(handle) as archive:
+            return any(name.endswith("data.pkl") for name in archive.namelist())
+    except (zipfile.BadZipFile, OSError):
+        return False
+
+
+def commit(temporary: Location, final: Location) -> None:
+    """Move a finished checkpoint to its final name ([Note: atomic commit]). Rank 0 only."""
+    final.fs.makedirs(str(PurePosixPath(final.path).parent), exist_ok=True)
+    if not exists(final):
+        final.fs.mv(temporary.path, final.path, recursive=True)
+        return
+    if final.local and isfile(final) and isfile(temporary):
+        os.replace(temporary.path, final.path)
+        return
+    if final.local and _exchange(temporary.path, final.path):
+        remove(temporary)  # holds the old checkpoint now
+        return
+    stem, dot, suffix = final.name.partition(".")
+    replaced = final.sibling(f"{stem}.replaced-{uuid.uuid4().hex[:8]}{dot}{suffix}")
+    final.fs.mv(final.path, replaced.path, recursive=True)
+    final.fs.mv(temporary.path, final.path, recursive=True)
+    remove(replaced)
+
+
+_RENAME_EXCHANGE = 2
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swap two paths atomically (Linux ``renameat2``); False where the system cannot."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    at_fdcwd = -100
+    result = renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE)
+    return result == 0
