@@ -43,7 +43,8 @@ def check_fsdp_keywords(kwargs: dict[str, Any]) -> None:
         raise TypeError(
             f"FSDPCustomStrategy got unexpected arguments {unknown}; accepted: sharding_strategy, auto_wrap_policy, "
             "mixed_precision, cpu_offload, activation_checkpointing_policy, state_dict_type, device_mesh, async_save, "
-            "param_init_fn, forward_prefetch, backward_prefetch, sync_module_states, process_group_backend, timeout, "
+            "param_init_fn, forward_prefetch, backward_prefetch, sync_module_states, ignored_modules, "
+            "process_group_backend, timeout, "
             f"and FSDP's {sorted(FSDP_KEYWORDS)}"
         )
     for name, value in kwargs.items():

@@ -107,6 +107,8 @@ class FSDPCustomStrategy(ParallelStrategy):
             True, unlike FSDP1's False: the engine never holds more than one unit ahead).
         backward_prefetch: "BACKWARD_PRE" (default), "BACKWARD_POST" or None, as FSDP1's.
         sync_module_states: broadcast global rank 0's parameters and buffers before sharding.
+        ignored_modules: modules of the model whose parameters are not sharded nor synchronized
+            (FSDP1's meaning: every rank keeps them whole; freeze them or sync them yourself).
         process_group_backend: "gloo", "nccl", ...; default: by device.
         timeout: a ``timedelta``: timeout of every collective (a rank that dies fails the others after it).
         FSDP keywords Lightning passes through: ``use_orig_params=True`` and
@@ -142,6 +144,7 @@ class FSDPCustomStrategy(ParallelStrategy):
         forward_prefetch: bool = True,
         backward_prefetch: str | BackwardPrefetch | Any = "BACKWARD_PRE",
         sync_module_states: bool = False,
+        ignored_modules: list[torch.nn.Module] | None = None,
         **fsdp_kwargs: Any,
     ) -> None:
         check_fsdp_keywords(fsdp_kwargs)
@@ -184,6 +187,12 @@ class FSDPCustomStrategy(ParallelStrategy):
         if not isinstance(sync_module_states, bool):
             raise TypeError(f"sync_module_states must be a bool, got {sync_module_states!r}")
         self.sync_module_states = sync_module_states
+        if ignored_modules is not None and (
+            isinstance(ignored_modules, torch.nn.Module)
+            or not all(isinstance(m, torch.nn.Module) for m in ignored_modules)
+        ):
+            raise TypeError(f"ignored_modules must be a list of modules of the model, got {ignored_modules!r}")
+        self.ignored_modules = ignored_modules
         self._ledger_global_step: int | None = None  # the global_step the ledger's count started at
         self._data_position: DataPosition | None = None  # the training dataloader's, once built
         self._data_position_to_load: dict | None = None  # from the checkpoint being resumed
@@ -347,6 +356,7 @@ class FSDPCustomStrategy(ParallelStrategy):
             forward_prefetch=self.forward_prefetch,
             backward_prefetch=self.backward_prefetch,
             sync_module_states=self.sync_module_states,
+            ignored_modules=self.ignored_modules,
         )
         _move_torchmetrics_to_device(model, self.root_device)
         units = self.scheduler.units

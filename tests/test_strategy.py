@@ -246,6 +246,7 @@ def test_registered_names_and_variants():
         ({"sync_module_states": 1}, TypeError, "sync_module_states must be a bool"),
         ({"activation_checkpointing": Block, "activation_checkpointing_policy": {Block}}, ValueError, "both"),
         ({"activation_checkpointing": "Block"}, TypeError, "activation_checkpointing must be a module class"),
+        ({"ignored_modules": torch.nn.Linear(2, 2)}, TypeError, "ignored_modules must be a list of modules"),
     ],
 )
 def test_bad_arguments_fail_at_construction(kwargs, error, message):

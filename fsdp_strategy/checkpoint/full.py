@@ -108,7 +108,7 @@ def full_optimizer_state_dict(
     """
     scheduler = get_scheduler(module)
     keep = not rank0_only or _is_rank0()
-    owners = names.shard_owners(module)
+    owners = names.optimizer_owners(module)
     position = {
         id(p.sharded): i for i, p in enumerate(p for group in names.optimizer_params(optimizer, owners) for p in group)
     }
@@ -133,6 +133,12 @@ def full_optimizer_state_dict(
                         entry[key] = value.clone() if torch.is_tensor(value) else value
     if not keep:
         return {}
+    for owner in owners.values():  # whole parameters ([Note: ignored modules]): their state as is
+        if isinstance(owner, names.WholeParam) and id(owner.sharded) in position:
+            state = per_param.get(id(owner.sharded), {})
+            entry = {key: value.clone() if torch.is_tensor(value) else value for key, value in state.items()}
+            if entry:
+                out_state[position[id(owner.sharded)]] = entry
     return {"state": dict(sorted(out_state.items())), "param_groups": names.torch_groups(optimizer)}
 
 
@@ -150,7 +156,7 @@ def load_full_optimizer_state_dict(
     full files) and keyed by parameter name (FSDP's, Lightning's consolidated folders, our
     format-1 files): see ``names.py``.
     """
-    names.load_state(optimizer, names.shard_owners(module), state_dict, source, cut_rows=True)
+    names.load_state(optimizer, names.optimizer_owners(module), state_dict, source, cut_rows=True)
 
 
 def load_full_checkpoint(

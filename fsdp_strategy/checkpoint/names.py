@@ -32,6 +32,29 @@ def shard_owners(module: nn.Module) -> dict[int, ShardedParam]:
     return {id(p.sharded): p for p in get_scheduler(module).sharded_params()}
 
 
+class WholeParam:
+    """A parameter the engine does not shard ([Note: ignored modules]): every rank holds it whole,
+    so its optimizer state is saved and loaded as is. Quacks like ShardedParam for this module."""
+
+    shard_rank = 0
+
+    def __init__(self, fqn: str, param: nn.Parameter) -> None:
+        self.fqn = fqn
+        self.sharded = param
+        self.shape = param.shape
+
+    def local_rows(self, full: torch.Tensor, shard_rank: int) -> torch.Tensor:
+        """The whole tensor: every rank holds all of it."""
+        return full
+
+
+def optimizer_owners(module: nn.Module) -> dict[int, ShardedParam | WholeParam]:
+    """``shard_owners`` plus the parameters of ignored modules, which optimizers hold too."""
+    owners: dict[int, ShardedParam | WholeParam] = dict(shard_owners(module))
+    owners.update({id(p): WholeParam(name, p) for name, p in get_scheduler(module).ignored_params.items()})
+    return owners
+
+
 def optimizer_params(optimizer: torch.optim.Optimizer, owners: Mapping[int, ShardedParam]) -> list[list[ShardedParam]]:
     """The optimizer's parameters, group by group, as ShardedParams (a parameter we do not shard is an error)."""
     groups = []

@@ -62,8 +62,10 @@ def _mesh(scheduler: Scheduler) -> tuple[Any, tuple] | None:
     return scheduler.__dict__[_MESH_ATTR]
 
 
-def _view(param: ShardedParam, local: torch.Tensor, mesh: tuple[Any, tuple] | None) -> torch.Tensor:
+def _view(param: ShardedParam | names.WholeParam, local: torch.Tensor, mesh: tuple[Any, tuple] | None) -> torch.Tensor:
     """A shard-shaped tensor as the checkpoint sees it (see [Note: shards as DTensors])."""
+    if isinstance(param, names.WholeParam):  # [Note: ignored modules]: whole on every rank
+        return local
     if param.shape == torch.Size([]):
         return local.reshape(-1)[:1].reshape(())
     rows = local.view(param.chunk_rows, *param.row_shape)
@@ -95,7 +97,7 @@ def model_state(module: nn.Module) -> dict[str, torch.Tensor]:
 
 def optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """FSDP's sharded ``optim_state_dict`` layout: state keyed by name, shards as checkpoint views."""
-    owners, mesh = names.shard_owners(module), _mesh(get_scheduler(module))
+    owners, mesh = names.optimizer_owners(module), _mesh(get_scheduler(module))
     state: dict[str, dict[str, Any]] = {}
     for group in names.optimizer_params(optimizer, owners):
         for param in group:
@@ -259,7 +261,7 @@ def _optimizer_targets(
     module: nn.Module, stored: _StoredKeys, state_keys: dict[tuple[str, str], str], where: Location
 ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
     """(``flat key -> tensor DCP loads into``, ``name -> {state key -> this rank's tensor}``)."""
-    by_fqn = {p.fqn: p for p in names.shard_owners(module).values()}
+    by_fqn = {p.fqn: p for p in names.optimizer_owners(module).values()}
     unknown = sorted({fqn for fqn, _ in state_keys} - set(by_fqn))
     if unknown:
         raise CheckpointError(f"{where}: optimizer state for parameters the model does not have: {unknown}")
@@ -346,7 +348,7 @@ def load_tensors(
     for target, buffer in buffers:
         buffer.data.copy_(target)
     _clear_scalar_padding(module)
-    owners = names.shard_owners(module)
+    owners = names.optimizer_owners(module)
     for index, (optimizer, (local_state, state_keys, group_paths, targets)) in enumerate(zip(optimizers, loaded)):
         for (fqn, key), flat_key in state_keys.items():
             if targets[flat_key] is None:

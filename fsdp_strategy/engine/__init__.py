@@ -10,7 +10,7 @@ runs as a group of one.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -23,6 +23,7 @@ from fsdp_strategy.engine import collectives
 from fsdp_strategy.engine.accounting import MemoryAccount
 from fsdp_strategy.engine.collectives import CommGroup, CommLedger
 from fsdp_strategy.engine.guard import install_guards
+from fsdp_strategy.engine.ignored import find_ignored
 from fsdp_strategy.engine.init import ParamInitFn, materialize, meta_tensor_names, weight_initializers
 from fsdp_strategy.engine.order import Prefetch
 from fsdp_strategy.engine.param import ShardedParam, ShardLayout
@@ -73,6 +74,7 @@ def shard_model(
     forward_prefetch: bool = True,
     backward_prefetch: Any = "BACKWARD_PRE",
     sync_module_states: bool = False,
+    ignored_modules: Iterable[nn.Module] | None = None,
 ) -> nn.Module:
     """Shard ``module``'s parameters in place across the ranks and install the schedule.
 
@@ -82,6 +84,7 @@ def shard_model(
     ``param_init_fn`` has FSDP1's meaning). ``forward_prefetch``/``backward_prefetch``: which
     all-gathers are issued ahead of their unit (see ``Prefetch``). ``sync_module_states``: every
     parameter and buffer takes global rank 0's value before sharding (one broadcast each).
+    ``ignored_modules``: left whole and unsynchronized on every rank ([Note: ignored modules]).
     Costs at rest: 1/N of the parameters plus padding; while running, the units gathered now.
     """
     if is_sharded(module):
@@ -101,8 +104,9 @@ def shard_model(
     compute_device = torch.device(device) if device is not None else _default_device(module)
     storage_device = torch.device("cpu") if offload.offload_params else compute_device
 
-    unit_modules = [module, *select_unit_modules(module, policy)]
-    placement = plan_units(module, unit_modules)
+    ignored = find_ignored(module, ignored_modules)
+    unit_modules = [module, *(m for m in select_unit_modules(module, policy) if id(m) not in ignored.module_ids)]
+    placement = plan_units(module, unit_modules, skip=ignored.module_ids)
     initializers = weight_initializers(module)
     module_names = {id(m): name for name, m in module.named_modules()}
     layout = ShardLayout(shard_comm.rank, shard_comm.size, storage_device, compute_device, precision.param_dtype)
@@ -131,11 +135,14 @@ def shard_model(
     leftover = meta_tensor_names(module)
     if leftover:
         raise ValueError(f"parameters left on the meta device: {leftover}; materialize them before sharding")
+    for root in ignored.roots:
+        root.to(compute_device)
     if sync_module_states:
-        collectives.broadcast_from_rank0([b for b in module.buffers() if b is not None])
-    buffer_dtypes = _place_buffers(module, compute_device, precision.buffer_dtype)
+        collectives.broadcast_from_rank0([*ignored.params.values(), *(b for b in module.buffers() if b is not None)])
+    buffer_dtypes = _place_buffers(module, compute_device, precision.buffer_dtype, ignored.module_ids)
     scheduler = Scheduler(units, strategy, precision, ledger, memory, compute_device, device_mesh, prefetch)
     scheduler.saved_buffer_dtypes = buffer_dtypes
+    scheduler.ignored_params = ignored.params
     install_guards(module, units)
     module.__dict__[_SCHEDULER_ATTR] = scheduler
     return module
@@ -152,13 +159,17 @@ def _default_device(module: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def _place_buffers(root: nn.Module, device: torch.device, dtype: torch.dtype | None) -> dict[str, torch.dtype]:
-    """Move buffers to ``device``, floating ones cast to ``dtype``; return the original dtypes of the cast ones."""
+def _place_buffers(
+    root: nn.Module, device: torch.device, dtype: torch.dtype | None, ignored: frozenset[int]
+) -> dict[str, torch.dtype]:
+    """Move buffers to ``device``, floating ones cast to ``dtype`` (not in ``ignored`` modules);
+    return the original dtypes of the cast ones."""
     original = {}
     for module_name, module in root.named_modules(remove_duplicate=False):
         for name, buffer in module._buffers.items():
             if buffer is not None:
-                cast = dtype if (dtype is not None and buffer.is_floating_point()) else buffer.dtype
+                castable = dtype is not None and buffer.is_floating_point() and id(module) not in ignored
+                cast = dtype if castable else buffer.dtype
                 if cast != buffer.dtype:
                     original[f"{module_name}.{name}" if module_name else name] = buffer.dtype
                 module._buffers[name] = buffer.to(device=device, dtype=cast)

@@ -52,8 +52,11 @@ def _common_unit(chains: list[list[int]]) -> int:
     return chains[0][common]
 
 
-def plan_units(root: nn.Module, unit_modules: list[nn.Module]) -> Placement:
-    """Assign parameters and modules to units ([Note: lowest common unit]); ``unit_modules[0]`` is the root."""
+def plan_units(root: nn.Module, unit_modules: list[nn.Module], skip: frozenset[int] = frozenset()) -> Placement:
+    """Assign parameters and modules to units ([Note: lowest common unit]); ``unit_modules[0]`` is the root.
+
+    ``skip``: ids of modules the engine leaves alone ([Note: ignored modules] in ignored.py).
+    """
     paths = _paths(root)
     unit_at: dict[Path, int] = {}
     for index, module in enumerate(unit_modules):
@@ -68,6 +71,8 @@ def plan_units(root: nn.Module, unit_modules: list[nn.Module]) -> Placement:
     module_owner: dict[int, int] = {}
     modules: dict[int, list[tuple[str, nn.Module]]] = defaultdict(list)
     for name, module in root.named_modules():  # each module once, at its first path
+        if id(module) in skip:
+            continue
         chains = [_chain(path, unit_at) for path in paths[id(module)]]
         owner = _common_unit(chains)
         module_owner[id(module)] = owner

@@ -69,6 +69,7 @@ from fsdp_strategy.config import BackwardPrefetch, MixedPrecision, ShardingStrat
 from fsdp_strategy.engine import collectives
 from fsdp_strategy.engine.accounting import MemoryAccount
 from fsdp_strategy.engine.collectives import CommLedger
+from fsdp_strategy.engine.ignored import local_grad_norm
 from fsdp_strategy.engine.iteration import BackwardPass, Frame, PostBackward, UnitRun, autograd_running
 from fsdp_strategy.engine.order import ExecutionOrder, Prefetch
 from fsdp_strategy.engine.param import ShardedParam
@@ -108,6 +109,7 @@ class Scheduler:
         self.device = device
         # [Note: buffers keep their dtype in checkpoints] state-dict name -> dtype before buffer_dtype cast it
         self.saved_buffer_dtypes: dict[str, torch.dtype] = {}
+        self.ignored_params: dict[str, nn.Parameter] = {}  # [Note: ignored modules] in ignored.py
         self._runs = {id(unit): UnitRun() for unit in units}
         self._root_depth = 0
         self._order = ExecutionOrder()
@@ -443,6 +445,7 @@ class Scheduler:
         chosen = None if parameters is None else {id(p) for p in parameters}
         params = [p for p in self.sharded_params() if chosen is None or id(p.sharded) in chosen]
         grads = [p.sharded.grad.detach() for p in params if p.sharded.grad is not None]
+        ignored = [p for p in self.ignored_params.values() if chosen is None or id(p) in chosen]
         norm_type = float(norm_type)
         infinite = norm_type == float("inf")
         if grads:
@@ -453,6 +456,10 @@ class Scheduler:
         total = local.to(self.device, copy=True)
         op = "max" if infinite else "sum"
         collectives.all_reduce(total, self.root_unit.shard_comm, self.ledger, "clip_grad_norm", op=op).wait()
+        if ignored:  # this rank's own, as FSDP1 counts parameters it does not manage
+            own = local_grad_norm(ignored, norm_type, total.device)
+            total = torch.maximum(total, own) if infinite else total + own
+            grads += [p.grad.detach() for p in ignored if p.grad is not None]
         if not infinite:
             total = total.pow(1.0 / norm_type)
         clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
