@@ -1,6 +1,7 @@
 """Trainer flags and plugins a Lightning user brings along (issue 8): sync_batchnorm synchronizes
-through the engine (oracle: BatchNorm on the global batch in one process), precision plugins are
-converted where their meaning is kept and refused otherwise, whole-model averaging is refused."""
+through the engine (oracle: BatchNorm on the global batch in one process), bf16-mixed buffers are
+checkpointed in fp32, precision plugins are converted where their meaning is kept and refused
+otherwise, whole-model averaging is refused."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from fsdp_strategy import FSDPCustomStrategy
+from fsdp_strategy.checkpoint import consolidate
 
 STEPS, PER_RANK = 3, 4
 
@@ -66,7 +68,7 @@ def _reference(world: int) -> dict:
     return {"losses": losses, "running_mean": module.net[1].running_mean.clone()}
 
 
-def _plugins_body(rank: int, world: int) -> dict:
+def _plugins_body(rank: int, world: int, root: str) -> dict:
     from fsdp_strategy.checkpoint import full_state_dict
 
     result = {}
@@ -80,6 +82,14 @@ def _plugins_body(rank: int, world: int) -> dict:
         state = full_state_dict(trainer.strategy.model, rank0_only=False)
         result[sync] = {"losses": (losses / world).tolist(), "running_mean": state["net.1.running_mean"]}
         result[f"layer_{sync}"] = type(module.net[1]).__name__
+    for kind in ("full", "sharded"):  # bf16-mixed casts buffers to bf16; checkpoints keep them in fp32
+        torch.manual_seed(0)
+        module = NormNet()
+        strategy = FSDPCustomStrategy(state_dict_type=kind)
+        trainer = quiet_trainer(strategy=strategy, devices=world, max_steps=1, precision="bf16-mixed")
+        trainer.fit(module, DataLoader(_data(world), batch_size=PER_RANK))
+        trainer.save_checkpoint(f"{root}/{kind}.ckpt")
+        result[f"{kind}_live_dtype"] = module.net[1].running_mean.dtype
     for callback in (StochasticWeightAveraging(swa_lrs=0.1), EMAWeightAveraging()):
         trainer = quiet_trainer(strategy=FSDPCustomStrategy(), devices=world, max_steps=1, callbacks=[callback])
         try:
@@ -89,9 +99,14 @@ def _plugins_body(rank: int, world: int) -> dict:
     return result
 
 
-def test_sync_batchnorm_matches_batchnorm_on_the_global_batch_and_averaging_is_refused(tmp_path):
-    result = run_ranks(_plugins_body, 2, tmp_path, env=LIGHTNING_ENV, timeout=300)[0]
+def test_sync_batchnorm_buffer_dtypes_in_checkpoints_and_averaging_refused(tmp_path):
+    result = run_ranks(_plugins_body, 2, tmp_path, str(tmp_path), env=LIGHTNING_ENV, timeout=300)[0]
     reference = _reference(2)
+    assert result["full_live_dtype"] == result["sharded_live_dtype"] == torch.bfloat16
+    full = torch.load(tmp_path / "full.ckpt", weights_only=True)["state_dict"]
+    consolidated = torch.load(consolidate(tmp_path / "sharded.ckpt", tmp_path / "s.pt", weights_only=True))
+    for state in (full, consolidated):
+        assert state["net.1.running_mean"].dtype == torch.float32  # as FSDP1 saves them
     assert result["layer_True"] == "SyncBatchNorm" and result["layer_False"] == "BatchNorm1d"
     assert result[True]["losses"] == pytest.approx(reference["losses"], rel=1e-5)
     assert torch.allclose(result[True]["running_mean"], reference["running_mean"], rtol=1e-5, atol=1e-6)
