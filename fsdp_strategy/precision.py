@@ -39,11 +39,9 @@ class FSDPCustomPrecision(FSDPPrecision):
         if scaler is not None and precision != "16-mixed":
             raise ValueError(f"precision={precision!r} does not use a grad scaler, got {scaler}")
         self.precision = precision
-        self._scaler_settings: dict[str, Any] = {}
-        if scaler is not None and type(scaler).__name__ != "ShardedGradScaler":
-            self._scaler_settings = _scaler_settings(scaler)  # made sharded, same settings, in attach()
-            scaler = None
-        self.scaler = scaler
+        # a given scaler is rebuilt in attach() as a ShardedGradScaler for the strategy's device
+        self._scaler_settings, self._scaler_device = _scaler_settings(scaler) if scaler is not None else ({}, None)
+        self.scaler = None
         self._low = _LOW.get(precision.split("-")[0], torch.float32)  # the dtype the name asks for
         self._desired_input_dtype = self._low if precision.endswith("-true") else torch.float32
         self.device_type = "cpu"
@@ -78,7 +76,10 @@ class FSDPCustomPrecision(FSDPPrecision):
         if self.precision == "16-mixed" and self.scaler is None:
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-            self.scaler = ShardedGradScaler(device=device_type, **self._scaler_settings)
+            settings = dict(self._scaler_settings)
+            if not settings.get("enabled", True) and self._scaler_device not in (None, device_type):
+                settings = {}  # disabled only because its device is absent here (FSDPPrecision's CUDA default on a CPU)
+            self.scaler = ShardedGradScaler(device=device_type, **settings)
 
     @property
     def mixed_precision_config(self) -> MixedPrecision | None:  # type: ignore[override]
@@ -105,14 +106,17 @@ def _convertible() -> tuple[type, ...]:
     return (Precision, MixedPrecision, HalfPrecision, DoublePrecision, FSDPPrecision)
 
 
-def _scaler_settings(scaler: Any) -> dict[str, Any]:
-    """A torch ``GradScaler``'s settings, for the ``ShardedGradScaler`` that replaces it."""
+def _scaler_settings(scaler: Any) -> tuple[dict[str, Any], str | None]:
+    """A torch ``GradScaler``'s settings and device, for the ``ShardedGradScaler`` that replaces it."""
     if not isinstance(scaler, torch.amp.GradScaler):
         raise TypeError(f"scaler must be a torch GradScaler or ShardedGradScaler, got {type(scaler).__name__}")
+    device = getattr(scaler, "_device", None)
+    if not scaler.is_enabled():  # a disabled scaler keeps no other settings
+        return {"enabled": False}, device
     return {
-        "init_scale": scaler.get_scale() if scaler.is_enabled() else 2.0**16,
+        "init_scale": scaler.get_scale(),
         "growth_factor": scaler.get_growth_factor(),
         "backoff_factor": scaler.get_backoff_factor(),
         "growth_interval": scaler.get_growth_interval(),
-        "enabled": scaler.is_enabled(),
-    }
+        "enabled": True,
+    }, device

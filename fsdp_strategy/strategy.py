@@ -530,6 +530,8 @@ class FSDPCustomStrategy(ParallelStrategy):
             checkpoint = full.load_file(path, weights_only)
         self._checkpoint_to_load = _CheckpointToLoad(path, is_folder, meta, checkpoint)
         self._take_data_position(checkpoint)
+        if self.lightning_module is None or self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
+            self._data_position_to_load = None  # validate/test: no training loader to apply it to, later fits none
         return checkpoint
 
     def _load_into_shards(self, trainer: pl.Trainer) -> None:

@@ -28,7 +28,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         shape = [1, -1] + [1] * (x.dim() - 2)
         work = x.float()
         count = torch.tensor([x.numel() // x.shape[1]], dtype=torch.float32, device=x.device)
-        mean = work.mean(dims)
+        mean = work.sum(dims) / count.clamp(min=1)  # a rank with an empty batch adds count 0, not NaN
         m2 = ((work - mean.view(shape)) ** 2).sum(dims)
         rows = collectives.all_gather_rows(torch.cat([count.expand_as(mean), mean, m2]))  # (world, 3C)
         counts, means, m2s = rows.view(rows.shape[0], 3, -1).unbind(1)

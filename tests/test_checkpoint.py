@@ -417,3 +417,26 @@ def test_buffers_keep_their_dtype_in_checkpoints_and_prefix_strips(tmp_path):
 
     assert main([str(folder), str(tmp_path / "cli.pt"), "--weights-only", "--strip-prefix", "net."]) == 0
     _inner().load_state_dict(torch.load(tmp_path / "cli.pt"), strict=True)
+
+
+def _missing_shard_body(rank: int, world: int, folder: str) -> str:
+    import os
+
+    import torch.distributed as dist
+
+    model, optimizer = _trained(rank, world)
+    save_folder(Path(folder), model, [optimizer], {"epoch": 1})
+    dist.barrier()
+    if rank == 0:  # a folder in Lightning FSDP's layout (no fsdp_meta.json, so no CRC32s) missing a shard
+        os.remove(f"{folder}/fsdp_meta.json")
+        os.remove(f"{folder}/__1_0.distcp")
+    dist.barrier()
+    fresh, fresh_optimizer = _fresh()
+    with pytest.raises(CheckpointError) as caught:
+        load_folder(Path(folder), fresh, [fresh_optimizer])
+    return str(caught.value)
+
+
+def test_a_missing_shard_of_a_folder_without_checksums_is_named_on_every_rank(tmp_path):
+    for message in run_ranks(_missing_shard_body, 2, tmp_path, str(tmp_path / "ckpt")):
+        assert "reading the shard files failed" in message and "__1_0.distcp" in message

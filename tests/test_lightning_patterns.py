@@ -142,16 +142,18 @@ def _fit(name: str, devices: int, batch_size: int, **trainer_kwargs) -> list[lis
     return losses.tolist()
 
 
-def _sharded_body(rank: int, world: int, name: str, strategy: str) -> list:
-    policy = {MLPBlock, nn.Embedding}
+def _sharded_body(rank: int, world: int, name: str, strategy: str, wrap: bool) -> list:
+    policy = {MLPBlock, nn.Embedding} if wrap else None  # None: the whole model one unit, "fsdp_custom"'s default
     return _fit(name, world, PER_RANK, strategy=FSDPCustomStrategy(auto_wrap_policy=policy, sharding_strategy=strategy))
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_lightning_pattern_matches_one_device(tmp_path, name):
     expected = _fit(name, 1, PER_RANK * WORLD)
-    for strategy in ("FULL_SHARD", "SHARD_GRAD_OP"):
-        losses = run_ranks(_sharded_body, WORLD, tmp_path, name, strategy, env=LIGHTNING_ENV, timeout=180)[0]
+    for strategy, wrap in (("FULL_SHARD", True), ("SHARD_GRAD_OP", True), ("FULL_SHARD", False)):
+        losses = run_ranks(_sharded_body, WORLD, tmp_path, name, strategy, wrap, env=LIGHTNING_ENV, timeout=180)[0]
         assert len(losses) == len(expected)
         for step, (got, want) in enumerate(zip(losses, expected)):
-            assert got == pytest.approx(want, rel=1e-5), f"{name} ({strategy}) step {step}: {got} vs {want}"
+            assert got == pytest.approx(want, rel=1e-5), (
+                f"{name} ({strategy}, wrap={wrap}) step {step}: {got} vs {want}"
+            )

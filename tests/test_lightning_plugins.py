@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from dist_utils import run_ranks
 from lightning.pytorch.callbacks import EMAWeightAveraging, StochasticWeightAveraging
-from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.plugins.precision import FSDPPrecision, MixedPrecision, Precision
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from test_strategy import LIGHTNING_ENV, quiet_trainer
 from torch import nn
@@ -124,6 +124,15 @@ def test_precision_plugins_are_converted_or_refused():
     plugin.attach("cpu", clip_fn=None)
     assert type(plugin.scaler).__name__ == "ShardedGradScaler"  # its inf check covers every rank's shards
     assert (plugin.scaler.get_scale(), plugin.scaler.get_growth_interval()) == (1024.0, 7)
+
+    for given, enabled in (
+        (MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu", enabled=False)), False),
+        (FSDPPrecision("16-mixed"), True),
+    ):  # FSDPPrecision's scaler is built for CUDA
+        trainer = L.Trainer(strategy=FSDPCustomStrategy(), accelerator="cpu", devices=1, plugins=[given])
+        plugin = trainer.strategy.precision_plugin
+        plugin.attach("cpu", clip_fn=None)
+        assert (plugin.scaler.is_enabled(), plugin.scaler._device) == (enabled, "cpu"), type(given).__name__
 
     class LoggingPrecision(Precision):
         def pre_backward(self, tensor, module):

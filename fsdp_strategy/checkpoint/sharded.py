@@ -344,7 +344,11 @@ def load_tensors(
         flat.update(targets)
         flat.update(_object_targets(stored, group_paths))
         loaded.append((local_state, state_keys, group_paths, targets))
-    dcp.load(flat, storage_reader=dcp_reader(folder), process_group=process_group)
+    try:
+        dcp.load(flat, storage_reader=dcp_reader(folder), process_group=process_group)
+    except dcp.CheckpointException as error:  # every rank's failure, each with a long traceback
+        causes = [f"rank {rank}: {type(exc).__name__}: {exc}" for rank, (exc, _) in error.failures.items()]
+        raise CheckpointError(f"{folder}: reading the shard files failed ({'; '.join(causes)})") from None
     for target, buffer in buffers:
         buffer.data.copy_(target)
     _clear_scalar_padding(module)

@@ -84,7 +84,8 @@ def isfile(loc: Location) -> bool:
 
 
 def names(loc: Location) -> list[str]:
-    """The names of a folder's entries."""
+    """The names of a folder's entries (listed afresh: object stores cache listings)."""
+    loc.fs.invalidate_cache(loc.path)
     return sorted(PurePosixPath(entry).name for entry in loc.fs.ls(loc.path, detail=False))
 
 

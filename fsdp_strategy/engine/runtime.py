@@ -132,6 +132,10 @@ class Scheduler:
             unit.module.register_forward_pre_hook(pre, with_kwargs=True, prepend=True)
             unit.module.register_forward_hook(post, always_call=True)
             run.backward_hook = torch._dynamo.disable(functools.partial(self._pre_backward, unit, run))
+            for param in unit.params:  # [Note: a backward no unit hook sees]; kept when it is unfrozen later
+                trainable = param.unsharded.requires_grad
+                param.unsharded.requires_grad_(True).register_post_accumulate_grad_hook(self._grad_accumulated)
+                param.unsharded.requires_grad_(trainable)
 
     @traced("pre_forward")
     def _pre_forward(self, unit: FSDPUnit, run: UnitRun, module: nn.Module, args: tuple, kwargs: dict) -> Any:
@@ -324,6 +328,16 @@ class Scheduler:
                 unit.training_state = TrainingState.IDLE
             if self._reshard_after_forward(unit, backward_due=False):
                 unit.reshard()
+
+    @torch._dynamo.disable
+    def _grad_accumulated(self, param: torch.Tensor) -> None:
+        """[Note: a backward no unit hook sees]
+        A backward run inside the forward of the only unit it reaches (``manual_backward`` in
+        ``training_step`` with the whole model one unit) passes no unit's output hook and no
+        post-backward node: a gradient landing in a full parameter starts the backward pass, so
+        its end-of-backward callback reduces the unit."""
+        if self._backward is None:
+            self._enter_backward()
 
     def _enter_backward(self) -> None:
         if self._backward is None:
