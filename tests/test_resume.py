@@ -240,3 +240,17 @@ def test_model_checkpoint_top_k_removes_old_checkpoints(tmp_path, state_dict_typ
     files = run_ranks(_top_k_body, 2, tmp_path, str(root), state_dict_type, env=LIGHTNING_ENV, timeout=300)[0]
     kept = [f for f in files if f != "last.ckpt"]
     assert len(kept) == 2 and "last.ckpt" in files and not [f for f in files if f.startswith(".")]
+
+
+def _validate_then_fit(rank: int, world: int, root: str) -> int:
+    _fit(rank, world, root + "/a", 3)  # epoch=0-step=3.ckpt: 3 of the epoch's 4 steps done
+    module = ScheduledLM()
+    trainer = _trainer(world, Path(root) / "b", -1, checkpoint={}, max_epochs=1, limit_val_batches=1.0)
+    loader = DataLoader(TensorDataset(_data()), batch_size=PER_RANK)
+    trainer.validate(module, loader, ckpt_path=f"{root}/a/epoch=0-step=3.ckpt", verbose=False)
+    trainer.fit(module, loader)  # a new run: the whole epoch, not the checkpoint's remaining step
+    return trainer.global_step
+
+
+def test_a_checkpoint_validated_leaves_no_data_position_for_the_next_fit(tmp_path):
+    assert run_ranks(_validate_then_fit, 2, tmp_path, str(tmp_path), env=LIGHTNING_ENV, timeout=300)[0] == 4
