@@ -11,11 +11,10 @@ from __future__ import annotations
 import atexit
 import logging
 import math
-import os
-from collections.abc import Generator, Mapping
+from collections.abc import Generator
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -31,8 +30,7 @@ from lightning.fabric.utilities.distributed import (
 )
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.fabric.utilities.types import _PATH, ReduceOp
-from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
@@ -41,9 +39,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
-from torch.optim import Optimizer
 
-from fsdp_strategy import checkpoint as ckpt
 from fsdp_strategy.arguments import (
     check_backend,
     check_fsdp_keywords,
@@ -52,14 +48,12 @@ from fsdp_strategy.arguments import (
     init_process_group_kwargs,
     refuse_whole_model_averaging,
 )
-from fsdp_strategy.checkpoint import full, layout, sharded, storage
-from fsdp_strategy.checkpoint.storage import Location
 from fsdp_strategy.checkpoint.writer import CheckpointWriter
 from fsdp_strategy.config import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy, validate_device_mesh
-from fsdp_strategy.data import DATA_POSITION_KEY, DataPosition, make_resumable
 from fsdp_strategy.engine import Scheduler, get_scheduler, is_sharded, shard_model
 from fsdp_strategy.engine.collectives import CommLedger
 from fsdp_strategy.precision import FSDPCustomPrecision
+from fsdp_strategy.strategy_checkpoints import CheckpointHooks
 from fsdp_strategy.sync_batchnorm import convert_sync_batchnorm
 from fsdp_strategy.wrap import apply_activation_checkpointing, as_policy_fn
 
@@ -68,20 +62,11 @@ log = logging.getLogger(__name__)
 _STATE_DICT_TYPES = ("full", "sharded")
 
 
-class _CheckpointToLoad(NamedTuple):
-    """A checkpoint read before setup, whose tensors ``setup`` copies into the shards."""
-
-    path: Location
-    is_folder: bool
-    meta: dict | None  # a sharded folder's fsdp_meta.json (None: Lightning FSDP's folder, or a file)
-    checkpoint: dict  # Lightning's state (a full file: everything, weights included)
-
-
 def _count(count: int) -> str:
     return f"{count / 1e6:.1f} M" if count >= 100_000 else f"{count:,}"
 
 
-class FSDPCustomStrategy(ParallelStrategy):
+class FSDPCustomStrategy(CheckpointHooks, ParallelStrategy):
     """Fully Sharded Data Parallel with this project's own engine.
 
     Arguments (names and meanings as Lightning's ``FSDPStrategy``):
@@ -194,9 +179,7 @@ class FSDPCustomStrategy(ParallelStrategy):
             raise TypeError(f"ignored_modules must be a list of modules of the model, got {ignored_modules!r}")
         self.ignored_modules = ignored_modules
         self._ledger_global_step: int | None = None  # the global_step the ledger's count started at
-        self._data_position: DataPosition | None = None  # the training dataloader's, once built
-        self._data_position_to_load: dict | None = None  # from the checkpoint being resumed
-        self._checkpoint_to_load: _CheckpointToLoad | None = None  # read by load_checkpoint, applied in setup
+        self._init_checkpoint_hooks()
 
     # ---- Lightning plumbing --------------------------------------------------------------
 
@@ -227,16 +210,6 @@ class FSDPCustomStrategy(ParallelStrategy):
     @property
     def distributed_sampler_kwargs(self) -> dict:
         return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
-
-    @property
-    def restore_checkpoint_after_setup(self) -> bool:
-        """False: only then does Lightning pass ``weights_only`` to ``load_checkpoint``. The file is
-        read before setup; ``setup`` copies its tensors into the shards."""
-        return False
-
-    @property
-    def lightning_restore_optimizer(self) -> bool:
-        return False
 
     @property
     def precision_plugin(self) -> FSDPCustomPrecision:
@@ -450,130 +423,6 @@ class FSDPCustomStrategy(ParallelStrategy):
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
-
-    # ---- checkpoints -------------------------------------------------------------------
-
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """Full: the gathered model state on rank 0 ({} elsewhere). Sharded: views of the shards."""
-        assert self.model is not None
-        if self._state_dict_type == "sharded":
-            return sharded.model_state(self.model)
-        return ckpt.full_state_dict(self.model, rank0_only=True)
-
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """Full: the gathered optimizer state in torch's layout (as DDP writes it) on rank 0.
-        Sharded: {} (the save writes each rank's shards itself)."""
-        assert self.model is not None
-        if self._state_dict_type == "sharded":
-            return {}
-        if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer._optimizer
-        return ckpt.full_optimizer_state_dict(self.model, optimizer, rank0_only=True)
-
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        """Nothing: ``load_checkpoint`` already loaded the weights into the shards."""
-
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        """Nothing: ``load_checkpoint`` already loaded the optimizer states."""
-
-    def _final_and_temporary(self, filepath: _PATH) -> tuple[Location, Location]:
-        final = storage.locate(self.broadcast(os.fspath(filepath)))
-        temporary = storage.locate(self.broadcast(storage.temporary(final).url if self.is_global_zero else None))
-        return final, temporary
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any = None) -> None:
-        """Write atomically to a local path or any fsspec URL: a temporary name, moved once every rank
-        is done ([Note: atomic commit] in checkpoint/storage.py). Replaces only a checkpoint: anything
-        else at ``filepath`` is an error on every rank before anything is written."""
-        if storage_options is not None and self._state_dict_type == "sharded":
-            raise TypeError(
-                "`FSDPCustomStrategy.save_checkpoint(..., storage_options=...)` is not supported with "
-                "state_dict_type='sharded': the sharded save does not use the CheckpointIO (as Lightning's FSDP)"
-            )
-        if self._data_position is not None and "loops" in checkpoint:
-            checkpoint[DATA_POSITION_KEY] = self._data_position.state_dict()
-        final, temporary = self._final_and_temporary(filepath)
-        refusal = self.broadcast(
-            storage.refuse_to_replace(final, self._state_dict_type) if self.is_global_zero else None
-        )
-        if refusal is not None:
-            raise refusal
-        if self._state_dict_type == "full":
-            self._writer.save_full(
-                final, temporary, lambda path: self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options)
-            )
-            return
-        assert self.model is not None
-        checkpoint.pop("state_dict", None)
-        with_optimizers = checkpoint.pop("optimizer_states", None) is not None
-        optimizers = list(self.optimizers) if with_optimizers else []
-        self._writer.save_sharded(final, temporary, self.model, optimizers, checkpoint)
-
-    def remove_checkpoint(self, filepath: _PATH) -> None:
-        """Delete a checkpoint file or folder (after any save in flight)."""
-        self._writer.remove(storage.locate(filepath))
-
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        """Read a checkpoint before setup: a sharded folder (ours or Lightning FSDP's, any world size)
-        or a full file (memory-mapped); ``setup`` copies its tensors into the shards. Returns
-        Lightning's state. ``weights_only`` as ``torch.load``'s."""
-        self._writer.wait()
-        path = storage.locate(self.broadcast(os.fspath(checkpoint_path)))
-        is_folder = storage.isdir(path)
-        if is_folder:
-            meta = layout.folder_meta(path)
-            checkpoint = sharded.read_rest(path, meta, weights_only)
-        elif not storage.exists(path):
-            raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
-        else:
-            meta = None
-            checkpoint = full.load_file(path, weights_only)
-        self._checkpoint_to_load = _CheckpointToLoad(path, is_folder, meta, checkpoint)
-        self._take_data_position(checkpoint)
-        if self.lightning_module is None or self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
-            self._data_position_to_load = None  # validate/test: no training loader to apply it to, later fits none
-        return checkpoint
-
-    def _load_into_shards(self, trainer: pl.Trainer) -> None:
-        """Copy the tensors of the checkpoint ``load_checkpoint`` read into the shards (and optimizers)."""
-        pending, self._checkpoint_to_load = self._checkpoint_to_load, None
-        if pending is None:
-            return
-        assert self.model is not None and self.lightning_module is not None
-        optimizers = list(self.optimizers) if trainer.state.fn == TrainerFn.FITTING else []
-        strict = self.lightning_module.strict_loading
-        if pending.is_folder:
-            rank_zero_info(
-                f"fsdp_custom: loading {pending.path}: {sharded.describe_resharding(pending.meta, self.model)}"
-            )
-            sharded.load_tensors(pending.path, self.model, optimizers, pending.checkpoint, strict, meta=pending.meta)
-        else:
-            rank_zero_info(
-                f"fsdp_custom: loading full checkpoint {pending.path}: each of {self.world_size} ranks takes its rows"
-            )
-            full.apply_full_checkpoint(pending.checkpoint, self.model, optimizers, strict, pending.path)
-
-    def process_dataloader(self, dataloader: object) -> object:
-        """Make the training dataloader resumable mid-epoch, also on another world size (data.py)."""
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is None or not trainer.training:
-            return dataloader
-        progress = trainer.fit_loop.epoch_loop.batch_progress
-        loader, self._data_position = make_resumable(dataloader, lambda: progress.current.processed)
-        if self._data_position is not None and self._data_position_to_load is not None:
-            self._data_position.load_state_dict(self._data_position_to_load)
-        self._data_position_to_load = None
-        return loader
-
-    def _take_data_position(self, checkpoint: dict[str, Any]) -> None:
-        """Keep a loaded checkpoint's data position for the training dataloader (built after the
-        restore); one in Lightning's loop state (our checkpoints before format 2) moves here too."""
-        position = checkpoint.pop(DATA_POSITION_KEY, None)
-        fit_loop = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
-        legacy = fit_loop.pop("combined_loader", None)
-        if position is None and legacy:
-            position = legacy[0]
-        self._data_position_to_load = position
 
     @classmethod
     def get_registered_strategies(cls) -> list[str]:
