@@ -197,6 +197,8 @@ def _bad_input_body(rank: int, world: int, root: str) -> dict:
     root = Path(root)
     model, optimizer = _trained(rank, world)
     save_folder(root / "good", model, [optimizer], {})
+    later, later_optimizer = _trained(rank, world, steps=3)
+    save_folder(root / "later", later, [later_optimizer], {})  # another run: its shards mixed in below
     torch.distributed.barrier()
     messages = {}
 
@@ -224,6 +226,8 @@ def _bad_input_body(rank: int, world: int, root: str) -> dict:
                 shard.write_bytes(bytes(data))
             elif kind == "missing":
                 shard.unlink()
+            elif kind == "mixed":
+                __import__("shutil").copy(root / "later" / "__1_0.distcp", shard)
             elif kind == "version":
                 meta = json.loads((folder / "fsdp_meta.json").read_text())
                 meta["format_version"] = 99
@@ -231,7 +235,7 @@ def _bad_input_body(rank: int, world: int, root: str) -> dict:
         torch.distributed.barrier()
         return folder
 
-    for kind in ("truncated", "corrupted", "missing", "version"):
+    for kind in ("truncated", "corrupted", "missing", "mixed", "version"):
         folder = damaged(kind)
         attempt(kind, lambda m, o, folder=folder: load_folder(folder, m, [o]))
     attempt("nonexistent", lambda m, o: load_folder(root / "nope", m, [o]))
@@ -251,6 +255,17 @@ def _bad_input_body(rank: int, world: int, root: str) -> dict:
         torch.save({"state_dict": smaller}, root / "missing_key.ckpt")
     torch.distributed.barrier()
     attempt("full_as_sharded", lambda m, o: load_folder(full_file, m, [o]))
+    attempt("sharded_as_full", lambda m, o: load_full_checkpoint(root / "good", m, [o]))
+    other_optimizer = lambda m: [torch.optim.SGD([p for p in m.parameters() if p.requires_grad][:3], lr=0.1)]  # noqa: E731
+    attempt("other_optimizer_sharded", lambda m, o: load_folder(root / "good", m, other_optimizer(m)))
+    if rank == 0:
+        torch.save(
+            {"state_dict": state, "optimizer_states": [full_optimizer_state_dict(model, optimizer)]}, root / "o.pt"
+        )
+    else:
+        full_optimizer_state_dict(model, optimizer)
+    torch.distributed.barrier()
+    attempt("other_optimizer_full", lambda m, o: load_full_checkpoint(root / "o.pt", m, other_optimizer(m)))
     attempt("full_truncated", lambda m, o: load_full_checkpoint(root / "cut.ckpt", m, [o]))
     attempt("full_missing_key", lambda m, o: load_full_checkpoint(root / "missing_key.ckpt", m, [o]))
     good, good_optimizer = _fresh()
@@ -268,6 +283,10 @@ def test_bad_checkpoints_fail_clearly_on_every_rank(tmp_path):
         "truncated": r"__1_0\.distcp: corrupted or truncated",
         "corrupted": r"__1_0\.distcp: corrupted or truncated",
         "missing": r"__1_0\.distcp: missing",
+        "mixed": r"__1_0\.distcp: corrupted or truncated",  # a shard of another run: its CRC32 differs
+        "sharded_as_full": r"good' is a folder \(a sharded checkpoint, or none\), but a full checkpoint file",
+        "other_optimizer_sharded": r"good: optimizer state for parameters the optimizer does not hold",
+        "other_optimizer_full": r"o\.pt: optimizer param group 0 holds \d+ parameters in the checkpoint, 3 in",
         "version": r"fsdp_meta\.json: key 'format_version' is 99",
         "nonexistent": r"FileNotFoundError: checkpoint .*nope' does not exist",
         "other_model": r"\.metadata: key 'blocks\.0\.down\.bias' has shape \(12,\) in the checkpoint, \(10,\)",

@@ -15,11 +15,12 @@ from fsdp_strategy.checkpoint.full import (
     load_full_optimizer_state_dict,
     load_full_state_dict,
 )
-from fsdp_strategy.checkpoint.layout import CheckpointError, is_sharded_checkpoint, read_meta
+from fsdp_strategy.checkpoint.layout import CheckpointError, CheckpointSaveError, is_sharded_checkpoint, read_meta
 from fsdp_strategy.checkpoint.sharded import load_folder, save_folder
 
 __all__ = [
     "CheckpointError",
+    "CheckpointSaveError",
     "consolidate",
     "full_optimizer_state_dict",
     "full_state_dict",

@@ -183,15 +183,19 @@ def apply_full_checkpoint(
     """Copy a read full checkpoint's weights (and optimizer states, if ``optimizers``) into the shards."""
     if "state_dict" not in checkpoint:
         raise CheckpointError(f"{path}: key 'state_dict' is missing; not a Lightning checkpoint")
+    optimizer_states = checkpoint.get("optimizer_states") if optimizers else None
+    if optimizer_states is not None:  # checked before anything is copied: a failed load changes nothing
+        if len(optimizer_states) != len(optimizers):
+            raise CheckpointError(
+                f"{path}: key 'optimizer_states' holds {len(optimizer_states)} optimizers, the model configures "
+                f"{len(optimizers)}"
+            )
+        owners = names.optimizer_owners(module)
+        for optimizer, state in zip(optimizers, optimizer_states):
+            names.resolve_ids(optimizer, owners, state.get("param_groups", []), path)
     load_full_state_dict(module, checkpoint["state_dict"], strict=strict, source=str(path))
-    optimizer_states = checkpoint.get("optimizer_states")
-    if optimizer_states is None or not optimizers:
+    if optimizer_states is None:
         return
-    if len(optimizer_states) != len(optimizers):
-        raise CheckpointError(
-            f"{path}: key 'optimizer_states' holds {len(optimizer_states)} optimizers, the model configures "
-            f"{len(optimizers)}"
-        )
     for optimizer, state in zip(optimizers, optimizer_states):
         load_full_optimizer_state_dict(module, optimizer, state, source=path)
 
@@ -202,4 +206,8 @@ def load_file(path: str | os.PathLike | Location, weights_only: bool | None = No
     where = storage.locate(path)
     if not storage.exists(where):
         raise FileNotFoundError(f"checkpoint {str(where)!r} does not exist")
+    if storage.isdir(where):
+        raise CheckpointError(
+            f"{str(where)!r} is a folder (a sharded checkpoint, or none), but a full checkpoint file is expected"
+        )
     return layout.load_object(where, weights_only, mmap=True)

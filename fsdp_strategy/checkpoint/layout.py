@@ -33,6 +33,10 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded: names the file and the key at fault."""
 
 
+class CheckpointSaveError(OSError):
+    """A save that failed on some rank (a full disk, a lost connection): raised on every rank."""
+
+
 def write_meta(folder: Location, meta: dict[str, Any]) -> None:
     """Write ``fsdp_meta.json`` into ``folder``."""
     with folder.fs.open(folder.child(META_FILE).path, "w") as handle:

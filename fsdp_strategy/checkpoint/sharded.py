@@ -258,13 +258,23 @@ def _buffer_targets(module: nn.Module, state: dict[str, torch.Tensor]) -> list[t
 
 
 def _optimizer_targets(
-    module: nn.Module, stored: _StoredKeys, state_keys: dict[tuple[str, str], str], where: Location
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    stored: _StoredKeys,
+    state_keys: dict[tuple[str, str], str],
+    where: Location,
 ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
-    """(``flat key -> tensor DCP loads into``, ``name -> {state key -> this rank's tensor}``)."""
-    by_fqn = {p.fqn: p for p in names.optimizer_owners(module).values()}
+    """(``flat key -> tensor DCP loads into``, ``name -> {state key -> this rank's tensor}``); a state
+    for a parameter the optimizer does not hold is an error before anything is loaded."""
+    owners = names.optimizer_owners(module)
+    by_fqn = {p.fqn: p for p in owners.values()}
     unknown = sorted({fqn for fqn, _ in state_keys} - set(by_fqn))
     if unknown:
         raise CheckpointError(f"{where}: optimizer state for parameters the model does not have: {unknown}")
+    held = {p.fqn for group in names.optimizer_params(optimizer, owners) for p in group}
+    unheld = sorted({fqn for fqn, _ in state_keys} - held)
+    if unheld:
+        raise CheckpointError(f"{where}: optimizer state for parameters the optimizer does not hold: {unheld}")
     mesh = _mesh(get_scheduler(module))
     flat, local_state = {}, {}
     for (fqn, key), flat_key in state_keys.items():
@@ -340,7 +350,7 @@ def load_tensors(
     loaded = []
     for index in range(len(optimizers) if saved_count else 0):
         state_keys, group_paths = stored.optimizer(index, version)
-        targets, local_state = _optimizer_targets(module, stored, state_keys, folder)
+        targets, local_state = _optimizer_targets(module, optimizers[index], stored, state_keys, folder)
         flat.update(targets)
         flat.update(_object_targets(stored, group_paths))
         loaded.append((local_state, state_keys, group_paths, targets))

@@ -21,6 +21,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from fsdp_strategy.checkpoint import sharded, storage
+from fsdp_strategy.checkpoint.layout import CheckpointSaveError
 from fsdp_strategy.checkpoint.storage import Location
 from fsdp_strategy.engine import collectives
 
@@ -59,9 +60,13 @@ class CheckpointWriter:
         """Rank 0 writes one file with ``write(temporary url)``; committed after every rank arrives."""
         final, temporary = storage.locate(final), storage.locate(temporary)
         self.wait()
+        error = None
         if _is_rank0():
-            write(temporary.url)
-        collectives.barrier()
+            try:
+                write(temporary.url)
+            except Exception as caught:  # a full disk, a lost bucket: every rank must hear of it
+                error = caught
+        _agree(error, final, temporary)
         if _is_rank0():
             storage.commit(temporary, final)
         collectives.barrier()
@@ -74,8 +79,12 @@ class CheckpointWriter:
         self.wait()
         storage.makedirs(temporary)
         if not self.async_save:
-            sharded.save_folder(temporary, module, optimizers, lightning_state)
-            collectives.barrier()
+            error = None
+            try:
+                sharded.save_folder(temporary, module, optimizers, lightning_state)
+            except (Exception, dcp.CheckpointException) as caught:
+                error = caught
+            _agree(error, final, temporary)
             if _is_rank0():
                 storage.commit(temporary, final)
             collectives.barrier()
@@ -94,9 +103,13 @@ class CheckpointWriter:
 
     def _finish(self, future: Any, temporary: Location, final: Location, meta: dict, extra: dict) -> None:
         try:
-            (future.upload_completion if hasattr(future, "upload_completion") else future).result()
-            sharded.finish_folder(temporary, meta, extra, self._group)
-            collectives.barrier(self._group)
+            error = None
+            try:
+                (future.upload_completion if hasattr(future, "upload_completion") else future).result()
+                sharded.finish_folder(temporary, meta, extra, self._group)
+            except (Exception, dcp.CheckpointException) as caught:
+                error = caught
+            _agree(error, final, temporary, self._group)
             if _is_rank0():
                 storage.commit(temporary, final)
             collectives.barrier(self._group)
@@ -115,3 +128,36 @@ class CheckpointWriter:
         self.wait()
         collectives.destroy_group(self._group)
         self._group = None
+
+
+def _agree(error: BaseException | None, final: Location, temporary: Location, group: Any = None) -> None:
+    """Every rank learns whether any rank failed to write (one all-gather, so no rank is left
+    waiting in a barrier); on a failure the partial checkpoint is removed and every rank raises
+    ``CheckpointSaveError`` naming the ranks and causes. The previous checkpoint is untouched."""
+    rank, _ = collectives.process_rank(group)
+    causes: dict[int, str] = {}
+    for report in collectives.all_gather_objects(None if error is None else _causes(error, rank), group):
+        causes.update(report or {})
+    if not causes:
+        return
+    if _is_rank0():
+        storage.remove(temporary)
+    failures = "; ".join(f"rank {r}: {text}" for r, text in sorted(causes.items()))
+    raise CheckpointSaveError(
+        f"saving checkpoint {final} failed ({failures}); nothing was written under that name, and a "
+        "checkpoint already there is untouched"
+    ) from error
+
+
+def _causes(error: BaseException, rank: int) -> dict[int, str]:
+    """``failing rank -> one line``: DCP's exception carries every failing rank's, with tracebacks we drop."""
+    if isinstance(error, dcp.CheckpointException):
+        return {r: _line(exc) for r, (exc, _) in error.failures.items()}
+    return {rank: _line(error)}
+
+
+def _line(error: BaseException) -> str:
+    chain = [error]
+    while (chain[-1].__cause__ or chain[-1].__context__) is not None and len(chain) < 4:
+        chain.append(chain[-1].__cause__ or chain[-1].__context__)
+    return " <- ".join(f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[-1]}" for e in chain)
