@@ -19,7 +19,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.optim import Optimizer
 
 from fsdp_strategy import checkpoint as ckpt
-from fsdp_strategy.checkpoint import full, layout, sharded, storage
+from fsdp_strategy.checkpoint import full, layout, sharded, sharded_load, storage
 from fsdp_strategy.checkpoint.storage import Location
 from fsdp_strategy.data import DATA_POSITION_KEY, DataPosition, make_resumable
 
@@ -122,7 +122,7 @@ class CheckpointHooks:
         is_folder = storage.isdir(path)
         if is_folder:
             meta = layout.folder_meta(path)
-            checkpoint = sharded.read_rest(path, meta, weights_only)
+            checkpoint = sharded_load.read_rest(path, meta, weights_only)
         elif not storage.exists(path):
             raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
         else:
@@ -146,7 +146,9 @@ class CheckpointHooks:
             rank_zero_info(
                 f"fsdp_custom: loading {pending.path}: {sharded.describe_resharding(pending.meta, self.model)}"
             )
-            sharded.load_tensors(pending.path, self.model, optimizers, pending.checkpoint, strict, meta=pending.meta)
+            sharded_load.load_tensors(
+                pending.path, self.model, optimizers, pending.checkpoint, strict, meta=pending.meta
+            )
         else:
             rank_zero_info(
                 f"fsdp_custom: loading full checkpoint {pending.path}: each of {self.world_size} ranks takes its rows"

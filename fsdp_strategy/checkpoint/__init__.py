@@ -16,7 +16,8 @@ from fsdp_strategy.checkpoint.full import (
     load_full_state_dict,
 )
 from fsdp_strategy.checkpoint.layout import CheckpointError, CheckpointSaveError, is_sharded_checkpoint, read_meta
-from fsdp_strategy.checkpoint.sharded import load_folder, save_folder
+from fsdp_strategy.checkpoint.sharded import save_folder
+from fsdp_strategy.checkpoint.sharded_load import load_folder
 
 __all__ = [
     "CheckpointError",

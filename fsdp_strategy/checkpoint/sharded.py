@@ -26,7 +26,6 @@ them in the dtype they had before, as FSDP1's does, so it loads anywhere unchang
 
 from __future__ import annotations
 
-import logging
 import os
 from typing import Any
 
@@ -35,16 +34,14 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from fsdp_strategy.checkpoint import layout, names, storage
-from fsdp_strategy.checkpoint.layout import CheckpointError
 from fsdp_strategy.checkpoint.storage import Location
 from fsdp_strategy.engine import Scheduler, collectives, get_scheduler
 from fsdp_strategy.engine.param import ShardedParam
 
-log = logging.getLogger(__name__)
 _MESH_ATTR = "_checkpoint_mesh"
 
 
-def _mesh(scheduler: Scheduler) -> tuple[Any, tuple] | None:
+def shard_mesh(scheduler: Scheduler) -> tuple[Any, tuple] | None:
     """The DeviceMesh and placements of the shards (None for a shard group of one)."""
     if _MESH_ATTR not in scheduler.__dict__:
         from torch.distributed.device_mesh import DeviceMesh
@@ -62,7 +59,9 @@ def _mesh(scheduler: Scheduler) -> tuple[Any, tuple] | None:
     return scheduler.__dict__[_MESH_ATTR]
 
 
-def _view(param: ShardedParam | names.WholeParam, local: torch.Tensor, mesh: tuple[Any, tuple] | None) -> torch.Tensor:
+def checkpoint_view(
+    param: ShardedParam | names.WholeParam, local: torch.Tensor, mesh: tuple[Any, tuple] | None
+) -> torch.Tensor:
     """A shard-shaped tensor as the checkpoint sees it (see [Note: shards as DTensors])."""
     if isinstance(param, names.WholeParam):  # [Note: ignored modules]: whole on every rank
         return local
@@ -82,14 +81,14 @@ def model_state(module: nn.Module) -> dict[str, torch.Tensor]:
     """The model's state dict with every parameter as its shard's checkpoint view, and buffers in
     their saved dtype ([Note: buffers keep their dtype in checkpoints]: a copy where it differs)."""
     scheduler = get_scheduler(module)
-    mesh = _mesh(scheduler)
+    mesh = shard_mesh(scheduler)
     by_id = {id(p.sharded): p for p in scheduler.sharded_params()}
     dtypes = scheduler.saved_buffer_dtypes
     state = {}
     for name, value in module.state_dict(keep_vars=True).items():
         param = by_id.get(id(value))
         if param is not None:
-            state[name] = _view(param, param.sharded.detach(), mesh)
+            state[name] = checkpoint_view(param, param.sharded.detach(), mesh)
         else:
             state[name] = value.detach().to(dtypes.get(name, value.dtype))
     return state
@@ -97,13 +96,13 @@ def model_state(module: nn.Module) -> dict[str, torch.Tensor]:
 
 def optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """FSDP's sharded ``optim_state_dict`` layout: state keyed by name, shards as checkpoint views."""
-    owners, mesh = names.optimizer_owners(module), _mesh(get_scheduler(module))
+    owners, mesh = names.optimizer_owners(module), shard_mesh(get_scheduler(module))
     state: dict[str, dict[str, Any]] = {}
     for group in names.optimizer_params(optimizer, owners):
         for param in group:
             for key, value in optimizer.state.get(param.sharded, {}).items():
                 shard_shaped = torch.is_tensor(value) and value.shape == param.sharded.shape
-                state.setdefault(param.fqn, {})[key] = _view(param, value, mesh) if shard_shaped else value
+                state.setdefault(param.fqn, {})[key] = checkpoint_view(param, value, mesh) if shard_shaped else value
     return {"state": state, "param_groups": names.named_groups(optimizer, owners)}
 
 
@@ -162,220 +161,6 @@ def finish_folder(folder: Location, meta: dict, lightning_state: dict, process_g
             torch.save(lightning_state, handle)
         checksums[layout.LIGHTNING_FILE] = storage.crc32(folder.child(layout.LIGHTNING_FILE))
         layout.write_meta(folder, {**meta, "checksums": checksums})
-
-
-def check_compatible(folder: Location, saved: dict[str, tuple | None], module: nn.Module, strict: bool) -> None:
-    """Missing or unexpected keys (with ``strict``) and shape mismatches, named with the folder and key.
-
-    ``saved``: the checkpoint's model keys and their shapes (None for a non-tensor entry).
-    """
-    current = plan(module)
-    here = {**current["params"], **current["buffers"]}
-    missing, unexpected = sorted(set(here) - set(saved)), sorted(set(saved) - set(here))
-    where = folder.child(layout.DCP_METADATA)
-    if strict and (missing or unexpected):
-        raise CheckpointError(
-            f"{where}: checkpoint of another model: keys missing from it {missing}, unexpected keys {unexpected}"
-        )
-    for name in sorted(set(here) & set(saved)):
-        if saved[name] is not None and list(saved[name]) != here[name]["shape"]:
-            raise CheckpointError(
-                f"{where}: key {name!r} has shape {tuple(saved[name])} in the checkpoint, "
-                f"{tuple(here[name]['shape'])} in the model"
-            )
-
-
-def verify_folder(folder: Location, meta: dict, process_group: Any = None) -> None:
-    """Each rank checks a share of the files; any problem is raised on every rank."""
-    rank, world = collectives.process_rank(process_group)
-    files = sorted(meta.get("checksums", {}))
-    problems = layout.verify_files(folder, meta["checksums"], files[rank::world])
-    found = [p for part in collectives.all_gather_objects(problems, process_group) for p in part]
-    if found:
-        raise CheckpointError("checkpoint is damaged: " + "; ".join(found))
-
-
-class _StoredKeys:
-    """The folder's DCP keys: ``flat key -> path`` (e.g. ``("optimizer_0", "state", name, "exp_avg")``)
-    and the stored size of each tensor (None for an object)."""
-
-    def __init__(self, folder: Location) -> None:
-        try:
-            metadata = dcp_reader(folder).read_metadata()
-        except Exception as error:  # DCP raises several types for a missing or damaged .metadata
-            where = folder.child(layout.DCP_METADATA)
-            raise CheckpointError(f"{where}: unreadable ({type(error).__name__}: {error})") from None
-        self.paths = {key: tuple(path) for key, path in (metadata.planner_data or {}).items()}
-        self.sizes = {
-            key: tuple(info.size) if hasattr(info, "size") else None
-            for key, info in metadata.state_dict_metadata.items()
-        }
-        self.dtypes = {
-            key: getattr(getattr(info, "properties", None), "dtype", None)
-            for key, info in metadata.state_dict_metadata.items()
-        }
-
-    def model(self) -> dict[str, str]:
-        """``state-dict name -> flat key`` of the model's entries."""
-        return {path[1]: key for key, path in self.paths.items() if path[0] == "model" and len(path) == 2}
-
-    def optimizer(self, index: int, format_version: int) -> tuple[dict[tuple[str, str], str], dict[str, tuple]]:
-        """(``(parameter name, state key) -> flat key``, ``flat key -> path`` of the param groups' entries)."""
-        prefix, state, groups = f"optimizer_{index}", {}, {}
-        for key, path in self.paths.items():
-            if path[0] != prefix:
-                continue
-            if format_version == 1 and len(path) == 3:
-                state[(path[1], path[2])] = key
-            elif len(path) == 4 and path[1] == "state":
-                state[(path[2], path[3])] = key
-            elif path[1] == "param_groups":
-                groups[key] = path
-        return state, groups
-
-
-def _object_targets(stored: _StoredKeys, paths: dict[str, tuple]) -> dict[str, Any]:
-    """Targets for stored entries that are plain values (param groups): tensors to fill, or None
-    where DCP hands back the stored object."""
-    return {
-        key: None if stored.sizes[key] is None else torch.zeros(stored.sizes[key], dtype=stored.dtypes[key])
-        for key in paths
-    }
-
-
-def _nested(flat: dict[str, Any], paths: dict[str, tuple]) -> Any:
-    """Rebuild the nested value (lists and dicts) that DCP flattened into ``paths`` (prefix dropped)."""
-    from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
-
-    rebuilt = unflatten_state_dict({key: flat[key] for key in paths}, paths)
-    return next(iter(rebuilt.values()))
-
-
-def _buffer_targets(module: nn.Module, state: dict[str, torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(load target, buffer) for buffers saved in another dtype: copied back after the load."""
-    own = module.state_dict(keep_vars=True)
-    return [(state[name], own[name]) for name in get_scheduler(module).saved_buffer_dtypes if name in state]
-
-
-def _optimizer_targets(
-    module: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    stored: _StoredKeys,
-    state_keys: dict[tuple[str, str], str],
-    where: Location,
-) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
-    """(``flat key -> tensor DCP loads into``, ``name -> {state key -> this rank's tensor}``); a state
-    for a parameter the optimizer does not hold is an error before anything is loaded."""
-    owners = names.optimizer_owners(module)
-    by_fqn = {p.fqn: p for p in owners.values()}
-    unknown = sorted({fqn for fqn, _ in state_keys} - set(by_fqn))
-    if unknown:
-        raise CheckpointError(f"{where}: optimizer state for parameters the model does not have: {unknown}")
-    held = {p.fqn for group in names.optimizer_params(optimizer, owners) for p in group}
-    unheld = sorted({fqn for fqn, _ in state_keys} - held)
-    if unheld:
-        raise CheckpointError(f"{where}: optimizer state for parameters the optimizer does not hold: {unheld}")
-    mesh = _mesh(get_scheduler(module))
-    flat, local_state = {}, {}
-    for (fqn, key), flat_key in state_keys.items():
-        param, size, dtype = by_fqn[fqn], stored.sizes[flat_key], stored.dtypes[flat_key]
-        if size is None:  # a non-tensor entry: DCP hands back the object itself
-            flat[flat_key] = None
-            continue
-        if names.is_full_shaped(param, key, size):
-            local = torch.zeros(param.sharded.shape, dtype=dtype, device=param.sharded.device)
-            flat[flat_key] = _view(param, local, mesh)
-        else:
-            local = torch.zeros(size, dtype=dtype)
-            flat[flat_key] = local
-        local_state.setdefault(fqn, {})[key] = local
-    return flat, local_state
-
-
-def load_folder(
-    path: str | os.PathLike | Location,
-    module: nn.Module,
-    optimizers: list[torch.optim.Optimizer],
-    strict: bool = True,
-    process_group: Any = None,
-    meta: dict[str, Any] | None = None,
-    weights_only: bool | None = None,
-) -> dict[str, Any]:
-    """Load model (and optimizer) state into the shards, at any world size; return Lightning's state.
-
-    Reads our folders and Lightning FSDP's ([Note: Lightning's sharded layout]). ``meta``: the
-    folder's ``fsdp_meta.json`` if the caller has read it. With ``strict=False`` the keys both
-    sides have are loaded. ``weights_only``: as ``torch.load``'s, for ``meta.pt``.
-    """
-    folder = storage.locate(path)
-    meta = meta if meta is not None else layout.folder_meta(folder)
-    rest = read_rest(folder, meta, weights_only)
-    load_tensors(folder, module, optimizers, rest, strict, process_group, meta)
-    return rest
-
-
-def read_rest(folder: Location, meta: dict[str, Any] | None, weights_only: bool | None = None) -> dict[str, Any]:
-    """Lightning's state of a folder (``meta.pt``; ``lightning.pt`` in format 1), read on the CPU."""
-    version = meta["format_version"] if meta is not None else layout.FORMAT_VERSION
-    return layout.load_object(
-        folder.child(layout.LEGACY_LIGHTNING_FILE if version == 1 else layout.LIGHTNING_FILE), weights_only
-    )
-
-
-def load_tensors(
-    folder: Location,
-    module: nn.Module,
-    optimizers: list[torch.optim.Optimizer],
-    rest: dict[str, Any],
-    strict: bool = True,
-    process_group: Any = None,
-    meta: dict[str, Any] | None = None,
-) -> None:
-    """Load a folder's model (and optimizer) tensors into the shards (``rest``: its ``read_rest``;
-    format 1 keeps the param groups there)."""
-    version = meta["format_version"] if meta is not None else layout.FORMAT_VERSION
-    if meta is not None:
-        verify_folder(folder, meta, process_group)
-    stored = _StoredKeys(folder)
-    model_keys = stored.model()
-    check_compatible(folder, {name: stored.sizes[key] for name, key in model_keys.items()}, module, strict)
-    legacy_groups = rest.pop("optimizer_groups", [])
-    rest.pop("optimizer_layouts", None)
-    saved_count = len({path[0] for path in stored.paths.values() if path[0].startswith("optimizer_")})
-    if optimizers and saved_count not in (0, len(optimizers)):
-        raise CheckpointError(f"{folder}: holds {saved_count} optimizers, the model configures {len(optimizers)}")
-    model = model_state(module)
-    flat = {model_keys[name]: value for name, value in model.items() if name in model_keys}
-    buffers = _buffer_targets(module, {name: value for name, value in model.items() if name in model_keys})
-    loaded = []
-    for index in range(len(optimizers) if saved_count else 0):
-        state_keys, group_paths = stored.optimizer(index, version)
-        targets, local_state = _optimizer_targets(module, optimizers[index], stored, state_keys, folder)
-        flat.update(targets)
-        flat.update(_object_targets(stored, group_paths))
-        loaded.append((local_state, state_keys, group_paths, targets))
-    try:
-        dcp.load(flat, storage_reader=dcp_reader(folder), process_group=process_group)
-    except dcp.CheckpointException as error:  # every rank's failure, each with a long traceback
-        causes = [f"rank {rank}: {type(exc).__name__}: {exc}" for rank, (exc, _) in error.failures.items()]
-        raise CheckpointError(f"{folder}: reading the shard files failed ({'; '.join(causes)})") from None
-    for target, buffer in buffers:
-        buffer.data.copy_(target)
-    _clear_scalar_padding(module)
-    owners = names.optimizer_owners(module)
-    for index, (optimizer, (local_state, state_keys, group_paths, targets)) in enumerate(zip(optimizers, loaded)):
-        for (fqn, key), flat_key in state_keys.items():
-            if targets[flat_key] is None:
-                local_state.setdefault(fqn, {})[key] = flat[flat_key]
-        groups = _nested(flat, group_paths)["param_groups"] if group_paths else legacy_groups[index]
-        names.load_state(optimizer, owners, {"state": local_state, "param_groups": groups}, folder, cut_rows=False)
-
-
-def _clear_scalar_padding(module: nn.Module) -> None:
-    """A 0-dim parameter was loaded on every rank; only shard rank 0 keeps it."""
-    for param in get_scheduler(module).sharded_params():
-        if param.shape == torch.Size([]) and param.shard_rank != 0:
-            param.sharded.data.zero_()
 
 
 def _package_version() -> str:
