@@ -63,17 +63,19 @@ def train_pair(
     steps: int = 4,
     before_step: Callable[[nn.Module, int], None] | None = None,
     lr: float = 1e-2,
+    shard_kwargs_for: Callable[[nn.Module], dict] | None = None,
     **shard_kwargs: Any,
 ) -> dict:
     """Train sharded (with ``shard_kwargs``) and oracle for ``steps``; return losses and weight error.
 
     ``data(step, world)`` gives the list of every rank's batch for a step (identical on all ranks);
-    ``before_step(model, step)`` changes both models alike (freezing, say).
+    ``before_step(model, step)`` changes both models alike (freezing, say); ``shard_kwargs_for(model)``
+    adds arguments that name the built model's own modules (``ignored_modules``).
     """
     torch.manual_seed(0)
     model = build()
     reference = copy.deepcopy(model)
-    shard_model(model, **shard_kwargs)
+    shard_model(model, **shard_kwargs, **(shard_kwargs_for(model) if shard_kwargs_for else {}))
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=lr)
     losses, ref_losses = [], []

@@ -3,19 +3,19 @@ checkpoints and clipping; a frozen ignored encoder trains exactly like the oracl
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import pytest
 import torch
 from dist_utils import run_ranks
 from models import Block, TiedLM, lm_loss, make_batches
-from oracle import reference_step, weight_error
+from oracle import assert_matches, train_pair
+from test_checkpoint import _assert_same_state
 from torch import nn
 
 from fsdp_strategy import MixedPrecision
 from fsdp_strategy.checkpoint import full_optimizer_state_dict, full_state_dict, load_folder, save_folder
-from fsdp_strategy.engine import get_scheduler, shard_model
+from fsdp_strategy.engine import get_scheduler, is_sharded, shard_model
 
 
 class EncodedLM(nn.Module):
@@ -38,42 +38,42 @@ def _loss(model, batch, rank, step):
     return lm_loss(model, batch)
 
 
-def _frozen_body(rank: int, world: int) -> dict:
-    torch.manual_seed(0)
+def _frozen_encoder() -> EncodedLM:
     model = EncodedLM()
     model.encoder.requires_grad_(False)
     model.encoder.eval()  # a frozen pretrained encoder: statistics fixed too (the oracle runs every rank's batch)
-    reference = copy.deepcopy(model)
-    shard_model(model, auto_wrap_policy={Block}, ignored_modules=[model.encoder])
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    ref_optimizer = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=1e-2)
+    return model
+
+
+def _frozen_body(rank: int, world: int) -> dict:
     batches = make_batches(3, 2 * world)
-    losses, ref_losses = [], []
-    for step in range(3):
-        per_rank = [batches[step][r::world] for r in range(world)]
-        loss = _loss(model, per_rank[rank], rank, step)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        ref_losses.append(reference_step(reference, _loss, per_rank, world, step)[rank])
-        ref_optimizer.step()
-        ref_optimizer.zero_grad()
-        losses.append(loss.item())
-    sharded_names = {p.fqn for p in get_scheduler(model).sharded_params()}
-    return {
-        "losses": losses,
-        "ref_losses": ref_losses,
-        "weight_error": weight_error(model, reference),
-        "encoder_sharded": any(name.startswith("encoder.") for name in sharded_names),
-        "encoder_shape": tuple(model.encoder.proj.weight.shape),
-    }
+    whole = []
+
+    def note_encoder(model: nn.Module, step: int) -> None:
+        if is_sharded(model):
+            sharded = {p.fqn for p in get_scheduler(model).sharded_params()}
+            whole.append(
+                not any(n.startswith("encoder.") for n in sharded) and model.encoder.proj.weight.shape == (10, 10)
+            )
+
+    result = train_pair(
+        rank,
+        world,
+        _frozen_encoder,
+        _loss,
+        lambda step, world: [batches[step][r::world] for r in range(world)],
+        steps=3,
+        before_step=note_encoder,
+        shard_kwargs_for=lambda model: {"ignored_modules": [model.encoder]},
+        auto_wrap_policy={Block},
+    )
+    return {**result, "encoder_whole": all(whole) and len(whole) == 3}
 
 
 def test_a_frozen_ignored_encoder_trains_like_the_oracle(tmp_path):
     for result in run_ranks(_frozen_body, 2, tmp_path):
-        assert result["losses"] == pytest.approx(result["ref_losses"], rel=1e-5)
-        assert result["weight_error"] < 1e-5
-        assert not result["encoder_sharded"] and result["encoder_shape"] == (10, 10)  # whole on every rank
+        assert_matches(result, "frozen ignored encoder")
+        assert result["encoder_whole"]  # not sharded: whole on every rank
 
 
 def _trainable_body(rank: int, world: int, folder: str) -> dict:
@@ -124,12 +124,6 @@ def test_ignored_parameters_clip_and_checkpoint_whole(tmp_path):
     result = run_ranks(_trainable_body, 2, tmp_path, str(tmp_path / "ckpt"))[0]
     assert result["norm"] == pytest.approx(result["expected_norm"], rel=1e-5)  # FSDP1: their local norm counts
     assert result["norm_buffer_dtype"] == torch.float32  # no buffer_dtype cast below an ignored module
-    saved, loaded = result["saved"], result["loaded"]
-    for name, value in saved["model"].items():
-        assert torch.equal(loaded["model"][name], value), name
-    assert loaded["optim"]["state"].keys() == saved["optim"]["state"].keys()
-    for index, entry in saved["optim"]["state"].items():
-        for key, value in entry.items():
-            assert torch.equal(loaded["optim"]["state"][index][key], value), (index, key)
+    _assert_same_state(result["loaded"], result["saved"])
     assert any("not a submodule of the model" in e for e in result["errors"])
     assert any("is the model itself" in e for e in result["errors"])
