@@ -76,10 +76,21 @@ class CheckpointHooks:
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Nothing: ``load_checkpoint`` already loaded the optimizer states."""
 
-    def _final_and_temporary(self, filepath: _PATH) -> tuple[Location, Location]:
-        final = storage.locate(self.broadcast(os.fspath(filepath)))
-        temporary = storage.locate(self.broadcast(storage.temporary(final).url if self.is_global_zero else None))
-        return final, temporary
+    def _save_targets(self, filepath: _PATH) -> tuple[Location, Location]:
+        """The final and temporary names, decided by rank 0 with whether the save may replace what is
+        there (``refuse_to_replace``), in one broadcast; a refusal is raised on every rank."""
+        decision = None
+        if self.is_global_zero:
+            final = storage.locate(filepath)
+            try:
+                refusal = storage.refuse_to_replace(final, self._state_dict_type)
+            except Exception as error:  # an unreachable filesystem: every rank must hear of it
+                refusal = error
+            decision = (final.url, storage.temporary(final).url, refusal)
+        final_url, temporary_url, refusal = self.broadcast(decision)
+        if refusal is not None:
+            raise refusal
+        return storage.locate(final_url), storage.locate(temporary_url)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any = None) -> None:
         """Write atomically to a local path or any fsspec URL: a temporary name, moved once every rank
@@ -92,12 +103,7 @@ class CheckpointHooks:
             )
         if self._data_position is not None and "loops" in checkpoint:
             checkpoint[DATA_POSITION_KEY] = self._data_position.state_dict()
-        final, temporary = self._final_and_temporary(filepath)
-        refusal = self.broadcast(
-            storage.refuse_to_replace(final, self._state_dict_type) if self.is_global_zero else None
-        )
-        if refusal is not None:
-            raise refusal
+        final, temporary = self._save_targets(filepath)
         if self._state_dict_type == "full":
             self._writer.save_full(
                 final, temporary, lambda path: self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options)
@@ -130,8 +136,6 @@ class CheckpointHooks:
             checkpoint = full.load_file(path, weights_only)
         self._checkpoint_to_load = _CheckpointToLoad(path, is_folder, meta, checkpoint)
         self._take_data_position(checkpoint)
-        if self.lightning_module is None or self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
-            self._data_position_to_load = None  # validate/test: no training loader to apply it to, later fits none
         return checkpoint
 
     def _load_into_shards(self, trainer: pl.Trainer) -> None:
@@ -169,10 +173,12 @@ class CheckpointHooks:
 
     def _take_data_position(self, checkpoint: dict[str, Any]) -> None:
         """Keep a loaded checkpoint's data position for the training dataloader (built after the
-        restore); one in Lightning's loop state (our checkpoints before format 2) moves here too."""
+        restore) when fitting; one in Lightning's loop state (our checkpoints before format 2) moves
+        here too. Validate/test keep none: a later fit has nothing to resume."""
         position = checkpoint.pop(DATA_POSITION_KEY, None)
         fit_loop = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
         legacy = fit_loop.pop("combined_loader", None)
         if position is None and legacy:
             position = legacy[0]
-        self._data_position_to_load = position
+        fitting = self.lightning_module is not None and self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        self._data_position_to_load = position if fitting else None

@@ -21,16 +21,10 @@ import torch.distributed.checkpoint as dcp
 
 from fsdp_strategy.checkpoint import layout, storage
 from fsdp_strategy.checkpoint.layout import CheckpointError
+from fsdp_strategy.checkpoint.sharded import stored_tensors
 from fsdp_strategy.config import parse_dtype
 
 FORMATS = ("torch", "safetensors")
-
-
-def stored_tensors(folder: Path) -> tuple[Any, dict[str, tuple]]:
-    """The folder's DCP metadata (read once) and ``{stored key: path}`` of its entries, e.g.
-    ``("model", "net.embed.weight")`` or ``("optimizer_0", "state", "net.embed.weight", "exp_avg")``."""
-    metadata = dcp.FileSystemReader(str(folder)).read_metadata()
-    return metadata, {key: tuple(path) for key, path in metadata.planner_data.items()}
 
 
 def read_tensors(folder: Path, metadata: Any, keys: list[str], dtype: torch.dtype | None = None) -> dict:
@@ -129,23 +123,23 @@ def consolidate(
         raise FileExistsError(f"{str(dst)!r} exists; pass overwrite=True (--overwrite) to replace it")
     temporary = storage.temporary(storage.locate(dst))
     try:
-        rename = _prefix_stripper(src, strip_prefix)
+        stored = stored_tensors(src)  # the DCP metadata, read once
+        rename = _prefix_stripper(stored[1], strip_prefix)
         if output_format == "safetensors":
-            _write_safetensors(src, Path(temporary.path), cast, limit, rename)
+            _write_safetensors(src, stored, Path(temporary.path), cast, limit, rename)
         else:
-            _write_torch(src, Path(temporary.path), cast, weights_only, meta["format_version"], rename)
+            _write_torch(src, stored, Path(temporary.path), cast, weights_only, meta["format_version"], rename)
         storage.commit(temporary, storage.locate(dst))
     finally:
         storage.remove(temporary)
     return dst
 
 
-def _prefix_stripper(src: Path, prefix: str | None) -> Any:
+def _prefix_stripper(paths: dict[str, tuple], prefix: str | None) -> Any:
     """``model key -> output key``: without ``prefix`` (checked against every key first)."""
     if prefix is None:
         return lambda name: name
     prefix = prefix if prefix.endswith(".") else prefix + "."
-    _, paths = stored_tensors(src)
     outside = sorted(path[1] for path in paths.values() if path[0] == "model" and not path[1].startswith(prefix))
     if outside:
         raise ValueError(f"strip_prefix={prefix!r}: the keys {outside} do not start with it")
@@ -153,9 +147,9 @@ def _prefix_stripper(src: Path, prefix: str | None) -> Any:
 
 
 def _write_torch(
-    src: Path, out: Path, dtype: torch.dtype | None, weights_only: bool, version: int, rename: Any
+    src: Path, stored: tuple, out: Path, dtype: torch.dtype | None, weights_only: bool, version: int, rename: Any
 ) -> None:
-    metadata, paths = stored_tensors(src)
+    metadata, paths = stored
     model = read_tensors(src, metadata, _under(paths, "model"), dtype)
     state_dict = {rename(paths[key][1]): tensor for key, tensor in model.items()}
     if weights_only:
@@ -198,10 +192,12 @@ def _by_position(paths: dict[str, tuple], entries: dict[str, Any], groups: list[
     return {"state": dict(sorted(state.items())), "param_groups": torch_groups}
 
 
-def _write_safetensors(src: Path, out: Path, dtype: torch.dtype | None, limit: int | None, rename: Any) -> None:
+def _write_safetensors(
+    src: Path, stored: tuple, out: Path, dtype: torch.dtype | None, limit: int | None, rename: Any
+) -> None:
     from safetensors.torch import save_file
 
-    metadata, paths = stored_tensors(src)
+    metadata, paths = stored
     keys = [key for key in _under(paths, "model") if hasattr(metadata.state_dict_metadata[key], "size")]
     if limit is None:
         tensors = read_tensors(src, metadata, keys, dtype)

@@ -34,6 +34,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from fsdp_strategy.checkpoint import layout, names, storage
+from fsdp_strategy.checkpoint.layout import CheckpointError
 from fsdp_strategy.checkpoint.storage import Location
 from fsdp_strategy.engine import Scheduler, collectives, get_scheduler
 from fsdp_strategy.engine.param import ShardedParam
@@ -139,6 +140,18 @@ def dcp_reader(folder: Location) -> Any:
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
     return FsspecReader(folder.url)
+
+
+def stored_tensors(path: str | os.PathLike | Location) -> tuple[Any, dict[str, tuple]]:
+    """A folder's DCP metadata (read once) and ``{stored key: path}`` of its entries, e.g.
+    ``("model", "net.embed.weight")`` or ``("optimizer_0", "state", "net.embed.weight", "exp_avg")``."""
+    folder = storage.locate(path)
+    try:
+        metadata = dcp_reader(folder).read_metadata()
+    except Exception as error:  # DCP raises several types for a missing or damaged .metadata
+        where = folder.child(layout.DCP_METADATA)
+        raise CheckpointError(f"{where}: unreadable ({type(error).__name__}: {error})") from None
+    return metadata, {key: tuple(path) for key, path in (metadata.planner_data or {}).items()}
 
 
 def write_dcp(folder: Location, state: dict, process_group: Any = None) -> None:

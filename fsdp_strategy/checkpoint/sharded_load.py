@@ -15,7 +15,7 @@ from torch import nn
 
 from fsdp_strategy.checkpoint import layout, names, storage
 from fsdp_strategy.checkpoint.layout import CheckpointError
-from fsdp_strategy.checkpoint.sharded import checkpoint_view, dcp_reader, model_state, plan, shard_mesh
+from fsdp_strategy.checkpoint.sharded import checkpoint_view, dcp_reader, model_state, plan, shard_mesh, stored_tensors
 from fsdp_strategy.checkpoint.storage import Location
 from fsdp_strategy.engine import collectives, get_scheduler
 
@@ -56,12 +56,7 @@ class _StoredKeys:
     and the stored size of each tensor (None for an object)."""
 
     def __init__(self, folder: Location) -> None:
-        try:
-            metadata = dcp_reader(folder).read_metadata()
-        except Exception as error:  # DCP raises several types for a missing or damaged .metadata
-            where = folder.child(layout.DCP_METADATA)
-            raise CheckpointError(f"{where}: unreadable ({type(error).__name__}: {error})") from None
-        self.paths = {key: tuple(path) for key, path in (metadata.planner_data or {}).items()}
+        metadata, self.paths = stored_tensors(folder)
         self.sizes = {
             key: tuple(info.size) if hasattr(info, "size") else None
             for key, info in metadata.state_dict_metadata.items()
