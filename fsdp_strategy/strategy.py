@@ -50,8 +50,8 @@ from fsdp_strategy.arguments import (
 )
 from fsdp_strategy.checkpoint.writer import CheckpointWriter
 from fsdp_strategy.config import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy, validate_device_mesh
-from fsdp_strategy.engine import Scheduler, get_scheduler, is_sharded, shard_model
-from fsdp_strategy.engine.collectives import CommLedger
+from fsdp_strategy.engine import Scheduler, check_collective_timeout, get_scheduler, is_sharded, shard_model, watchdog
+from fsdp_strategy.engine.collectives import CommLedger, watched
 from fsdp_strategy.precision import FSDPCustomPrecision
 from fsdp_strategy.strategy_checkpoints import CheckpointHooks
 from fsdp_strategy.sync_batchnorm import convert_sync_batchnorm
@@ -94,6 +94,12 @@ class FSDPCustomStrategy(CheckpointHooks, ParallelStrategy):
         sync_module_states: broadcast global rank 0's parameters and buffers before sharding.
         ignored_modules: modules of the model whose parameters are not sharded nor synchronized
             (FSDP1's meaning: every rank keeps them whole; freeze them or sync them yourself).
+        collective_timeout: seconds (or a ``timedelta``) a collective may wait before every rank
+            stops with a report of where each rank was (default 600; None: no limit). A dead or
+            raising rank stops the others within seconds whatever this is ([Note: watchdog]).
+        check_collective_order: stamp every collective so that ranks issuing different ones (a
+            unit called an extra time on one rank) stop at the first (default True; costs 16
+            elements per collective).
         process_group_backend: "gloo", "nccl", ...; default: by device.
         timeout: a ``timedelta``: timeout of every collective (a rank that dies fails the others after it).
         FSDP keywords Lightning passes through: ``use_orig_params=True`` and
@@ -130,6 +136,8 @@ class FSDPCustomStrategy(CheckpointHooks, ParallelStrategy):
         backward_prefetch: str | BackwardPrefetch | Any = "BACKWARD_PRE",
         sync_module_states: bool = False,
         ignored_modules: list[torch.nn.Module] | None = None,
+        collective_timeout: float | timedelta | None = watchdog.DEFAULT_COLLECTIVE_TIMEOUT,
+        check_collective_order: bool = True,
         **fsdp_kwargs: Any,
     ) -> None:
         check_fsdp_keywords(fsdp_kwargs)
@@ -178,6 +186,10 @@ class FSDPCustomStrategy(CheckpointHooks, ParallelStrategy):
         ):
             raise TypeError(f"ignored_modules must be a list of modules of the model, got {ignored_modules!r}")
         self.ignored_modules = ignored_modules
+        self.collective_timeout = check_collective_timeout(collective_timeout)
+        if not isinstance(check_collective_order, bool):
+            raise TypeError(f"check_collective_order must be a bool, got {check_collective_order!r}")
+        self.check_collective_order = check_collective_order
         self._ledger_global_step: int | None = None  # the global_step the ledger's count started at
         self._init_checkpoint_hooks()
 
@@ -258,6 +270,7 @@ class FSDPCustomStrategy(CheckpointHooks, ParallelStrategy):
             # Lightning registers this for NCCL only; a gloo group left to interpreter shutdown can
             # abort the process ("terminate called without an active exception") after a good run.
             atexit.register(_destroy_dist_connection)
+        watchdog.start(self.collective_timeout, node=self.node_rank)
         self._writer.setup()
         if isinstance(self._device_mesh, tuple):
             from torch.distributed.device_mesh import init_device_mesh
@@ -330,6 +343,8 @@ class FSDPCustomStrategy(CheckpointHooks, ParallelStrategy):
             backward_prefetch=self.backward_prefetch,
             sync_module_states=self.sync_module_states,
             ignored_modules=self.ignored_modules,
+            collective_timeout=self.collective_timeout,
+            check_collective_order=self.check_collective_order,
         )
         _move_torchmetrics_to_device(model, self.root_device)
         units = self.scheduler.units
@@ -379,7 +394,11 @@ class FSDPCustomStrategy(CheckpointHooks, ParallelStrategy):
             log.debug("no_sync holds %d bytes of full gradients", self.scheduler.unsharded_grad_bytes())
 
     def on_exception(self, exception: BaseException) -> None:
-        """A failed fit/validate/test leaves no half-done iteration behind (see ``Scheduler.reset``)."""
+        """Tell the other ranks ([Note: watchdog]: they stop and name this rank's exception), and
+        leave no half-done iteration behind (see ``Scheduler.reset``)."""
+        dog = watchdog.active()
+        if dog is not None:
+            dog.report_exception(exception)
         if self.model is not None and is_sharded(self.model):
             self.scheduler.reset()
         super().on_exception(exception)
@@ -399,21 +418,24 @@ class FSDPCustomStrategy(CheckpointHooks, ParallelStrategy):
         """Wait for every rank (device-aware on NCCL)."""
         if not _distributed_is_initialized():
             return
-        if torch.distributed.get_backend() == "nccl":
-            torch.distributed.barrier(device_ids=[self.root_device.index])
-        else:
-            torch.distributed.barrier()
+        with watched("barrier", name or "Lightning"):
+            if torch.distributed.get_backend() == "nccl":
+                torch.distributed.barrier(device_ids=[self.root_device.index])
+            else:
+                torch.distributed.barrier()
 
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
         if not _distributed_is_initialized():
             return obj
         container = [obj]
-        torch.distributed.broadcast_object_list(container, src, group=_group.WORLD)
+        with watched("broadcast", "Lightning"):
+            torch.distributed.broadcast_object_list(container, src, group=_group.WORLD)
         return container[0]
 
     def reduce(self, tensor: Tensor | Any, group: Any = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:
         if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            with watched("all_reduce", "Lightning"):
+                return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
     def teardown(self) -> None:

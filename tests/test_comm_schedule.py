@@ -15,6 +15,7 @@ from torch import nn
 
 from fsdp_strategy import MixedPrecision
 from fsdp_strategy.engine import get_scheduler, shard_model
+from fsdp_strategy.engine.flight import STAMP_SLOTS
 from fsdp_strategy.engine.trace import PREFIX
 from fsdp_strategy.engine.unit import ShardedState
 
@@ -189,9 +190,12 @@ def test_schedule_counts_bytes_and_memory(tmp_path):
     assert _calls(full["step"], "all_gather") == units + units - 1  # backward re-gathers all but the root
     assert _calls(full["step"], "reduce_scatter") == units
     assert _calls(full["step"], "all_reduce") == 0
-    gather_bytes = sum(4 * n * (world - 1) // world for n in full["unit_numel"].values())
-    # each rank's row carries its gradient columns and one usage flag per trainable parameter
-    scatter_payload = {name: 4 * (sum(sizes) + world * len(sizes)) for name, sizes in full["unit_trainable"].items()}
+    # each rank's row also carries the order stamp ([Note: order stamps])
+    gather_bytes = sum(4 * (n + world * STAMP_SLOTS) * (world - 1) // world for n in full["unit_numel"].values())
+    # each rank's row carries its gradient columns, one usage flag per trainable parameter and the stamp
+    scatter_payload = {
+        name: 4 * (sum(sizes) + world * (len(sizes) + STAMP_SLOTS)) for name, sizes in full["unit_trainable"].items()
+    }
     assert full["forward"]["all_gather"]["wire_bytes"] == gather_bytes
     assert full["step"]["reduce_scatter"]["payload_bytes"] == sum(scatter_payload.values())
     assert full["freed_after_forward"] == {
@@ -359,7 +363,8 @@ def test_no_shard_all_reduces_each_unit_once_in_place(tmp_path):
     reduced = {name: sizes for name, sizes in result["trainable"].items() if sizes}
     assert _calls(result["step"], "all_reduce") == len(reduced)
     assert _calls(result["step"], "reduce_scatter") == 0 and _calls(result["step"], "all_gather") == 0
-    assert result["step"]["all_reduce"]["payload_bytes"] == sum(4 * (sum(s) + len(s)) for s in reduced.values())
+    payload = sum(4 * (sum(s) + len(s) + STAMP_SLOTS) for s in reduced.values())
+    assert result["step"]["all_reduce"]["payload_bytes"] == payload
     assert len(set(result["flat_views"])) == 1  # the root's gradients are views of its one reduced buffer
 
 

@@ -10,12 +10,15 @@ file is replaced by one atomic ``rename``, a folder is swapped with the new one 
 ``renameat2(RENAME_EXCHANGE)`` (Linux); elsewhere (other systems, object stores) the old one is
 first renamed to ``STEM.replaced-<id>SUFFIX`` (``last.replaced-1f2e.ckpt``: still found by
 ``ckpt_path="last"``, and older than the new one) and deleted once the new one is in place.
-A save never deletes what is not a checkpoint: see ``refuse_to_replace``.
+A save never deletes what is not a checkpoint: see ``refuse_to_replace``. A save killed midway
+(a rank or the whole job) leaves only its hidden temporary, which the next commit of the same
+name removes.
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import uuid
 import zipfile
@@ -24,6 +27,8 @@ from pathlib import PurePosixPath
 from typing import Any, NamedTuple
 
 from lightning.fabric.utilities.cloud_io import get_filesystem
+
+log = logging.getLogger(__name__)
 
 
 class Location(NamedTuple):
@@ -150,7 +155,17 @@ def _is_torch_file(loc: Location) -> bool:
 
 
 def commit(temporary: Location, final: Location) -> None:
-    """Move a finished checkpoint to its final name ([Note: atomic commit]). Rank 0 only."""
+    """Move a finished checkpoint to its final name ([Note: atomic commit]), then remove what
+    saves of the same name killed midway left (``.NAME.tmp-*``). Rank 0 only."""
+    _move_into_place(temporary, final)
+    prefix = f".{final.name}.tmp-"
+    for name in names(Location(final.fs, str(PurePosixPath(final.path).parent), "")):
+        if name.startswith(prefix):
+            log.info("removing %s, left by a save that did not finish", name)
+            remove(final.sibling(name))
+
+
+def _move_into_place(temporary: Location, final: Location) -> None:
     final.fs.makedirs(str(PurePosixPath(final.path).parent), exist_ok=True)
     if not exists(final):
         final.fs.mv(temporary.path, final.path, recursive=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -19,9 +20,10 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_strategy.config import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy, validate_device_mesh
-from fsdp_strategy.engine import collectives
+from fsdp_strategy.engine import collectives, watchdog
 from fsdp_strategy.engine.accounting import MemoryAccount
 from fsdp_strategy.engine.collectives import CommGroup, CommLedger
+from fsdp_strategy.engine.flight import STAMP_SLOTS
 from fsdp_strategy.engine.guard import install_guards
 from fsdp_strategy.engine.ignored import find_ignored
 from fsdp_strategy.engine.init import ParamInitFn, materialize, meta_tensor_names, weight_initializers
@@ -31,9 +33,19 @@ from fsdp_strategy.engine.placement import plan_units
 from fsdp_strategy.engine.runtime import Scheduler
 from fsdp_strategy.engine.summon import summon_all_units
 from fsdp_strategy.engine.unit import FSDPUnit, UnitContext
+from fsdp_strategy.engine.watchdog import CollectiveError
 from fsdp_strategy.wrap import as_policy_fn, select_unit_modules
 
-__all__ = ["shard_model", "get_scheduler", "is_sharded", "comm_groups", "summon_full_params", "Scheduler"]
+__all__ = [
+    "shard_model",
+    "get_scheduler",
+    "is_sharded",
+    "comm_groups",
+    "summon_full_params",
+    "Scheduler",
+    "CollectiveError",
+    "check_collective_timeout",
+]
 
 _SCHEDULER_ATTR = "_fsdp_custom_scheduler"
 
@@ -75,6 +87,8 @@ def shard_model(
     backward_prefetch: Any = "BACKWARD_PRE",
     sync_module_states: bool = False,
     ignored_modules: Iterable[nn.Module] | None = None,
+    collective_timeout: float | timedelta | None = watchdog.DEFAULT_COLLECTIVE_TIMEOUT,
+    check_collective_order: bool = True,
 ) -> nn.Module:
     """Shard ``module``'s parameters in place across the ranks and install the schedule.
 
@@ -85,6 +99,10 @@ def shard_model(
     all-gathers are issued ahead of their unit (see ``Prefetch``). ``sync_module_states``: every
     parameter and buffer takes global rank 0's value before sharding (one broadcast each).
     ``ignored_modules``: left whole and unsynchronized on every rank ([Note: ignored modules]).
+    ``collective_timeout`` (seconds or a timedelta; None: no limit): a collective waiting longer
+    ends the job on every rank with a report of where each rank was ([Note: watchdog]).
+    ``check_collective_order``: stamp every collective so ranks that issue different ones stop
+    at the first ([Note: order stamps]).
     Costs at rest: 1/N of the parameters plus padding; while running, the units gathered now.
     """
     if is_sharded(module):
@@ -100,7 +118,13 @@ def shard_model(
     if not isinstance(sync_module_states, bool):
         raise TypeError(f"sync_module_states must be a bool, got {sync_module_states!r}")
     prefetch = Prefetch(forward_prefetch, BackwardPrefetch.from_any(backward_prefetch))
+    timeout = check_collective_timeout(collective_timeout)
+    if not isinstance(check_collective_order, bool):
+        raise TypeError(f"check_collective_order must be a bool, got {check_collective_order!r}")
     shard_comm, replicate_comm = comm_groups(strategy, process_group, device_mesh)
+    watchdog.start(timeout)
+    distributed = shard_comm.size > 1 or replicate_comm.size > 1
+    stamp_slots = STAMP_SLOTS if check_collective_order and distributed else 0
     compute_device = torch.device(device) if device is not None else _default_device(module)
     storage_device = torch.device("cpu") if offload.offload_params else compute_device
 
@@ -112,7 +136,9 @@ def shard_model(
     layout = ShardLayout(shard_comm.rank, shard_comm.size, storage_device, compute_device, precision.param_dtype)
     ledger = CommLedger()
     memory = MemoryAccount()
-    context = UnitContext(shard_comm, replicate_comm, precision.reduce_dtype, compute_device, ledger, memory)
+    context = UnitContext(
+        shard_comm, replicate_comm, precision.reduce_dtype, compute_device, ledger, memory, stamp_slots
+    )
     units: list[FSDPUnit] = []
     for index, unit_module in enumerate(unit_modules):
         owned = {id(m): (name, m) for name, m in placement.modules[index]}
@@ -146,6 +172,18 @@ def shard_model(
     install_guards(module, units)
     module.__dict__[_SCHEDULER_ATTR] = scheduler
     return module
+
+
+def check_collective_timeout(value: Any) -> float | None:
+    """``collective_timeout`` as seconds: a positive number, a positive timedelta, or None (no limit)."""
+    if value is None:
+        return None
+    seconds = value.total_seconds() if isinstance(value, timedelta) else value
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+        raise TypeError(f"collective_timeout must be seconds (a number), a timedelta or None, got {value!r}")
+    if not seconds > 0:
+        raise ValueError(f"collective_timeout={value!r} must be positive (or None for no limit)")
+    return float(seconds)
 
 
 def _first_uses(placement: Any, index: int) -> list:

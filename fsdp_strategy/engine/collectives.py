@@ -15,8 +15,11 @@ Reductions are SUM followed by an explicit divide by the caller (see [Note: SUM 
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, NamedTuple
@@ -24,7 +27,10 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from fsdp_strategy.engine import watchdog
+from fsdp_strategy.engine.flight import RECORDER, STAMP_SLOTS, CollectiveRecord, Stamp, stamp_exact
 from fsdp_strategy.engine.trace import span
+from fsdp_strategy.engine.watchdog import CollectiveError
 
 # [Note: SUM then divide]
 # Gradients are reduced with ReduceOp.SUM and divided by the data-parallel size afterwards.
@@ -117,12 +123,23 @@ class Pending:
 
     On gloo ``wait()`` blocks the host, so the blocked time is the exposed communication. On
     NCCL it only makes the stream wait: the host-side times are then near zero and the
-    device-side stall is not measured.
+    device-side stall is not measured. The wait goes through the watchdog ([Note: watchdog]),
+    and a stamped collective's stamps are checked after it ([Note: order stamps]).
     """
 
-    def __init__(self, work: Any = None, ledger: CommLedger | None = None, kind: Any = None, unit: str = "") -> None:
+    def __init__(
+        self,
+        work: Any = None,
+        ledger: CommLedger | None = None,
+        kind: Any = None,
+        unit: str = "",
+        record: CollectiveRecord | None = None,
+        check: Callable[[CollectiveRecord], None] | None = None,
+        host_blocking: bool = True,
+    ) -> None:
         self._work = work
         self._ledger, self._kind, self._unit = ledger, kind, unit
+        self._record, self._check, self._host_blocking = record, check, host_blocking
         self._issued = time.perf_counter()
 
     def wait(self) -> None:
@@ -131,48 +148,170 @@ class Pending:
             return
         start = time.perf_counter()
         with span("wait_" + self._kind.value):
-            self._work.wait()
+            _wait(self._work, self._record, self._host_blocking)
         end = time.perf_counter()
         self._work = None
+        if self._check is not None:
+            self._check(self._record)
         if self._ledger is not None:
             self._ledger.record_wait(self._kind, self._unit, end - self._issued, end - start)
+
+
+def _wait(work: Any, record: CollectiveRecord, host_blocking: bool) -> None:
+    dog = watchdog.active()
+    if dog is None:
+        work.wait()
+        record.ended = time.time()
+    else:
+        dog.wait(work, record, host_blocking)
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def all_gather(output: torch.Tensor, shard: torch.Tensor, comm: CommGroup, ledger: CommLedger, unit: str) -> Pending:
-    """Gather ``shard`` from every rank of ``comm`` into ``output`` (rank-major concatenation)."""
+_STAMPS: dict[tuple[str, str], Stamp] = {}
+
+
+def _stamp(kind: CollectiveKind, unit: str) -> Stamp:
+    stamp = _STAMPS.get((kind.value, unit))
+    if stamp is None:
+        stamp = _STAMPS[(kind.value, unit)] = Stamp(kind.value, unit)
+    return stamp
+
+
+def _stamp_check(slots: torch.Tensor, expected: torch.Tensor, comm: CommGroup, per_rank: bool) -> Callable:
+    """The check run after the wait: ``slots`` (after the collective) must equal ``expected``."""
+
+    def check(record: CollectiveRecord) -> None:
+        if slots.is_cuda:
+            dog = watchdog.active()
+            if dog is not None:
+                dog.defer_check(record, (slots != expected).any())
+            return
+        if torch.equal(slots, expected):
+            return
+        reason = "the ranks issued different collectives here (order stamps differ)"
+        if per_rank:
+            others = [_global_rank(comm, row) for row in range(comm.size) if not torch.equal(slots[row], expected[row])]
+            reason = f"ranks {others} issued a different collective here (their order stamps differ)"
+        _fail(record, reason)
+
+    return check
+
+
+def _global_rank(comm: CommGroup, rank: int) -> int:
+    return dist.get_global_rank(comm.group, rank) if comm.group is not None else rank
+
+
+def _fail(record: CollectiveRecord, reason: str) -> None:
+    dog = watchdog.active()
+    if dog is None:
+        raise CollectiveError(f"fsdp_custom: {record.describe()}: {reason}")
+    dog.fail(record, reason)
+
+
+def all_gather(
+    output: torch.Tensor, shard: torch.Tensor, comm: CommGroup, ledger: CommLedger, unit: str, stamped: bool = False
+) -> Pending:
+    """Gather ``shard`` from every rank of ``comm`` into ``output`` (rank-major concatenation).
+
+    ``stamped``: the last ``STAMP_SLOTS`` elements of ``shard`` are free for the order stamp,
+    checked in every rank's row after the wait ([Note: order stamps]).
+    """
     if comm.size == 1:
         output.copy_(shard)
         return Pending()
     payload = _nbytes(output)
-    ledger.record(CollectiveKind.ALL_GATHER, unit, payload, payload * (comm.size - 1) // comm.size)
+    kind = CollectiveKind.ALL_GATHER
+    ledger.record(kind, unit, payload, payload * (comm.size - 1) // comm.size)
+    check = None
+    if stamped:
+        stamp = _stamp(kind, unit).tensor(shard.dtype, shard.device)
+        shard[-STAMP_SLOTS:].copy_(stamp)
+        check = _stamp_check(output.view(comm.size, -1)[:, -STAMP_SLOTS:], stamp.expand(comm.size, -1), comm, True)
+    record = RECORDER.issue(kind.value, unit, shard.dtype, payload)
     work = _all_gather(output, shard, group=comm.group, async_op=True)
-    return Pending(work, ledger, CollectiveKind.ALL_GATHER, unit)
+    return Pending(work, ledger, kind, unit, record, check, not shard.is_cuda)
 
 
-def reduce_scatter(output: torch.Tensor, full: torch.Tensor, comm: CommGroup, ledger: CommLedger, unit: str) -> Pending:
-    """SUM ``full`` over ``comm`` and leave this rank's 1/N slice in ``output``."""
+def reduce_scatter(
+    output: torch.Tensor, full: torch.Tensor, comm: CommGroup, ledger: CommLedger, unit: str, stamped: bool = False
+) -> Pending:
+    """SUM ``full`` over ``comm`` and leave this rank's 1/N slice in ``output``.
+
+    ``stamped``: the last ``STAMP_SLOTS`` elements of each rank's slice are free for the order
+    stamp, whose sum is checked after the wait ([Note: order stamps]).
+    """
     if comm.size == 1:
         output.copy_(full)
         return Pending()
     payload = _nbytes(full)
-    ledger.record(CollectiveKind.REDUCE_SCATTER, unit, payload, payload * (comm.size - 1) // comm.size)
+    kind = CollectiveKind.REDUCE_SCATTER
+    ledger.record(kind, unit, payload, payload * (comm.size - 1) // comm.size)
+    check = None
+    if stamped:
+        stamp = _stamp(kind, unit)
+        full.view(comm.size, -1)[:, -STAMP_SLOTS:].copy_(stamp.tensor(full.dtype, full.device))
+        if stamp_exact(full.dtype, comm.size):
+            check = _stamp_check(output[-STAMP_SLOTS:], stamp.tensor(full.dtype, full.device, comm.size), comm, False)
+    record = RECORDER.issue(kind.value, unit, full.dtype, payload)
     work = _reduce_scatter(output, full, op=dist.ReduceOp.SUM, group=comm.group, async_op=True)
-    return Pending(work, ledger, CollectiveKind.REDUCE_SCATTER, unit)
+    return Pending(work, ledger, kind, unit, record, check, not full.is_cuda)
 
 
-def all_reduce(tensor: torch.Tensor, comm: CommGroup, ledger: CommLedger, unit: str, op: str = "sum") -> Pending:
-    """Reduce ``tensor`` in place over ``comm`` with ``op`` ("sum" or "max")."""
+def all_reduce(
+    tensor: torch.Tensor, comm: CommGroup, ledger: CommLedger, unit: str, op: str = "sum", stamped: bool = False
+) -> Pending:
+    """Reduce ``tensor`` in place over ``comm`` with ``op`` ("sum" or "max").
+
+    ``stamped`` (SUM only): the last ``STAMP_SLOTS`` elements are free for the order stamp.
+    """
     if comm.size == 1:
         return Pending()
     payload = _nbytes(tensor)
-    ledger.record(CollectiveKind.ALL_REDUCE, unit, payload, 2 * payload * (comm.size - 1) // comm.size)
+    kind = CollectiveKind.ALL_REDUCE
+    ledger.record(kind, unit, payload, 2 * payload * (comm.size - 1) // comm.size)
+    check = None
+    if stamped and op == "sum":
+        stamp = _stamp(kind, unit)
+        tensor[-STAMP_SLOTS:].copy_(stamp.tensor(tensor.dtype, tensor.device))
+        if stamp_exact(tensor.dtype, comm.size):
+            expected = stamp.tensor(tensor.dtype, tensor.device, comm.size)
+            check = _stamp_check(tensor[-STAMP_SLOTS:], expected, comm, False)
     reduce_op = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
+    record = RECORDER.issue(kind.value, unit, tensor.dtype, payload)
     work = dist.all_reduce(tensor, op=reduce_op, group=comm.group, async_op=True)
-    return Pending(work, ledger, CollectiveKind.ALL_REDUCE, unit)
+    return Pending(work, ledger, kind, unit, record, check, not tensor.is_cuda)
+
+
+def wedged() -> bool:
+    """Whether a collective of this process failed ([Note: watchdog]): none can be waited for."""
+    dog = watchdog.active()
+    return dog is not None and dog.error is not None
+
+
+@contextmanager
+def watched(kind: str, name: str) -> Iterator[None]:
+    """Run a blocking call of the default group (a barrier, a broadcast) under the watchdog: it
+    is recorded ([Note: flight recorder]), timed by the thread, and a failure of it becomes a
+    ``CollectiveError`` naming where every rank was. Costs: one record."""
+    dog = watchdog.active()
+    if dog is None or threading.current_thread() is not threading.main_thread():  # a background save
+        yield
+        return
+    if dog.error is not None:
+        raise dog.error
+    record = RECORDER.issue(kind, name)
+    dog.watch_blocking(record)
+    try:
+        yield
+    except CollectiveError:
+        raise
+    except RuntimeError as error:
+        dog.fail(record, f"it failed: {type(error).__name__}: {str(error).strip()[:300]}", error)
+    finally:
+        record.ended = time.time()
 
 
 # ---- small control-plane collectives (checkpoints): blocking, pickled Python objects ----------
@@ -191,7 +330,8 @@ def all_gather_objects(value: Any, group: Any = None) -> list[Any]:
     if size == 1:
         return [value]
     out: list[Any] = [None] * size
-    dist.all_gather_object(out, value, group=group)
+    with watched("all_gather_object", "checkpoint"):
+        dist.all_gather_object(out, value, group=group)
     return out
 
 
@@ -227,7 +367,8 @@ def broadcast_from_rank0(tensors: list[torch.Tensor]) -> None:
 def barrier(group: Any = None) -> None:
     """Wait until every rank of ``group`` arrives (no-op without a process group)."""
     if dist.is_initialized():
-        dist.barrier(group=group)
+        with watched("barrier", "checkpoint"):
+            dist.barrier(group=group)
 
 
 def new_gloo_group() -> Any:

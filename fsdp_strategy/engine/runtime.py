@@ -69,6 +69,7 @@ from fsdp_strategy.config import BackwardPrefetch, MixedPrecision, ShardingStrat
 from fsdp_strategy.engine import collectives
 from fsdp_strategy.engine.accounting import MemoryAccount
 from fsdp_strategy.engine.collectives import CommLedger
+from fsdp_strategy.engine.flight import RECORDER
 from fsdp_strategy.engine.ignored import local_grad_norm
 from fsdp_strategy.engine.iteration import BackwardPass, Frame, PostBackward, UnitRun, autograd_running
 from fsdp_strategy.engine.order import ExecutionOrder, Prefetch
@@ -280,6 +281,7 @@ class Scheduler:
             log.warning("fsdp_custom: the previous iteration did not finish (an exception in backward?); resetting")
             self.reset()
         self._backwards_in_iteration = 0
+        RECORDER.iteration += 1
         self._forward_phase = ("forward", torch.is_grad_enabled())
         self._order.start(self._forward_phase)
         dtype = self.mixed_precision.param_dtype
@@ -393,7 +395,11 @@ class Scheduler:
 
         The next root forward does this by itself after an exception in backward; after one in
         forward it happens at once. Call it after catching a ``KeyboardInterrupt`` yourself.
+        Nothing is done after a ``CollectiveError``: the collectives cannot finish, and the
+        process ends ([Note: watchdog]).
         """
+        if collectives.wedged():
+            return
         while self._pending_reduces:
             pending = self._pending_reduces.popleft()
             pending.work.wait()

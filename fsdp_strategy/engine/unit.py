@@ -57,6 +57,7 @@ class UnitContext(NamedTuple):
     device: torch.device  # where full parameters and collectives live
     ledger: CommLedger  # counts every collective
     memory: MemoryAccount  # counts the buffers gathering and reducing allocate
+    stamp_slots: int = 0  # elements per rank each collective carries for its order stamp ([Note: order stamps])
 
 
 class GatherInFlight(NamedTuple):
@@ -115,6 +116,7 @@ class FSDPUnit:
         self.pinned = 0  # > 0 inside summon_full_params: nothing reshards the unit
         self._aliased = bool(params) and all(p.aliased for p in params)  # [Note: aliased shards]
         self._shard_sizes = [p.shard_numel for p in params]
+        self._stamp_slots = context.stamp_slots
         self.unsharded_nbytes = sum(p.unsharded_nbytes for p in params)  # full parameters, padding included
         self._gather: GatherInFlight | None = None
         self._param_dtype = params[0].param_dtype if params else torch.float32
@@ -132,17 +134,21 @@ class FSDPUnit:
     def _start_gather(self, shards: list[torch.Tensor], dtype: torch.dtype) -> GatherInFlight:
         """Copy one shard-shaped tensor per parameter into a flat buffer (in ``dtype``, on the
         compute device) and start ONE all-gather of it."""
-        flat_shard = torch.empty(sum(self._shard_sizes), dtype=dtype, device=self.device)
+        total = sum(self._shard_sizes)
+        flat_shard = torch.empty(total + self._stamp_slots, dtype=dtype, device=self.device)
         with span("gather_copy_in"):
-            torch._foreach_copy_(list(flat_shard.split(self._shard_sizes)), [s.detach().reshape(-1) for s in shards])
+            pieces = list(flat_shard[:total].split(self._shard_sizes))
+            torch._foreach_copy_(pieces, [s.detach().reshape(-1) for s in shards])
         gathered = flat_shard.new_empty(flat_shard.numel() * self.shard_comm.size)
         nbytes = (flat_shard.numel() + gathered.numel()) * flat_shard.element_size()
-        work = collectives.all_gather(gathered, flat_shard, self.shard_comm, self.ledger, self.name)
+        stamped = self._stamp_slots > 0
+        work = collectives.all_gather(gathered, flat_shard, self.shard_comm, self.ledger, self.name, stamped)
         return GatherInFlight(work, flat_shard, gathered, nbytes)
 
     def _rows(self, gathered: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Each parameter's ``(N, shard_numel)`` slice of a gather buffer."""
-        return gathered.view(self.shard_comm.size, -1).split(self._shard_sizes, dim=1)
+        """Each parameter's ``(N, shard_numel)`` slice of a gather buffer (stamps left out)."""
+        rows = gathered.view(self.shard_comm.size, -1)
+        return rows[:, : rows.shape[1] - self._stamp_slots].split(self._shard_sizes, dim=1)
 
     def unshard(self) -> None:
         """Start the all-gather of the unit's shards (no-op unless the unit is sharded)."""
@@ -242,22 +248,23 @@ class FSDPUnit:
         sizes = [p.shard_numel for p in params]
         total = sum(sizes)
         world = self.shard_comm.size
-        flat = torch.empty(world, total + len(params), dtype=self._reduce_dtype, device=self.device)
+        stamp = self._stamp_slots
+        flat = torch.empty(world, total + len(params) + stamp, dtype=self._reduce_dtype, device=self.device)
         stashed = sum(p.stashed_nbytes for p in params)
         with span("reduce_copy_in"):
             used = [p.take_grad_rows(columns) for p, columns in zip(params, flat[:, :total].split(sizes, dim=1))]
         self.memory.freed(self.name, stashed, "stashed_grads")
-        flat[:, total:].fill_(1)
+        flat[:, total : total + len(params)].fill_(1)
         for index, has_grad in enumerate(used):
             if not has_grad:
                 flat[:, total + index].zero_()
         if world == 1:
             output = flat.view(-1)
-            work = collectives.all_reduce(output, self.replicate_comm, self.ledger, self.name)
+            work = collectives.all_reduce(output, self.replicate_comm, self.ledger, self.name, stamped=stamp > 0)
             nbytes = flat.numel() * flat.element_size()
         else:
-            output = flat.new_empty(total + len(params))
-            work = collectives.reduce_scatter(output, flat.view(-1), self.shard_comm, self.ledger, self.name)
+            output = flat.new_empty(total + len(params) + stamp)
+            work = collectives.reduce_scatter(output, flat.view(-1), self.shard_comm, self.ledger, self.name, stamp > 0)
             nbytes = (flat.numel() + output.numel()) * flat.element_size()
         pending = PendingReduce(self, work, flat, output, params)
         pending.used, pending.nbytes = used, nbytes
@@ -268,10 +275,11 @@ class FSDPUnit:
         """Reduce across replicas (HYBRID_SHARD), divide by the data-parallel size, add into the
         shards of the parameters this rank used; return the others for a later decision."""
         if self.shard_comm.size > 1:
-            collectives.all_reduce(output, self.replicate_comm, self.ledger, self.name).wait()
+            stamped = self._stamp_slots > 0
+            collectives.all_reduce(output, self.replicate_comm, self.ledger, self.name, stamped=stamped).wait()
         with span("reduce_apply"):
-            total = output.numel() - len(params)
-            grads, flags = output[:total], output[total:]
+            total = output.numel() - len(params) - self._stamp_slots
+            grads, flags = output[:total], output[total : total + len(params)]
             grads.div_(self.shard_comm.size * self.replicate_comm.size)  # [Note: SUM then divide]
             undecided = []
             for param, piece, flag, has_grad in zip(params, grads.split([p.shard_numel for p in params]), flags, used):

@@ -1,0 +1,136 @@
+"""A rank that dies, raises, hangs or drifts ends the whole job fast, and every surviving rank
+says which rank and where ([Note: watchdog]); a save killed midway loses nothing.
+
+Each case is a real Lightning job (tests/faulty_job.py, gloo, 2 ranks) under Lightning's own
+launcher (``python train.py``), torchrun, or two torchrun "nodes", run with a deadline; the test
+asserts the time the job took to end and the words of the error."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+JOB = str(ROOT / "tests" / "faulty_job.py")
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+DEADLINE = 30.0  # seconds from the fault to the end of every rank (the issue's bound)
+
+
+def _run(*args: str, torchrun: tuple[str, ...] | None = None, timeout: float = 120) -> tuple[int, str, float]:
+    """Run the job (its output, return code and seconds from start to the end of every process)."""
+    command = [sys.executable, JOB, *args]
+    if torchrun is not None:
+        command = [sys.executable, "-m", "torch.distributed.run", *torchrun, JOB, *args]
+    start = time.monotonic()
+    job = subprocess.run(  # a session of its own: save_kill_all kills its whole process group
+        command, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout, start_new_session=True
+    )
+    return job.returncode, job.stdout + job.stderr, time.monotonic() - start
+
+
+@pytest.mark.parametrize(
+    ("fault", "words"),
+    [
+        ("kill", ["rank 1 (node 0", "LOST, its process has exited", "stopped at all_gather #"]),
+        ("exit", ["rank 1 (node 0", "LOST, its process has exited", "of unit 'net.blocks"]),
+        ("raise", ["rank 1 raised ValueError: injected failure in training_step"]),
+    ],
+)
+def test_a_rank_that_dies_or_raises_ends_the_job_naming_it(fault, words):
+    code, output, seconds = _run("--fault", fault, "--rank", "1", "--step", "3")
+    assert code != 0 and "FINISHED" not in output
+    assert seconds < DEADLINE, output[-3000:]
+    assert "CollectiveError: fsdp_custom: rank 0 (node 0) stopped at" in output, output[-4000:]
+    for word in words:
+        assert word in output, (word, output[-4000:])
+
+
+def test_a_hang_ends_at_collective_timeout_with_every_ranks_place():
+    code, output, seconds = _run("--fault", "hang", "--rank", "1", "--step", "3", "--collective-timeout", "5")
+    assert code != 0 and "FINISHED" not in output
+    assert seconds < DEADLINE, output[-3000:]
+    assert "collective_timeout=5 s" in output, output[-4000:]
+    # rank 1 sleeps in training_step: it is behind, outside any collective, and says so
+    assert "BEHIND by" in output and "rank 1 was not waiting in a collective of the engine" in output
+    assert "fsdp_custom: ending this process" in output  # rank 1, stuck in Python, is ended too
+
+
+def test_a_drift_is_named_at_the_first_mismatched_collective():
+    # rank 1 calls block 0 once more at step 3; block 1 has the same size, so gloo alone would
+    # mix the two units' parameters silently
+    code, output, seconds = _run("--fault", "drift", "--rank", "1", "--step", "3")
+    assert code != 0 and "FINISHED" not in output
+    assert seconds < DEADLINE
+    assert "issued a different collective here" in output, output[-4000:]
+    assert "all_gather #" in output and "of unit 'net.blocks.0'" in output and "of unit 'net.blocks.1'" in output
+    assert "a DIFFERENT collective at the same place" in output
+
+
+def test_the_death_of_rank_0_that_hosts_the_store_ends_rank_1():
+    code, output, seconds = _run("--fault", "kill", "--rank", "0", "--step", "3")
+    assert code != 0 and "FINISHED" not in output
+    assert seconds < DEADLINE, output[-3000:]
+    assert "rank 1 (node 0) stopped at" in output, output[-4000:]
+    assert "the store is unreachable" in output and "rank 0 LOST, its process has exited" in output
+
+
+def test_a_dead_rank_under_torchrun_is_named():
+    code, output, seconds = _run(
+        "--fault", "kill", "--rank", "1", torchrun=("--nproc_per_node=2", "--master_port=29591")
+    )
+    assert code != 0
+    assert seconds < DEADLINE, output[-3000:]
+    assert "rank 0 (node 0) stopped at all_gather #" in output, output[-4000:]
+    assert "rank 1 (node 0, host" in output and "LOST, its process has exited" in output
+
+
+@pytest.mark.slow
+def test_a_dead_rank_on_another_torchrun_node_is_named(tmp_path):
+    common = ["--nnodes=2", "--nproc_per_node=2", "--master_addr=127.0.0.1", "--master_port=29593"]
+    args = ["--fault", "kill", "--rank", "3", "--step", "3", "--num-nodes", "2"]
+    start = time.monotonic()
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", *common, f"--node_rank={node}", JOB, *args],
+            cwd=ROOT,
+            env=ENV,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for node in (0, 1)
+    ]
+    try:
+        outputs = [node.communicate(timeout=120)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    seconds = time.monotonic() - start
+    assert all(node.returncode != 0 for node in nodes)
+    assert seconds < DEADLINE, outputs[0][-3000:]
+    # node 0's ranks name the lost rank 3 of node 1
+    assert "rank 3 (node 1, host" in outputs[0] and "LOST, its process has exited" in outputs[0], outputs[0][-4000:]
+    assert "rank 0 (node 0) stopped at all_gather #" in outputs[0]
+
+
+@pytest.mark.parametrize("fault", ["save_kill", "save_kill_all"])
+def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path, fault):
+    checkpoints = str(tmp_path / "checkpoints")
+    code, output, seconds = _run("--fault", fault, "--rank", "1", "--step", "4", "--checkpoints", checkpoints)
+    assert code != 0 and "FINISHED" not in output
+    assert seconds < DEADLINE, output[-3000:]
+    if fault == "save_kill":
+        assert "stopped at all_gather_object #" in output and "rank 1 (node 0" in output, output[-4000:]
+        assert "LOST, its process has exited" in output
+    left = sorted(os.listdir(checkpoints))
+    assert "last.ckpt" in left and any(name.startswith(".last.ckpt.tmp-") for name in left)
+    # the step-4 save never committed: "last" is step 3's, the partial one is ignored, then removed
+    code, output, _ = _run("--fault", "none", "--resume", "--checkpoints", checkpoints)
+    assert code == 0, output[-4000:]
+    assert "STARTED rank 0 at step 3" in output and "FINISHED rank 0 at step 8" in output
+    assert sorted(os.listdir(checkpoints)) == ["last.ckpt"]
