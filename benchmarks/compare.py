@@ -39,7 +39,17 @@ from spawn import spawn_ranks  # noqa: E402
 # imported in every mode (it pulls in Lightning), so the peak RSS of all modes has the same baseline
 from fsdp_strategy.engine import get_scheduler, shard_model  # noqa: E402
 
-MODES = ["single", "ddp", "fsdp1", "fsdp1_grad_op", "fsdp2", "custom", "custom_grad_op", *LIGHTNING_MODES]
+MODES = [
+    "single",
+    "ddp",
+    "fsdp1",
+    "fsdp1_grad_op",
+    "fsdp2",
+    "custom",
+    "custom_grad_op",
+    "custom_unstamped",  # custom without order stamps, to measure their cost
+    *LIGHTNING_MODES,
+]
 MIB = 2**20
 
 
@@ -66,7 +76,8 @@ def build(mode: str, config: GPTConfig):
         fully_shard(model)
     elif mode.startswith("custom"):
         strategy = "SHARD_GRAD_OP" if mode.endswith("grad_op") else "FULL_SHARD"
-        shard_model(model, sharding_strategy=strategy, auto_wrap_policy={Block})
+        stamped = mode != "custom_unstamped"
+        shard_model(model, sharding_strategy=strategy, auto_wrap_policy={Block}, check_collective_order=stamped)
         ledger = get_scheduler(model).ledger
     return model, ledger
 

@@ -52,6 +52,7 @@ from fsdp_strategy.checkpoint.writer import CheckpointWriter
 from fsdp_strategy.config import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy, validate_device_mesh
 from fsdp_strategy.engine import Scheduler, check_collective_timeout, get_scheduler, is_sharded, shard_model, watchdog
 from fsdp_strategy.engine.collectives import CommLedger, watched
+from fsdp_strategy.engine.flight import RECORDER
 from fsdp_strategy.precision import FSDPCustomPrecision
 from fsdp_strategy.strategy_checkpoints import CheckpointHooks
 from fsdp_strategy.sync_batchnorm import convert_sync_batchnorm
@@ -407,6 +408,7 @@ class FSDPCustomStrategy(CheckpointHooks, ParallelStrategy):
         """Start the ledger's count at the first batch of each optimizer step (under gradient
         accumulation a step's micro-batches are counted together)."""
         global_step = self.lightning_module.trainer.global_step
+        RECORDER.step = global_step  # the flight recorder names steps as the trainer counts them
         if global_step != self._ledger_global_step:
             self.comm_ledger.start_step()
             self._ledger_global_step = global_step

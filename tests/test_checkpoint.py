@@ -253,6 +253,7 @@ def _bad_input_body(rank: int, world: int, root: str) -> dict:
         (root / "cut.ckpt").write_bytes(full_file.read_bytes()[:200])
         smaller = {k: v for k, v in state.items() if k != "scale"}
         torch.save({"state_dict": smaller}, root / "missing_key.ckpt")
+        torch.save({"state_dict": {**state, "extra.weight": torch.zeros(2)}}, root / "extra_key.ckpt")
     torch.distributed.barrier()
     attempt("full_as_sharded", lambda m, o: load_folder(full_file, m, [o]))
     attempt("sharded_as_full", lambda m, o: load_full_checkpoint(root / "good", m, [o]))
@@ -268,6 +269,13 @@ def _bad_input_body(rank: int, world: int, root: str) -> dict:
     attempt("other_optimizer_full", lambda m, o: load_full_checkpoint(root / "o.pt", m, other_optimizer(m)))
     attempt("full_truncated", lambda m, o: load_full_checkpoint(root / "cut.ckpt", m, [o]))
     attempt("full_missing_key", lambda m, o: load_full_checkpoint(root / "missing_key.ckpt", m, [o]))
+    attempt("full_unexpected_key", lambda m, o: load_full_checkpoint(root / "extra_key.ckpt", m, [o]))
+    torch.manual_seed(0)
+    larger = TiedLM()
+    larger.extra = nn.Linear(2, 2)
+    shard_model(larger, auto_wrap_policy={Block})
+    save_folder(root / "larger", larger, [], {})
+    attempt("sharded_unexpected_key", lambda m, o: load_folder(root / "larger", m, [o]))
     good, good_optimizer = _fresh()
     load_folder(root / "good", good, [good_optimizer])  # the good checkpoint still loads after all that
     messages["good_loads"] = torch.equal(
@@ -293,6 +301,8 @@ def test_bad_checkpoints_fail_clearly_on_every_rank(tmp_path):
         "full_as_sharded": r"full\.ckpt' is a file, but a sharded checkpoint",
         "full_truncated": r"cut\.ckpt: not a readable checkpoint file",
         "full_missing_key": r"missing_key\.ckpt: checkpoint of another model: keys missing from it \['scale'\]",
+        "full_unexpected_key": r"extra_key\.ckpt: checkpoint of another model: .*unexpected keys \['extra\.weight'\]",
+        "sharded_unexpected_key": r"larger.*checkpoint of another model: .*unexpected keys \['extra\.bias', 'extra",
     }
     import re
 

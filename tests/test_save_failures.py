@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import fsspec
@@ -90,3 +92,48 @@ def test_a_full_disk_on_one_rank_fails_every_rank_and_keeps_the_previous_checkpo
             assert "No space left on device" in result["error"]
         assert result["same"]  # the checkpoint under the name is still the good one, and loads
     assert [p for p in os.listdir(tmp_path) if p.startswith(f".{kind}.ckpt")] == []  # no partial one left
+
+
+def _read_only_body(rank: int, world: int, root: str, kind: str) -> dict:
+    folder = Path(root) / "read_only"
+    folder.mkdir(exist_ok=True)
+    path = folder / f"{kind}.ckpt"
+    _, trainer = _run(world, Path(root) / "run", _fsdp(kind), 2)
+    trainer.save_checkpoint(path)
+    before = full_state_dict(trainer.strategy.model, rank0_only=False)
+    _run(world, Path(root) / "more", _fsdp(kind), 3, module=trainer.lightning_module)
+    if rank == 0:
+        subprocess.run(["chattr", "+i", str(folder)], check=True)  # read-only even for root
+    torch.distributed.barrier()
+    try:
+        trainer.save_checkpoint(path)
+        error = None
+    except CheckpointSaveError as caught:
+        error = str(caught)
+    finally:
+        torch.distributed.barrier()
+        if rank == 0:
+            subprocess.run(["chattr", "-i", str(folder)], check=True)
+    _, resumed = _run(world, Path(root) / "after", _fsdp(kind), 2, ckpt_path=path)
+    after = full_state_dict(resumed.strategy.model, rank0_only=False)
+    return {"error": error, "same": all(torch.equal(after[k], v) for k, v in before.items())}
+
+
+def _can_make_read_only(tmp_path: Path) -> bool:
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    made = subprocess.run(["chattr", "+i", str(probe)], capture_output=True).returncode == 0
+    if made:
+        subprocess.run(["chattr", "-i", str(probe)], check=True)
+    return made
+
+
+@pytest.mark.parametrize("kind", ["full", "sharded"])
+def test_a_read_only_checkpoint_directory_fails_clearly_and_loses_nothing(tmp_path, kind):
+    if shutil.which("chattr") is None or not _can_make_read_only(tmp_path):
+        pytest.skip("needs chattr +i (root on a filesystem with the immutable flag) for a directory root cannot write")
+    results = run_ranks(_read_only_body, 2, tmp_path, str(tmp_path), kind, env=LIGHTNING_ENV, timeout=200)
+    for result in results:  # every rank raises, naming the rank, the cause and the checkpoint
+        assert result["error"] is not None and "PermissionError" in result["error"], result["error"]
+        assert f"{kind}.ckpt" in result["error"] and "untouched" in result["error"]
+        assert result["same"]  # the previous checkpoint under the name loads

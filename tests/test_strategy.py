@@ -247,6 +247,12 @@ def test_registered_names_and_variants():
         ({"activation_checkpointing": Block, "activation_checkpointing_policy": {Block}}, ValueError, "both"),
         ({"activation_checkpointing": "Block"}, TypeError, "activation_checkpointing must be a module class"),
         ({"ignored_modules": torch.nn.Linear(2, 2)}, TypeError, "ignored_modules must be a list of modules"),
+        ({"collective_timeout": 0}, ValueError, "collective_timeout=0 must be positive"),
+        ({"collective_timeout": "5m"}, TypeError, "collective_timeout must be seconds.*got '5m'"),
+        ({"check_collective_order": "yes"}, TypeError, "check_collective_order must be a bool"),
+        ({"async_save": 1}, TypeError, "async_save must be a bool"),
+        ({"async_save": True}, ValueError, "async_save=True needs state_dict_type='sharded'"),
+        ({"param_init_fn": 3}, TypeError, "param_init_fn must be a callable"),
     ],
 )
 def test_bad_arguments_fail_at_construction(kwargs, error, message):

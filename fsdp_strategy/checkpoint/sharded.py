@@ -216,10 +216,12 @@ def save_folder(
     lightning_state: dict,
     process_group: Any = None,
 ) -> None:
-    """Write a complete sharded checkpoint into ``path`` (every rank writes only its shards)."""
+    """Write a complete sharded checkpoint into ``path`` (every rank writes only its shards);
+    returns on every rank once the folder is complete (rank 0 writes its metadata last)."""
     folder = storage.locate(path)
     write_dcp(folder, prepare_state(module, optimizers), process_group)
     finish_folder(folder, build_meta(module), lightning_state, process_group)
+    collectives.barrier(process_group)
 
 
 def describe_resharding(meta: dict[str, Any] | None, module: nn.Module) -> str:

@@ -179,7 +179,11 @@ def _move_into_place(temporary: Location, final: Location) -> None:
     stem, dot, suffix = final.name.partition(".")
     replaced = final.sibling(f"{stem}.replaced-{uuid.uuid4().hex[:8]}{dot}{suffix}")
     final.fs.mv(final.path, replaced.path, recursive=True)
-    final.fs.mv(temporary.path, final.path, recursive=True)
+    try:
+        final.fs.mv(temporary.path, final.path, recursive=True)
+    except Exception:
+        final.fs.mv(replaced.path, final.path, recursive=True)  # the old one back under its name
+        raise
     remove(replaced)
 
 

@@ -64,12 +64,12 @@ class CheckpointWriter:
         if _is_rank0():
             try:
                 write(temporary.url)
+                if not storage.exists(temporary):  # Lightning's _atomic_save drops a PermissionError
+                    raise PermissionError(f"the checkpoint IO wrote nothing at {temporary} (a read-only directory?)")
             except Exception as caught:  # a full disk, a lost bucket: every rank must hear of it
                 error = caught
         _agree(error, final, temporary)
-        if _is_rank0():
-            storage.commit(temporary, final)
-        collectives.barrier()
+        _commit(temporary, final)
 
     def save_sharded(
         self, final: Where, temporary: Where, module: nn.Module, optimizers: list, lightning_state: dict
@@ -77,18 +77,17 @@ class CheckpointWriter:
         """Every rank writes its shards into ``temporary``; rank 0 commits it to ``final``."""
         final, temporary = storage.locate(final), storage.locate(temporary)
         self.wait()
-        storage.makedirs(temporary)
         if not self.async_save:
             error = None
             try:
+                storage.makedirs(temporary)
                 sharded.save_folder(temporary, module, optimizers, lightning_state)
             except (Exception, dcp.CheckpointException) as caught:
                 error = caught
             _agree(error, final, temporary)
-            if _is_rank0():
-                storage.commit(temporary, final)
-            collectives.barrier()
+            _commit(temporary, final)
             return
+        storage.makedirs(temporary)
         state = sharded.prepare_state(module, optimizers)
         meta = sharded.build_meta(module)
         extra = copy.deepcopy(lightning_state)
@@ -110,9 +109,7 @@ class CheckpointWriter:
             except (Exception, dcp.CheckpointException) as caught:
                 error = caught
             _agree(error, final, temporary, self._group)
-            if _is_rank0():
-                storage.commit(temporary, final)
-            collectives.barrier(self._group)
+            _commit(temporary, final, self._group)
         except BaseException as error:  # noqa: BLE001 - reported by the next wait()
             log.error("background checkpoint save to %s failed: %s", final, error)
             self._error = error
@@ -147,6 +144,18 @@ def _agree(error: BaseException | None, final: Location, temporary: Location, gr
         f"saving checkpoint {final} failed ({failures}); nothing was written under that name, and a "
         "checkpoint already there is untouched"
     ) from error
+
+
+def _commit(temporary: Location, final: Location, group: Any = None) -> None:
+    """Rank 0 moves the checkpoint to its final name; every rank learns whether it could (a
+    read-only directory fails here) and raises ``CheckpointSaveError`` if not."""
+    error = None
+    if _is_rank0():
+        try:
+            storage.commit(temporary, final)
+        except Exception as caught:
+            error = caught
+    _agree(error, final, temporary, group)
 
 
 def _causes(error: BaseException, rank: int) -> dict[int, str]:

@@ -341,14 +341,16 @@ def all_gather_rows(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
     if size == 1:
         return tensor.unsqueeze(0).clone()
     out = tensor.new_empty(size * tensor.numel())
-    dist.all_gather_into_tensor(out, tensor.reshape(-1).contiguous(), group=group)
+    with watched("all_gather", "sync_batchnorm"):
+        dist.all_gather_into_tensor(out, tensor.reshape(-1).contiguous(), group=group)
     return out.view(size, *tensor.shape)
 
 
 def all_reduce_sum_(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
     """Sum ``tensor`` over the ranks in place; blocking (no-op for one rank)."""
     if process_rank(group)[1] > 1:
-        dist.all_reduce(tensor, group=group)
+        with watched("all_reduce", "sync_batchnorm"):
+            dist.all_reduce(tensor, group=group)
     return tensor
 
 
@@ -360,8 +362,9 @@ def broadcast_from_rank0(tensors: list[torch.Tensor]) -> None:
     """
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
-    for tensor in tensors:
-        dist.broadcast(tensor.data, src=0)
+    with watched("broadcast", "sync_module_states"):
+        for tensor in tensors:
+            dist.broadcast(tensor.data, src=0)
 
 
 def barrier(group: Any = None) -> None:

@@ -44,14 +44,16 @@ class CollectiveRecord:
     unit: str  # the unit (or the Lightning call) it serves
     dtype: str  # element type of the buffer, "" for a control-plane call
     nbytes: int  # bytes of the full buffer
-    iteration: int  # the engine's iteration (root forwards since start) when it was issued
+    iteration: int  # the engine's iteration (root forwards since start, from 1) when it was issued
+    step: int | None  # the trainer's global step when it was issued (set by the strategy), or None
     issued: float  # time.time() at issue
     ended: float | None = None  # time.time() when its wait returned; None while in flight
     work: Any = None  # the work handle while it is in flight and watched (NCCL), else None
 
     def describe(self) -> str:
-        """``all_gather #57 of unit 'blocks.3' (iteration 3)``."""
-        return f"{self.kind} #{self.seq} of unit {self.unit!r} (iteration {self.iteration})"
+        """``all_gather #57 of unit 'blocks.3' (step 2, iteration 3)``."""
+        step = f"step {self.step}, " if self.step is not None else ""
+        return f"{self.kind} #{self.seq} of unit {self.unit!r} ({step}iteration {self.iteration})"
 
     def as_dict(self) -> dict[str, Any]:
         """The record as JSON-ready values (the work handle left out)."""
@@ -67,13 +69,14 @@ class FlightRecorder:
         self.ring: deque[CollectiveRecord] = deque(maxlen=size)
         self.seq = 0
         self.iteration = 0
+        self.step: int | None = None  # the trainer's global step, kept by the strategy
         self.waiting: CollectiveRecord | None = None  # the record the main thread is blocked on now
 
     def issue(self, kind: str, unit: str, dtype: torch.dtype | None = None, nbytes: int = 0) -> CollectiveRecord:
         """Append and return the record of a collective being issued now."""
         self.seq += 1
         dtype_name = str(dtype).removeprefix("torch.") if dtype is not None else ""
-        record = CollectiveRecord(self.seq, kind, unit, dtype_name, nbytes, self.iteration, time.time())
+        record = CollectiveRecord(self.seq, kind, unit, dtype_name, nbytes, self.iteration, self.step, time.time())
         self.ring.append(record)
         return record
 

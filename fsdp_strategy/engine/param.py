@@ -143,8 +143,14 @@ class ShardedParam:
 
     def free_unsharded(self) -> None:
         """Release the full parameter's memory (its gradient, if any, is kept); never an aliased shard."""
-        if not self.aliased:
-            _free_storage(self._padded_full)
+        if self.aliased:
+            return
+        if not self._padded_full.untyped_storage().resizable():
+            raise RuntimeError(
+                f"fsdp_custom: the full parameter {self.fqn!r} was handed to NumPy (`.numpy()` shares its memory and "
+                "makes it impossible to free for good). Copy it instead: `param.detach().clone().numpy()`"
+            )
+        _free_storage(self._padded_full)
 
     @property
     def stashed_nbytes(self) -> int:

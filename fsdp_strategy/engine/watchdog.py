@@ -92,6 +92,7 @@ class Watchdog:
         self.abort_reason: str | None = None  # another rank's published failure, seen by the thread
         self.reported_own = False  # this rank published an exception of its own step
         self._store = store
+        self.dump_path = ""  # this rank's ring, written when it reports
         self._identities: dict[int, dict[str, Any]] = {}  # filled by the thread until every rank is known
         self._beats = 0
         self._exit_at: float | None = None
@@ -154,7 +155,7 @@ class Watchdog:
     def fail(self, record: CollectiveRecord | None, reason: str, cause: BaseException | None = None) -> NoReturn:
         """Publish, diagnose, and raise the ``CollectiveError`` of this rank's failure."""
         if self.error is None:
-            self._exit_at = time.time() + EXIT_GRACE
+            self._exit_at = time.time() + self.grace + EXIT_GRACE  # the diagnosis may wait ``grace``
             self.error = CollectiveError(self._diagnose(record, reason))
         raise self.error from cause
 
@@ -171,7 +172,7 @@ class Watchdog:
                 json.dump({**report, "ring": RECORDER.snapshot()}, file, indent=1)
         except OSError:
             path = "(not written)"
-        report["dump"] = path
+        report["dump"] = self.dump_path = path
         try:
             self._store.set(f"report/{self.rank}", json.dumps(report))
             self._store.compare_set("abort", "", reason)
@@ -191,7 +192,8 @@ class Watchdog:
         log.error("%s%s%s", headline, earlier, gone)  # at once: a launcher may kill this rank next
         lines = [headline] + ([f"First report: {first}"] if first != headline else [])
         lines += self._peer_lines(record)
-        lines.append(f"Flight recorder rings: {os.path.join(tempfile.gettempdir(), 'fsdp_custom_flight_rank*.json')}")
+        every = os.path.join(tempfile.gettempdir(), "fsdp_custom_flight_rank*.json")
+        lines.append(f"Flight recorder rings: {every} (this rank: {self.dump_path})")
         return "\n  ".join(lines)
 
     def _read(self, prefix: str) -> dict[int, Any]:
