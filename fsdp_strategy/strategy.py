@@ -271,7 +271,7 @@ class FSDPCustomStrategy(CheckpointHooks, ParallelStrategy):
             # Lightning registers this for NCCL only; a gloo group left to interpreter shutdown can
             # abort the process ("terminate called without an active exception") after a good run.
             atexit.register(_destroy_dist_connection)
-        watchdog.start(self.collective_timeout, node=self.node_rank)
+        watchdog.start(self.collective_timeout, node=self.node_rank, fresh=True)  # one per run
         self._writer.setup()
         if isinstance(self._device_mesh, tuple):
             from torch.distributed.device_mesh import init_device_mesh

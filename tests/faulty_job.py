@@ -44,8 +44,12 @@ class FaultyLM(L.LightningModule):
             os._exit(3)
         if due and self.fault == "raise":
             raise ValueError("injected failure in training_step")
+        if self.fault == "caught" and self.global_step == self.fault_step and not self.trainer.sanity_checking:
+            raise ValueError("the same failure on every rank")
         if due and self.fault == "hang":
             time.sleep(600)
+        if due and self.fault == "slow":  # an honest wait for the other ranks, below any timeout
+            time.sleep(1.5)
         loss = lm_loss(self.net, batch[0])
         if due and self.fault == "drift":
             x = self.net.embed(batch[0][:, :-1])
@@ -64,16 +68,50 @@ def die_during_save(trainer: L.Trainer, rank: int, step: int, whole_job: bool) -
     rank's shards are written and before the ranks agree to commit."""
     import fsdp_strategy.checkpoint.sharded as sharded
 
-    save_folder = sharded.save_folder
+    write_dcp = sharded.write_dcp
 
-    def save_then_die(*args, **kwargs):
-        save_folder(*args, **kwargs)
+    def write_then_die(*args, **kwargs):
+        write_dcp(*args, **kwargs)
         if trainer.global_rank == rank and trainer.global_step == step:
             if whole_job:
                 os.killpg(os.getpgid(0), signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
 
-    sharded.save_folder = save_then_die
+    sharded.write_dcp = write_then_die
+
+
+def fail_before_save(trainer: L.Trainer, rank: int, step: int) -> None:
+    """``rank`` raises while preparing the sharded save at ``step``, before DCP's collectives."""
+    import fsdp_strategy.checkpoint.sharded as sharded
+
+    prepare_state = sharded.prepare_state
+
+    def failing(*args, **kwargs):
+        if trainer.global_rank == rank and trainer.global_step == step:
+            raise OSError("injected failure while preparing the save")
+        return prepare_state(*args, **kwargs)
+
+    sharded.prepare_state = failing
+
+
+def build_trainer(args: argparse.Namespace) -> L.Trainer:
+    kwargs = {} if args.collective_timeout is None else {"collective_timeout": args.collective_timeout}
+    async_save = args.fault == "async_after_fit"
+    strategy = FSDPCustomStrategy(auto_wrap_policy={Block}, state_dict_type="sharded", async_save=async_save, **kwargs)
+    return L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=args.devices,
+        num_nodes=args.num_nodes,
+        max_steps=8,
+        logger=False,
+        enable_checkpointing=args.checkpoints is not None,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[ModelCheckpoint(args.checkpoints, save_last=True, save_top_k=0, every_n_train_steps=1)]
+        if args.checkpoints
+        else [],
+    )
 
 
 def main() -> None:
@@ -89,31 +127,27 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    kwargs = {} if args.collective_timeout is None else {"collective_timeout": args.collective_timeout}
-    strategy = FSDPCustomStrategy(auto_wrap_policy={Block}, state_dict_type="sharded", **kwargs)
-    trainer = L.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=args.devices,
-        num_nodes=args.num_nodes,
-        max_steps=8,
-        logger=False,
-        enable_checkpointing=args.checkpoints is not None,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[ModelCheckpoint(args.checkpoints, save_last=True, save_top_k=0, every_n_train_steps=1)]
-        if args.checkpoints
-        else [],
-    )
+    trainer = build_trainer(args)
     if args.fault in ("save_kill", "save_kill_all"):
         die_during_save(trainer, args.rank, args.step, whole_job=args.fault == "save_kill_all")
+    if args.fault == "save_raise":
+        fail_before_save(trainer, args.rank, args.step)
     data = make_batches(8, 4 * args.devices * args.num_nodes).reshape(-1, make_batches(1, 1).shape[-1])
     module = FaultyLM(args.fault, args.rank, args.step)
     loader = DataLoader(TensorDataset(data), batch_size=4)
+    if args.fault == "caught":  # every rank fails alike, the script goes on with a new run
+        try:
+            trainer.fit(module, loader)
+        except ValueError:
+            pass
+        trainer, module.fault = build_trainer(args), "slow"  # rank 1 is slow at step 2 of the new run
     if args.resume:
         trainer.fit(module, loader, ckpt_path="last")
     else:
         trainer.fit(module, loader)
+    if args.fault == "async_after_fit":  # the background group was released at the end of fit
+        for _ in range(2):  # a new one, then a replacement; the second finishes as the process exits
+            trainer.save_checkpoint(os.path.join(args.checkpoints, "after.ckpt"))
     print(f"FINISHED rank {trainer.global_rank} at step {trainer.global_step}", flush=True)
 
 

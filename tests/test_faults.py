@@ -134,3 +134,31 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path, fault):
     assert code == 0, output[-4000:]
     assert "STARTED rank 0 at step 3" in output and "FINISHED rank 0 at step 8" in output
     assert sorted(os.listdir(checkpoints)) == ["last.ckpt"]
+
+
+def test_a_rank_failing_before_a_sharded_save_stops_every_rank_at_once(tmp_path):
+    # rank 1 fails preparing its shards while rank 0 would enter DCP's collectives: both agree first
+    args = ["--fault", "save_raise", "--rank", "1", "--step", "4", "--checkpoints", str(tmp_path / "ckpt")]
+    code, output, seconds = _run(*args)
+    assert code != 0 and "FINISHED" not in output
+    assert seconds < DEADLINE, output[-3000:]
+    assert "rank 1: OSError: injected failure while preparing the save" in output, output[-4000:]
+    assert "CheckpointSaveError" in output
+
+
+def test_a_failure_a_script_caught_is_not_reported_again_by_the_next_run():
+    # every rank raises in training_step, the script catches it and fits again (rank 1 slow once there)
+    code, output, _ = _run("--fault", "caught", "--step", "2")
+    assert code == 0, output[-4000:]
+    assert "FINISHED rank 0 at step 8" in output and "FINISHED rank 1 at step 8" in output
+    assert "CollectiveError" not in output and "ending this process" not in output
+
+
+def test_an_async_save_after_training_completes(tmp_path):
+    checkpoints = tmp_path / "ckpt"
+    checkpoints.mkdir()
+    code, output, _ = _run("--fault", "async_after_fit", "--checkpoints", str(checkpoints))
+    assert code == 0, output[-4000:]
+    assert sorted(os.listdir(checkpoints)) == ["after.ckpt", "last.ckpt"]
+    assert sorted(os.listdir(checkpoints / "after.ckpt"))[-2:] == ["fsdp_meta.json", "meta.pt"]
+    assert "terminate called" not in output and "ending this process" not in output

@@ -77,18 +77,23 @@ class CheckpointWriter:
         """Every rank writes its shards into ``temporary``; rank 0 commits it to ``final``."""
         final, temporary = storage.locate(final), storage.locate(temporary)
         self.wait()
+        self.setup()  # a save after the end of training (teardown released the background group)
+        error, state = None, None
+        try:  # what one rank may fail at alone, agreed before DCP's collectives begin
+            storage.makedirs(temporary)
+            state = sharded.prepare_state(module, optimizers)
+        except Exception as caught:
+            error = caught
+        _agree(error, final, temporary)
         if not self.async_save:
-            error = None
             try:
-                storage.makedirs(temporary)
-                sharded.save_folder(temporary, module, optimizers, lightning_state)
+                sharded.write_dcp(temporary, state)
+                sharded.finish_folder(temporary, sharded.build_meta(module), lightning_state)
             except (Exception, dcp.CheckpointException) as caught:
                 error = caught
             _agree(error, final, temporary)
             _commit(temporary, final)
             return
-        storage.makedirs(temporary)
-        state = sharded.prepare_state(module, optimizers)
         meta = sharded.build_meta(module)
         extra = copy.deepcopy(lightning_state)
         planner = dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True)
@@ -96,8 +101,8 @@ class CheckpointWriter:
             state, storage_writer=sharded.dcp_writer(temporary), planner=planner, process_group=self._group
         )
         self._thread = threading.Thread(
-            target=self._finish, args=(future, temporary, final, meta, extra), name="fsdp-checkpoint", daemon=True
-        )
+            target=self._finish, args=(future, temporary, final, meta, extra), name="fsdp-checkpoint"
+        )  # not a daemon: a save begun after training (nothing waits for it) completes before the process exits
         self._thread.start()
 
     def _finish(self, future: Any, temporary: Location, final: Location, meta: dict, extra: dict) -> None:

@@ -10,6 +10,8 @@ runs as a group of one.
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -179,11 +181,15 @@ def check_collective_timeout(value: Any) -> float | None:
     if value is None:
         return None
     seconds = value.total_seconds() if isinstance(value, timedelta) else value
-    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)):
+    if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real):
         raise TypeError(f"collective_timeout must be seconds (a number), a timedelta or None, got {value!r}")
+    try:
+        seconds = float(seconds)
+    except OverflowError:
+        seconds = math.inf
     if not seconds > 0:
         raise ValueError(f"collective_timeout={value!r} must be positive (or None for no limit)")
-    return float(seconds)
+    return seconds
 
 
 def _first_uses(placement: Any, index: int) -> list:

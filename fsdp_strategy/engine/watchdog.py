@@ -95,6 +95,7 @@ class Watchdog:
         self.dump_path = ""  # this rank's ring, written when it reports
         self._identities: dict[int, dict[str, Any]] = {}  # filled by the thread until every rank is known
         self._beats = 0
+        self._store_lost = False  # a store call failed: the thread no longer calls it
         self._exit_at: float | None = None
         self._watched: deque[CollectiveRecord] = deque()  # NCCL / blocking records the thread watches
         self._unverified: deque[tuple[CollectiveRecord, torch.Tensor, Any]] = deque()  # CUDA stamp checks
@@ -148,9 +149,7 @@ class Watchdog:
         if self.error is not None or isinstance(error, CollectiveError) or self.reported_own:
             return
         self.reported_own = True
-        latest = RECORDER.latest()
-        where = f" (last collective: {latest.describe()})" if latest is not None else ""
-        self._publish(f"rank {self.rank} raised {_first_line(error)}{where}", None, "raised")
+        self._publish(f"rank {self.rank} raised {_first_line(error)}", None, "raised")
 
     def fail(self, record: CollectiveRecord | None, reason: str, cause: BaseException | None = None) -> NoReturn:
         """Publish, diagnose, and raise the ``CollectiveError`` of this rank's failure."""
@@ -283,9 +282,12 @@ class Watchdog:
                 if self._stop.is_set() or active() is not self:
                     return
                 # not a failure by itself: a job's ranks end at different times; a collective
-                # in flight fails on its own, and an end already decided is kept above
-                log.debug("fsdp_custom watchdog: store call failed: %s", error)
-            if self._stop.wait(self.interval if len(self._identities) == self.world else 0.05):
+                # in flight fails on its own. The store is not called again (each failed call
+                # logs a C++ trace); timeouts and an end already decided are still kept.
+                log.debug("fsdp_custom watchdog: store call failed, not used any more: %s", error)
+                self._store_lost = True
+            known = len(self._identities) == self.world or self._store_lost
+            if self._stop.wait(self.interval if known else 0.05):
                 return
 
     def _learn_identities(self) -> None:
@@ -295,11 +297,12 @@ class Watchdog:
     def _tick(self) -> None:
         if self._exit_at is not None and time.time() > self._exit_at:  # first: the store may be gone
             self._exit(self.error or self.abort_reason)
-        self._learn_identities()
-        self._beats += 1
-        self._store.set(f"beat/{self.rank}", str(self._beats))
-        if self.abort_reason is None and self._store.check(["abort"]):
-            self.abort_reason = self._store.get("abort").decode()
+        if not self._store_lost:
+            self._learn_identities()
+            self._beats += 1
+            self._store.set(f"beat/{self.rank}", str(self._beats))
+            if self.abort_reason is None and self._store.check(["abort"]):
+                self.abort_reason = self._store.get("abort").decode()
         self._check_device()
         now = time.time()
         while self._watched and (self._watched[0].ended is not None or _completed(self._watched[0], now)):
@@ -369,12 +372,17 @@ def active() -> Watchdog | None:
     return None
 
 
-def start(collective_timeout: float | None = DEFAULT_COLLECTIVE_TIMEOUT, node: int | None = None) -> Watchdog | None:
+def start(
+    collective_timeout: float | None = DEFAULT_COLLECTIVE_TIMEOUT, node: int | None = None, fresh: bool = False
+) -> Watchdog | None:
     """Start the watchdog of the default process group (once per group; later calls may only
-    change ``collective_timeout``). Nothing without a group of two ranks or more."""
+    change ``collective_timeout``). ``fresh``: start a new one whatever runs (every rank must
+    pass it at the same point: the Lightning strategy does at each run's setup, so a failure
+    that a script caught and went on from is not reported again). Nothing without a group of
+    two ranks or more."""
     global _ACTIVE, _ACTIVE_GROUP, _STARTS, _previous_excepthook
     running = active()
-    if running is not None:
+    if running is not None and not (fresh and running.error is None):
         running.collective_timeout = collective_timeout
         return running
     if not dist.is_initialized() or dist.get_world_size() < 2:
@@ -382,10 +390,12 @@ def start(collective_timeout: float | None = DEFAULT_COLLECTIVE_TIMEOUT, node: i
     if _ACTIVE is not None:
         _ACTIVE.stop()
     if _STARTS == 0:  # once per process: end a wedged process at exit, report uncaught exceptions
-        atexit.register(_exit_if_failed)
+        atexit.register(_at_exit)
         _previous_excepthook, sys.excepthook = sys.excepthook, _report_uncaught
     _STARTS += 1
-    store = dist.PrefixStore(f"fsdp_custom/watchdog/{_STARTS}/", _client(dist.distributed_c10d._get_default_store()))
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # an elastic restart keeps the agent's store
+    prefix = f"fsdp_custom/watchdog/{restart}/{_STARTS}/"
+    store = dist.PrefixStore(prefix, _client(dist.distributed_c10d._get_default_store()))
     if node is None:
         node = int(os.environ.get("GROUP_RANK") or os.environ.get("NODE_RANK") or 0)
     _ACTIVE = Watchdog(store, dist.get_rank(), dist.get_world_size(), node, collective_timeout)
@@ -403,9 +413,15 @@ def _client(store: Any) -> Any:
     return store
 
 
-def _exit_if_failed() -> None:
-    if _ACTIVE is not None and _ACTIVE.error is not None:
+def _at_exit() -> None:
+    """End a wedged process at once; otherwise stop the thread before the interpreter tears down
+    what its store calls use (a thread left running can abort the exit in C++)."""
+    if _ACTIVE is None:
+        return
+    if _ACTIVE.error is not None:
         _flush_and_exit()
+    _ACTIVE.stop()
+    _ACTIVE._thread.join(timeout=STORE_TIMEOUT.total_seconds() + 1)
 
 
 def _report_uncaught(kind: type, error: BaseException, traceback: Any) -> None:
