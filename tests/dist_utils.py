@@ -11,6 +11,8 @@ import io
 import multiprocessing as mp
 import os
 import queue as queue_module
+import subprocess
+import sys
 import time
 import traceback
 import uuid
@@ -102,3 +104,27 @@ class RankFailure(NamedTuple):
 
     rank: int
     error: str
+
+
+def run_torchrun_nodes(script: str, args: list[str], port: int, cwd: Path, timeout: float = 300) -> list:
+    """Run ``script`` as two torchrun "nodes" of two ranks on this machine; return each node's
+    ``(returncode, output)``. Costs: four rank processes and two agents."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    common = ["--nnodes=2", "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={port}"]
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", *common, f"--node_rank={node}", script, *args],
+            cwd=cwd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for node in (0, 1)
+    ]
+    try:
+        outputs = [node.communicate(timeout=timeout)[0] for node in nodes]
+    finally:
+        for node in nodes:
+            node.kill()
+    return [(node.returncode, output) for node, output in zip(nodes, outputs)]

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from dist_utils import run_torchrun_nodes
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = str(ROOT / "tests" / "faulty_job.py")
@@ -91,27 +92,12 @@ def test_a_dead_rank_under_torchrun_is_named():
 
 @pytest.mark.slow
 def test_a_dead_rank_on_another_torchrun_node_is_named(tmp_path):
-    common = ["--nnodes=2", "--nproc_per_node=2", "--master_addr=127.0.0.1", "--master_port=29593"]
     args = ["--fault", "kill", "--rank", "3", "--step", "3", "--num-nodes", "2"]
     start = time.monotonic()
-    nodes = [
-        subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", *common, f"--node_rank={node}", JOB, *args],
-            cwd=ROOT,
-            env=ENV,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for node in (0, 1)
-    ]
-    try:
-        outputs = [node.communicate(timeout=120)[0] for node in nodes]
-    finally:
-        for node in nodes:
-            node.kill()
+    nodes = run_torchrun_nodes(JOB, args, 29593, ROOT, timeout=120)
     seconds = time.monotonic() - start
-    assert all(node.returncode != 0 for node in nodes)
+    outputs = [output for _, output in nodes]
+    assert all(code != 0 for code, _ in nodes)
     assert seconds < DEADLINE, outputs[0][-3000:]
     # node 0's ranks name the lost rank 3 of node 1
     assert "rank 3 (node 1, host" in outputs[0] and "LOST, its process has exited" in outputs[0], outputs[0][-4000:]

@@ -15,6 +15,7 @@ Reductions are SUM followed by an explicit divide by the caller (see [Note: SUM 
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections import defaultdict
@@ -170,14 +171,21 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-_STAMPS: dict[tuple[str, str], Stamp] = {}
-
-
+@functools.cache
 def _stamp(kind: CollectiveKind, unit: str) -> Stamp:
-    stamp = _STAMPS.get((kind.value, unit))
-    if stamp is None:
-        stamp = _STAMPS[(kind.value, unit)] = Stamp(kind.value, unit)
-    return stamp
+    return Stamp(kind.value, unit)
+
+
+def _sum_stamp(
+    kind: CollectiveKind, unit: str, sent: torch.Tensor, summed: torch.Tensor, comm: CommGroup
+) -> Callable | None:
+    """Write the stamp into ``sent`` (the slots of every row a SUM reads) and return the check of
+    ``summed`` after the wait, or None where a sum of bits is not exact in the dtype."""
+    stamp = _stamp(kind, unit)
+    sent.copy_(stamp.tensor(sent.dtype, sent.device))
+    if not stamp_exact(sent.dtype, comm.size):
+        return None
+    return _stamp_check(summed, stamp.tensor(sent.dtype, sent.device, comm.size), comm, False)
 
 
 def _stamp_check(slots: torch.Tensor, expected: torch.Tensor, comm: CommGroup, per_rank: bool) -> Callable:
@@ -251,10 +259,7 @@ def reduce_scatter(
     ledger.record(kind, unit, payload, payload * (comm.size - 1) // comm.size)
     check = None
     if stamped:
-        stamp = _stamp(kind, unit)
-        full.view(comm.size, -1)[:, -STAMP_SLOTS:].copy_(stamp.tensor(full.dtype, full.device))
-        if stamp_exact(full.dtype, comm.size):
-            check = _stamp_check(output[-STAMP_SLOTS:], stamp.tensor(full.dtype, full.device, comm.size), comm, False)
+        check = _sum_stamp(kind, unit, full.view(comm.size, -1)[:, -STAMP_SLOTS:], output[-STAMP_SLOTS:], comm)
     record = RECORDER.issue(kind.value, unit, full.dtype, payload)
     work = _reduce_scatter(output, full, op=dist.ReduceOp.SUM, group=comm.group, async_op=True)
     return Pending(work, ledger, kind, unit, record, check, not full.is_cuda)
@@ -274,11 +279,7 @@ def all_reduce(
     ledger.record(kind, unit, payload, 2 * payload * (comm.size - 1) // comm.size)
     check = None
     if stamped and op == "sum":
-        stamp = _stamp(kind, unit)
-        tensor[-STAMP_SLOTS:].copy_(stamp.tensor(tensor.dtype, tensor.device))
-        if stamp_exact(tensor.dtype, comm.size):
-            expected = stamp.tensor(tensor.dtype, tensor.device, comm.size)
-            check = _stamp_check(tensor[-STAMP_SLOTS:], expected, comm, False)
+        check = _sum_stamp(kind, unit, tensor[-STAMP_SLOTS:], tensor[-STAMP_SLOTS:], comm)
     reduce_op = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
     record = RECORDER.issue(kind.value, unit, tensor.dtype, payload)
     work = dist.all_reduce(tensor, op=reduce_op, group=comm.group, async_op=True)
