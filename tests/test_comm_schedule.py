@@ -48,7 +48,7 @@ def _engine_bytes(scheduler) -> int:
     tensors += [p.stashed_grad for p in scheduler.sharded_params() if p.stashed_grad is not None]
     for unit in scheduler.units:
         if unit._gather is not None:
-            tensors += [unit._gather.flat_shard, unit._gather.gathered]
+            tensors.append(unit._gather.gathered)
     for pending in scheduler._pending_reduces:
         tensors += [pending.output, pending.flat]
     return _storage_bytes(tensors)

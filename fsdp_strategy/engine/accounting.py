@@ -9,9 +9,10 @@ event; the timeline only while recording.
 [Note: what gathering allocates]
 - "params": a unit's full parameters in ``param_dtype`` (padding included), from its gather
   until its reshard;
-- "gather_buffer": the flat shard a gather sends plus the buffer it receives, from the start of
-  the gather until the copy-out into the full parameters;
-- "reduce_buffer": the flat gradient rows a reduction sends plus the shard it receives, from the
+- "gather_buffer": the buffer a gather fills (this rank's row is the flat shard it sends), from
+  the start of the gather until the copy-out into the full parameters;
+- "reduce_buffer": the flat gradient rows a reduction sends plus the shard it receives (and, on
+  gloo with more than 2 ranks, the slices received from all peers but one), from the
   start of the reduction until its result is added into the sharded gradients (the result
   itself becomes ``sharded.grad`` and is counted by ``Scheduler.sharded_bytes``);
 - "stashed_grads": full-size gradients kept between micro-batches under ``no_sync``.

@@ -61,12 +61,11 @@ class UnitContext(NamedTuple):
 
 
 class GatherInFlight(NamedTuple):
-    """An all-gather in flight and the buffers it holds."""
+    """An all-gather in flight and the buffer it fills."""
 
     work: Pending
-    flat_shard: torch.Tensor  # this rank's shards, flattened in the gather dtype
-    gathered: torch.Tensor  # every rank's flat shard, rank-major
-    nbytes: int  # both buffers' bytes ([Note: what gathering allocates])
+    gathered: torch.Tensor  # every rank's flat shard, rank-major; this rank's row was filled before the gather
+    nbytes: int  # the buffer's bytes ([Note: what gathering allocates])
 
 
 class UndecidedGrad(NamedTuple):
@@ -98,8 +97,8 @@ class FSDPUnit:
     """One unit: its ShardedParams, their flat layout, and gather / reduce / reshard.
 
     Costs: while gathered, the full parameters in ``param_dtype``; during a gather, also the
-    flat shard and the gather buffer (the full size again) until the copy-out; during a
-    reduction, the unit's trainable full size in ``reduce_dtype`` plus one shard of it.
+    gather buffer (the full size again) until the copy-out; during a reduction, the unit's
+    trainable full size in ``reduce_dtype`` plus one shard of it.
     """
 
     def __init__(self, name: str, module: nn.Module, params: list[ShardedParam], context: UnitContext) -> None:
@@ -132,23 +131,22 @@ class FSDPUnit:
     # ---- gather -----------------------------------------------------------------------
 
     def _start_gather(self, shards: list[torch.Tensor], dtype: torch.dtype) -> GatherInFlight:
-        """Copy one shard-shaped tensor per parameter into a flat buffer (in ``dtype``, on the
-        compute device) and start ONE all-gather of it."""
+        """Copy one shard-shaped tensor per parameter (in ``dtype``, on the compute device) into
+        this rank's row of a gather buffer and start ONE all-gather into the buffer in place."""
+        world, rank = self.shard_comm.size, self.shard_comm.rank
         total = sum(self._shard_sizes)
-        flat_shard = torch.empty(total + self._stamp_slots, dtype=dtype, device=self.device)
+        gathered = torch.empty(world, total + self._stamp_slots, dtype=dtype, device=self.device)
+        flat_shard = gathered[rank]
         with span("gather_copy_in"):
             pieces = list(flat_shard[:total].split(self._shard_sizes))
             torch._foreach_copy_(pieces, [s.detach().reshape(-1) for s in shards])
-        gathered = flat_shard.new_empty(flat_shard.numel() * self.shard_comm.size)
-        nbytes = (flat_shard.numel() + gathered.numel()) * flat_shard.element_size()
         stamped = self._stamp_slots > 0
-        work = collectives.all_gather(gathered, flat_shard, self.shard_comm, self.ledger, self.name, stamped)
-        return GatherInFlight(work, flat_shard, gathered, nbytes)
+        work = collectives.all_gather(gathered.view(-1), flat_shard, self.shard_comm, self.ledger, self.name, stamped)
+        return GatherInFlight(work, gathered, gathered.numel() * gathered.element_size())
 
     def _rows(self, gathered: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Each parameter's ``(N, shard_numel)`` slice of a gather buffer (stamps left out)."""
-        rows = gathered.view(self.shard_comm.size, -1)
-        return rows[:, : rows.shape[1] - self._stamp_slots].split(self._shard_sizes, dim=1)
+        return gathered[:, : gathered.shape[1] - self._stamp_slots].split(self._shard_sizes, dim=1)
 
     def unshard(self) -> None:
         """Start the all-gather of the unit's shards (no-op unless the unit is sharded)."""
@@ -265,7 +263,8 @@ class FSDPUnit:
         else:
             output = flat.new_empty(total + len(params) + stamp)
             work = collectives.reduce_scatter(output, flat.view(-1), self.shard_comm, self.ledger, self.name, stamp > 0)
-            nbytes = (flat.numel() + output.numel()) * flat.element_size()
+            scratch = collectives.reduce_scatter_scratch_numel(output, self.shard_comm)
+            nbytes = (flat.numel() + output.numel() + scratch) * flat.element_size()
         pending = PendingReduce(self, work, flat, output, params)
         pending.used, pending.nbytes = used, nbytes
         self.memory.allocated(self.name, nbytes, "reduce_buffer")
