@@ -179,28 +179,30 @@ class Pending:
 class Exchange:
     """The isend/irecv works of one collective done point to point ([Note: point to point on gloo]).
 
-    The exchange thread waits for them in issue order; ``wait(timeout)`` behaves as a gloo
-    work's: it raises a RuntimeError saying "timed out" if they are not done yet, and the
-    transfer's own error if one failed; then it runs ``finish`` (the additions of a
-    reduce-scatter) on the calling thread, once. Costs: one queue entry and one event per collective.
+    The exchange thread posts them (posting waits for gloo's transport, which may be busy with
+    an earlier transfer: off the caller's thread) and waits for them, in issue order;
+    ``wait(timeout)`` behaves as a gloo work's: it raises a RuntimeError saying "timed out" if
+    they are not done yet, and the transfer's own error if one failed; then it runs ``finish``
+    (the additions of a reduce-scatter) on the calling thread, once. The caller must not touch
+    the buffers until ``wait`` returns. Costs: one queue entry and one event per collective.
     """
 
-    def __init__(self, works: list[Any], finish: Callable[[], None] | None = None) -> None:
-        self._works = works
+    def __init__(self, post: Callable[[], list[Any]], finish: Callable[[], None] | None = None) -> None:
+        self._post = post
         self._finish = finish
         self._done = threading.Event()
         self._error: BaseException | None = None
         _EXCHANGE_THREAD.submit(self)
 
     def complete(self) -> None:
-        """Block until every transfer is done (on the exchange thread)."""
+        """Post the transfers and block until they are done (on the exchange thread)."""
         try:
-            for work in self._works:
+            for work in self._post():
                 work.wait()
         except BaseException as error:  # handed to the waiting thread
             self._error = error
         finally:
-            self._works = []
+            self._post = None
             self._done.set()
 
     def is_completed(self) -> bool:
@@ -265,14 +267,19 @@ def _peers(group: Any, rank: int, size: int) -> tuple[tuple[int, int], ...]:
 
 def _exchange_all_gather(output: torch.Tensor, shard: torch.Tensor, comm: CommGroup) -> Exchange:
     rows = output.view(comm.size, -1)
-    works = []
-    for peer, global_peer in _peers(comm.group, comm.rank, comm.size):
-        works.append(dist.irecv(rows[peer], src=global_peer, group=comm.group, tag=P2P_TAG))
-        works.append(dist.isend(shard, dst=global_peer, group=comm.group, tag=P2P_TAG))
     own = rows[comm.rank]
     if own.data_ptr() != shard.data_ptr():
         own.copy_(shard)
-    return Exchange(works)
+    peers = _peers(comm.group, comm.rank, comm.size)
+
+    def post() -> list[Any]:
+        works = []
+        for peer, global_peer in peers:
+            works.append(dist.irecv(rows[peer], src=global_peer, group=comm.group, tag=P2P_TAG))
+            works.append(dist.isend(own, dst=global_peer, group=comm.group, tag=P2P_TAG))
+        return works
+
+    return Exchange(post)
 
 
 def reduce_scatter_scratch_numel(output: torch.Tensor, comm: CommGroup) -> int:
@@ -287,10 +294,13 @@ def _exchange_reduce_scatter(output: torch.Tensor, full: torch.Tensor, comm: Com
     rows = full.view(comm.size, -1)
     peers = _peers(comm.group, comm.rank, comm.size)
     received = [output] + list(output.new_empty(len(peers) - 1, output.numel()))  # the first peer's rows in output
-    works = []
-    for (peer, global_peer), into in zip(peers, received):
-        works.append(dist.irecv(into, src=global_peer, group=comm.group, tag=P2P_TAG))
-        works.append(dist.isend(rows[peer], dst=global_peer, group=comm.group, tag=P2P_TAG))
+
+    def post() -> list[Any]:
+        works = []
+        for (peer, global_peer), into in zip(peers, received):
+            works.append(dist.irecv(into, src=global_peer, group=comm.group, tag=P2P_TAG))
+            works.append(dist.isend(rows[peer], dst=global_peer, group=comm.group, tag=P2P_TAG))
+        return works
 
     def add_rows() -> None:  # a fixed order: the first peer's rows, then the others' and ours in rank order
         contributions = dict(zip((peer for peer, _ in peers), received))
@@ -300,7 +310,7 @@ def _exchange_reduce_scatter(output: torch.Tensor, full: torch.Tensor, comm: Com
             if rank != first:
                 output.add_(contributions[rank])
 
-    return Exchange(works, add_rows)
+    return Exchange(post, add_rows)
 
 
 def _wait(work: Any, record: CollectiveRecord, host_blocking: bool) -> None:
