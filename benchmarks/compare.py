@@ -105,7 +105,7 @@ def _rank(rank: int, world: int, mode: str, args: argparse.Namespace, rendezvous
     total = args.warmup + args.steps
     global_batch = args.batch * (2 if mode == "single" else 1) * (1 if mode == "single" else world)
     data = torch.randint(0, args.vocab, (total, args.batch * 2, args.seq_len + 1), generator=generator)
-    times, losses, comm = [], [], []
+    times, losses, comm, copies = [], [], [], []  # copies: bytes copied per gathered byte, per step
     for step in range(total):
         batch = data[step] if mode == "single" else data[step][rank * args.batch : (rank + 1) * args.batch]
         assert batch.shape[0] == global_batch // (1 if mode == "single" else world)
@@ -128,9 +128,14 @@ def _rank(rank: int, world: int, mode: str, args: argparse.Namespace, rendezvous
         if ledger is not None:
             totals = ledger.snapshot().values()
             comm.append((sum(t["payload_bytes"] for t in totals), sum(t["wire_bytes"] for t in totals)))
+            gathers = ledger.current.get("all_gather")
+            if gathers is not None and gathers.payload_bytes:
+                copied = ledger.copied["gather_copy_in"] + ledger.copied["gather_copy_out"]
+                copies.append(copied / gathers.payload_bytes)
     p_bytes, g_bytes, o_bytes = _state_bytes(optimizer)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     result = {"times": times, "losses": losses[:5], "pgo": (p_bytes, g_bytes, o_bytes), "rss": rss, "comm": comm}
+    result["gather_copies"] = copies[-1] if copies else None
     queue.put((rank, result))
     dist.destroy_process_group()
 
@@ -151,6 +156,7 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict:
         "rss_mib": max(r["rss"] for r in results.values()) / MIB,
         "comm_mib": None if comm is None else (comm[0] / MIB, comm[1] / MIB),
         "losses": first["losses"],
+        "gather_copies": first["gather_copies"],
     }
 
 
@@ -176,6 +182,12 @@ def _table(rows: list[dict]) -> str:
             f"| {r['mode']} | {r['world']} | {r['step_s']:.3f} [{r['step_min']:.3f}-{r['step_max']:.3f}] | "
             f"{r['step_s'] / ddp['step_s']:.2f} | {memory} | {r['rss_mib']:.0f} | {comm} | {dloss} |"
         )
+    for r in rows:
+        if r.get("gather_copies") is not None:
+            lines.append(
+                f"\n{r['mode']}: bytes copied outside collectives per gather (copy-in + copy-out) = "
+                f"{r['gather_copies']:.2f} x the unit's gathered size"
+            )
     return "\n".join(lines)
 
 

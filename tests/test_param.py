@@ -52,7 +52,7 @@ def test_unsharded_storage_is_freed_and_refilled():
     shard = shards[0]
     assert not shard.unsharded_allocated
     gathered = torch.cat([s.sharded.detach().reshape(-1) for s in shards]).view(2, -1)
-    shard.fill_unsharded(gathered)
+    shard.allocate_unsharded().copy_(gathered[:, : shard.shard_numel])
     assert shard.unsharded_allocated and torch.equal(shard.unsharded.detach(), shard.full_from_rows(gathered))
     shard.install(unsharded=True)
     assert shard.uses[0].module.weight is shard.unsharded

@@ -113,6 +113,8 @@ class CommLedger:
     )
     last_step: dict[str, KindTotals] = field(default_factory=dict)
     last_step_per_unit: dict[str, dict[str, KindTotals]] = field(default_factory=dict)
+    copied: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # bytes per copy kind, this step
+    last_step_copied: dict[str, int] = field(default_factory=dict)
 
     def record(self, kind: CollectiveKind, unit: str, payload: int, wire: int) -> None:
         """Count one call of ``kind`` for ``unit``."""
@@ -125,12 +127,20 @@ class CommLedger:
             totals.busy_seconds += busy
             totals.exposed_seconds += exposed
 
+    def record_copy(self, kind: str, nbytes: int) -> None:
+        """Count ``nbytes`` the engine copied outside collectives: ``gather_copy_in`` (shards into a
+        gather buffer), ``gather_copy_out`` (into full parameters), ``reduce_copy_in`` (full
+        gradients into a reduce buffer)."""
+        self.copied[kind] += nbytes
+
     def start_step(self) -> None:
         """Move the running counts to ``last_step`` and start counting from zero."""
         self.last_step = dict(self.current)
         self.last_step_per_unit = {unit: dict(kinds) for unit, kinds in self.per_unit.items()}
+        self.last_step_copied = dict(self.copied)
         self.current = defaultdict(KindTotals)
         self.per_unit = defaultdict(lambda: defaultdict(KindTotals))
+        self.copied = defaultdict(int)
 
     def snapshot(self) -> dict[str, dict[str, int]]:
         """The running counts as plain dicts: ``{kind: {"calls", "payload_bytes", "wire_bytes"}}``."""

@@ -130,16 +130,16 @@ class ShardedParam:
         for use in self.uses:
             use.module._parameters[use.name] = tensor
 
-    def fill_unsharded(self, gathered_rows: torch.Tensor) -> None:
-        """Allocate the full parameter and copy it out of its ``(N, shard_numel)`` slice of a gather."""
-        if self.aliased:
-            return
+    def allocate_unsharded(self) -> torch.Tensor:
+        """Allocate the full parameter's memory (if freed) and return it as ``(N, shard_numel)``
+        rows, the layout of its slice of a gather, for the caller to fill ([Note: shard layout]).
+
+        Autograd saved the full parameter at its forward version; refilling it for backward
+        writes the same values, so fill it under ``_unsafe_preserve_version_counter``.
+        """
         if not self.unsharded_allocated:
             self._padded_full.untyped_storage().resize_(self.unsharded_nbytes)
-        # Autograd saved the full parameter at its forward version; refilling it for backward
-        # writes the same values, so the version counter must not move.
-        with torch.autograd._unsafe_preserve_version_counter(self._padded_full):
-            self._padded_full.view(self.world, self.shard_numel).copy_(gathered_rows)
+        return self._padded_full.view(self.world, self.shard_numel)
 
     def free_unsharded(self) -> None:
         """Release the full parameter's memory (its gradient, if any, is kept); never an aliased shard."""

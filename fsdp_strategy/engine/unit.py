@@ -140,13 +140,14 @@ class FSDPUnit:
         with span("gather_copy_in"):
             pieces = list(flat_shard[:total].split(self._shard_sizes))
             torch._foreach_copy_(pieces, [s.detach().reshape(-1) for s in shards])
+        self.ledger.record_copy("gather_copy_in", total * gathered.element_size())
         stamped = self._stamp_slots > 0
         work = collectives.all_gather(gathered.view(-1), flat_shard, self.shard_comm, self.ledger, self.name, stamped)
         return GatherInFlight(work, gathered, gathered.numel() * gathered.element_size())
 
-    def _rows(self, gathered: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Each parameter's ``(N, shard_numel)`` slice of a gather buffer (stamps left out)."""
-        return gathered[:, : gathered.shape[1] - self._stamp_slots].split(self._shard_sizes, dim=1)
+    def _columns(self, gathered: torch.Tensor) -> torch.Tensor:
+        """The ``(N, total)`` parameter columns of a gather buffer (stamps left out)."""
+        return gathered[:, : gathered.shape[1] - self._stamp_slots]
 
     def unshard(self) -> None:
         """Start the all-gather of the unit's shards (no-op unless the unit is sharded)."""
@@ -175,8 +176,11 @@ class FSDPUnit:
         gather, self._gather = self._gather, None
         gather.work.wait()
         with torch.no_grad(), span("gather_copy_out"):
-            for param, param_rows in zip(self.params, self._rows(gather.gathered)):
-                param.fill_unsharded(param_rows)
+            targets = [param.allocate_unsharded() for param in self.params]
+            with torch.autograd._unsafe_preserve_version_counter(tuple(targets)):
+                torch.split_with_sizes_copy(self._columns(gather.gathered), self._shard_sizes, dim=1, out=targets)
+            self.ledger.record_copy("gather_copy_out", self.unsharded_nbytes)
+            for param in self.params:
                 param.install(unsharded=True)
         self.memory.allocated(self.name, self.unsharded_nbytes, "params")
         self.memory.freed(self.name, gather.nbytes, "gather_buffer")
@@ -211,7 +215,8 @@ class FSDPUnit:
         gather.work.wait()
         if not keep:
             return []
-        return [param.full_from_rows(rows) for param, rows in zip(self.params, self._rows(gather.gathered))]
+        columns = self._columns(gather.gathered).split(self._shard_sizes, dim=1)
+        return [param.full_from_rows(rows) for param, rows in zip(self.params, columns)]
 
     # ---- reduce -----------------------------------------------------------------------
 
@@ -251,6 +256,7 @@ class FSDPUnit:
         stashed = sum(p.stashed_nbytes for p in params)
         with span("reduce_copy_in"):
             used = [p.take_grad_rows(columns) for p, columns in zip(params, flat[:, :total].split(sizes, dim=1))]
+        self.ledger.record_copy("reduce_copy_in", world * total * flat.element_size())
         self.memory.freed(self.name, stashed, "stashed_grads")
         flat[:, total : total + len(params)].fill_(1)
         for index, has_grad in enumerate(used):
