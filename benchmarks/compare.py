@@ -11,7 +11,8 @@ plain training loop; ``L_*`` modes run ``Trainer.fit`` with Lightning's strategi
 
 Each mode runs in freshly spawned ranks (one thread each, gloo, a file:// rendezvous); the step
 time is the slowest rank's, the median over timed steps; "single" is one process on the global
-batch and is the reference for the losses. Results go to stdout (a Markdown table) and to
+batch and is the reference for the losses. For our engine's modes it also prints the bytes the engine copied
+outside collectives per gathered byte (its ledger's ``copied`` counts). Results go to stdout (a Markdown table) and to
 ``benchmarks/results/<config>.json``.
 """
 

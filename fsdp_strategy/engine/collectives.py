@@ -266,7 +266,8 @@ _EXCHANGE_THREAD = _ExchangeThread()
 
 @functools.cache
 def _point_to_point(group: Any) -> bool:
-    return dist.get_backend(group) == "gloo"
+    """Whether CPU tensors on ``group`` go through gloo ("gloo" or e.g. "cpu:gloo,cuda:nccl")."""
+    return "gloo" in dist.get_backend(group)
 
 
 @functools.cache
