@@ -53,8 +53,11 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 # between the caller's buffers: each rank sends its shard to every peer (all-gather), or each
 # peer the rows it owns (reduce-scatter), and then adds the received rows to its own. Per rank
 # (N-1)/N of the payload is sent, as in a ring. gloo's transport thread moves the bytes; the
-# engine's exchange thread only waits for them, so that ``wait(timeout)`` polls as a gloo
-# collective's work does ([Note: watchdog]). The messages carry a tag of their own, so a user's
+# engine's exchange thread posts the transfers in issue order (posting can wait for a busy
+# transport) and waits for them, so the caller's thread goes on computing and ``wait(timeout)``
+# polls as a gloo collective's work does ([Note: watchdog]). One thread serves the process in the
+# order collectives are issued, which is program order on every rank as long as one thread (the
+# training loop) issues them, as the engine does. The messages carry a tag of their own, so a user's
 # own point-to-point messages on the same group are never matched with the engine's. NCCL and
 # CUDA tensors keep the collectives (NCCL's are the fast path there).
 P2P_TAG = 0x46534450 % 2**31  # "FSDP"
@@ -233,19 +236,21 @@ class Exchange:
 
 
 class _ExchangeThread:
-    """One daemon thread per process that waits for exchanges in issue order; started on first use."""
+    """One daemon thread per process that posts and waits for exchanges in issue order; started
+    on first use, stopped at interpreter exit."""
 
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue[Exchange | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        atexit.register(self.stop)
 
     def submit(self, exchange: Exchange) -> None:
+        """Queue ``exchange`` behind those already submitted (starts the thread if needed)."""
         with self._lock:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="fsdp_custom-exchange", daemon=True)
                 self._thread.start()
-                atexit.register(self.stop)
         self._queue.put(exchange)
 
     def _run(self) -> None:
