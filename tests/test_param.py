@@ -10,7 +10,7 @@ from torch import nn
 
 from fsdp_strategy.engine.param import ParamUse, ShardedParam, ShardLayout
 
-SHAPES = [(7, 3), (5,), (1, 4), (2, 3, 2), (), (4, 4), (3,)]
+SHAPES = [(7, 3), (5,), (1, 4), (2, 3, 2), (), (4, 4), (3,), (0, 5)]  # (0, 5): an empty parameter
 
 
 def _shards(param: nn.Parameter, world: int) -> list[ShardedParam]:
@@ -89,9 +89,9 @@ def test_grad_rows_land_padded_in_strided_columns_with_the_stash_added(shape, wo
     buffer = torch.full((world, shard.shard_numel + 5), 7.0)  # other columns around ours
     assert shard.take_grad_rows(buffer[:, 2 : 2 + shard.shard_numel])
     expected = first.float() + second.float()  # summed in fp32, not in bf16
-    padded = buffer[:, 2 : 2 + shard.shard_numel].reshape(world * shard.chunk_rows, -1)
+    padded = buffer[:, 2 : 2 + shard.shard_numel].reshape(world * shard.chunk_rows, shard.row_numel)
     dim0 = shape[0] if shape else 1
-    assert torch.equal(padded[:dim0], expected.reshape(dim0, -1))
+    assert torch.equal(padded[:dim0], expected.reshape(dim0, shard.row_numel))
     assert torch.count_nonzero(padded[dim0:]) == 0  # padding rows are zero
     assert torch.all(buffer[:, :2] == 7.0) and torch.all(buffer[:, 2 + shard.shard_numel :] == 7.0)
     assert shard.unsharded.grad is None and shard.stashed_grad is None

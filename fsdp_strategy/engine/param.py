@@ -193,6 +193,8 @@ class ShardedParam:
 
     def _write_rows(self, padded: torch.Tensor, full: torch.Tensor, add: bool) -> tuple[int, int]:
         """Copy (or add) a full-shape tensor into ``(N, c, row)`` padded rows without a padded temporary."""
+        if self.chunk_rows == 0:  # an empty parameter (dim 0 of size 0): no rows, no padding
+            return self.world, 0
         rows = full.reshape(self.dim0, self.row_numel)
         full_chunks, rest = divmod(self.dim0, self.chunk_rows)
         write = torch.Tensor.add_ if add else torch.Tensor.copy_
