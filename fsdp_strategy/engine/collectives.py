@@ -270,9 +270,14 @@ _EXCHANGE_THREAD = _ExchangeThread()
 
 
 @functools.cache
-def _point_to_point(group: Any) -> bool:
+def _gloo(group: Any) -> bool:
     """Whether CPU tensors on ``group`` go through gloo ("gloo" or e.g. "cpu:gloo,cuda:nccl")."""
     return "gloo" in dist.get_backend(group)
+
+
+def _exchanged(tensor: torch.Tensor, comm: CommGroup) -> bool:
+    """Whether a collective of ``tensor`` on ``comm`` is done point to point ([Note: point to point on gloo])."""
+    return not tensor.is_cuda and _gloo(comm.group)
 
 
 @functools.cache
@@ -301,7 +306,7 @@ def _exchange_all_gather(output: torch.Tensor, shard: torch.Tensor, comm: CommGr
 def reduce_scatter_scratch_numel(output: torch.Tensor, comm: CommGroup) -> int:
     """Elements a reduce-scatter into ``output`` allocates besides it while in flight: the
     received slices of all peers but the first, on gloo with CPU tensors ([Note: point to point on gloo])."""
-    if comm.size <= 2 or output.is_cuda or not _point_to_point(comm.group):
+    if comm.size <= 2 or not _exchanged(output, comm):
         return 0
     return (comm.size - 2) * output.numel()
 
@@ -318,13 +323,12 @@ def _exchange_reduce_scatter(output: torch.Tensor, full: torch.Tensor, comm: Com
             works.append(dist.isend(rows[peer], dst=global_peer, group=comm.group, tag=P2P_TAG))
         return works
 
-    def add_rows() -> None:  # a fixed order: the first peer's rows, then the others' and ours in rank order
-        contributions = dict(zip((peer for peer, _ in peers), received))
-        contributions[comm.rank] = rows[comm.rank]
-        first = peers[0][0]
-        for rank in sorted(contributions):
-            if rank != first:
-                output.add_(contributions[rank])
+    later = {peer: into for (peer, _), into in zip(peers[1:], received[1:])}
+    later[comm.rank] = rows[comm.rank]
+
+    def add_rows() -> None:  # a fixed order: the first peer's rows (in output), then the rest in rank order
+        for rank in sorted(later):
+            output.add_(later[rank])
 
     return Exchange(post, add_rows)
 
@@ -410,7 +414,7 @@ def all_gather(
         shard[-STAMP_SLOTS:].copy_(stamp)
         check = _stamp_check(output.view(comm.size, -1)[:, -STAMP_SLOTS:], stamp.expand(comm.size, -1), comm, True)
     record = RECORDER.issue(kind.value, unit, shard.dtype, payload)
-    if not shard.is_cuda and _point_to_point(comm.group):
+    if _exchanged(shard, comm):
         work = _exchange_all_gather(output, shard, comm)
     else:
         work = _all_gather(output, shard, group=comm.group, async_op=True)
@@ -435,7 +439,7 @@ def reduce_scatter(
     if stamped:
         check = _sum_stamp(kind, unit, full.view(comm.size, -1)[:, -STAMP_SLOTS:], output[-STAMP_SLOTS:], comm)
     record = RECORDER.issue(kind.value, unit, full.dtype, payload)
-    if not full.is_cuda and _point_to_point(comm.group):
+    if _exchanged(full, comm):
         work = _exchange_reduce_scatter(output, full, comm)
     else:
         work = _reduce_scatter(output, full, op=dist.ReduceOp.SUM, group=comm.group, async_op=True)
