@@ -36,6 +36,7 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
@@ -95,9 +96,12 @@ class FSDPCustomStrategy(CheckpointHooks, ParallelStrategy):
         sync_module_states: broadcast global rank 0's parameters and buffers before sharding.
         ignored_modules: modules of the model whose parameters are not sharded nor synchronized
             (FSDP1's meaning: every rank keeps them whole; freeze them or sync them yourself).
-        collective_timeout: seconds (or a ``timedelta``) a collective may wait before every rank
-            stops with a report of where each rank was (default 600; None: no limit). A dead or
-            raising rank stops the others within seconds whatever this is ([Note: watchdog]).
+        collective_timeout: seconds (or a ``timedelta``) a collective of the engine may wait before
+            every rank stops with a report of where each rank was (default None: ``timeout``, the
+            process group's, 30 minutes unless set; ``math.inf``: no limit). Barriers, broadcasts and
+            checkpoint gathers are left to ``timeout``. A dead or raising rank stops the others at
+            their next collective whatever this is; a rank outside every collective is ended only
+            after this long ([Note: watchdog]).
         check_collective_order: stamp every collective so that ranks issuing different ones (a
             unit called an extra time on one rank) stop at the first (default True; costs 16
             elements per collective).
@@ -137,7 +141,7 @@ class FSDPCustomStrategy(CheckpointHooks, ParallelStrategy):
         backward_prefetch: str | BackwardPrefetch | Any = "BACKWARD_PRE",
         sync_module_states: bool = False,
         ignored_modules: list[torch.nn.Module] | None = None,
-        collective_timeout: float | timedelta | None = watchdog.DEFAULT_COLLECTIVE_TIMEOUT,
+        collective_timeout: float | timedelta | None = None,
         check_collective_order: bool = True,
         **fsdp_kwargs: Any,
     ) -> None:
@@ -262,6 +266,8 @@ class FSDPCustomStrategy(CheckpointHooks, ParallelStrategy):
         )
         assert self.cluster_environment is not None
         created_here = not _distributed_is_initialized()
+        if "nccl" in self._process_group_backend:
+            watchdog.enable_nccl_flight_recorder()
         _init_dist_connection(
             self.cluster_environment,
             self._process_group_backend,
@@ -395,10 +401,11 @@ class FSDPCustomStrategy(CheckpointHooks, ParallelStrategy):
             log.debug("no_sync holds %d bytes of full gradients", self.scheduler.unsharded_grad_bytes())
 
     def on_exception(self, exception: BaseException) -> None:
-        """Tell the other ranks ([Note: watchdog]: they stop and name this rank's exception), and
-        leave no half-done iteration behind (see ``Scheduler.reset``)."""
+        """Tell the other ranks ([Note: watchdog]: their next collective raises, naming this rank's
+        exception; not Lightning's ``SIGTERMException``, which every rank raises at the same step
+        after a barrier), and leave no half-done iteration behind (see ``Scheduler.reset``)."""
         dog = watchdog.active()
-        if dog is not None:
+        if dog is not None and not isinstance(exception, SIGTERMException):  # raised on every rank in step
             dog.report_exception(exception)
         if self.model is not None and is_sharded(self.model):
             self.scheduler.reset()

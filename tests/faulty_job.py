@@ -8,6 +8,10 @@ Faults, at ``--step`` on ``--rank``: ``kill`` (SIGKILL of itself), ``exit`` (``o
 block 0 once more than the other ranks, a unit of the same size as block 1), ``save_kill``
 and ``save_kill_all`` (SIGKILL of the rank, or of the whole job, in the middle of the sharded
 save of ``last.ckpt`` into ``--checkpoints``, after the rank's shards are written).
+Healthy jobs that must end well: ``caught_slow`` (every rank raises ``StopTraining`` at
+``--step``, rank 0 after 6 s of its own work; the script catches it and post-processes),
+``slow_save`` (rank 0's full checkpoint write at ``--step`` takes ``--save-seconds``), and
+``none`` with ``--step-seconds`` (a slow step, to send signals to).
 """
 
 from __future__ import annotations
@@ -17,17 +21,23 @@ import os
 import signal
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).parent))
 from models import Block, TiedLM, lm_loss, make_batches  # noqa: E402
 
 from fsdp_strategy import FSDPCustomStrategy  # noqa: E402
+from fsdp_strategy.engine import watchdog  # noqa: E402
+
+
+class StopTraining(Exception):
+    """A user's own "stop here" signal, raised on every rank."""
 
 
 class FaultyLM(L.LightningModule):
@@ -35,6 +45,7 @@ class FaultyLM(L.LightningModule):
         super().__init__()
         self.net = TiedLM()
         self.fault, self.fault_rank, self.fault_step = fault, rank, step
+        self.step_seconds = 0.0
 
     def training_step(self, batch, batch_idx):
         due = self.global_rank == self.fault_rank and self.global_step == self.fault_step
@@ -50,14 +61,28 @@ class FaultyLM(L.LightningModule):
             time.sleep(600)
         if due and self.fault == "slow":  # an honest wait for the other ranks, below any timeout
             time.sleep(1.5)
+        if self.fault == "caught_slow" and self.global_step == self.fault_step:
+            if self.global_rank == 0:
+                time.sleep(6)  # its own work first (an upload), longer than any grace period
+            raise StopTraining(f"rank {self.global_rank} stops here")
+        time.sleep(self.step_seconds)
         loss = lm_loss(self.net, batch[0])
         if due and self.fault == "drift":
             x = self.net.embed(batch[0][:, :-1])
             loss = loss + self.net.blocks[0](x).sum() * 0
         return loss
 
+    def _init_weights(self, module):  # meta init: what reset_parameters() does not cover
+        if module is self.net:
+            module.scale.fill_(1.5)
+            module.position.normal_(0, 0.1)
+
     def on_train_start(self):
         print(f"STARTED rank {self.global_rank} at step {self.global_step}", flush=True)
+        dog = watchdog.active()
+        if dog is not None:
+            collective, control = dog.limits
+            print(f"LIMITS rank {self.global_rank}: collective {collective:g} s, blocking calls {control:g} s")
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
@@ -94,10 +119,46 @@ def fail_before_save(trainer: L.Trainer, rank: int, step: int) -> None:
     sharded.prepare_state = failing
 
 
-def build_trainer(args: argparse.Namespace) -> L.Trainer:
+class SlowOnException(L.Callback):
+    """Rank 0 spends ``seconds`` in ``on_exception`` (an upload) after the checkpoint is saved."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def on_exception(self, trainer, pl_module, exception):
+        if trainer.global_rank == 0:
+            time.sleep(self.seconds)
+        print(f"ON_EXCEPTION rank {trainer.global_rank}: {type(exception).__name__}", flush=True)
+
+
+def slow_down_save(trainer: L.Trainer, step: int, seconds: float) -> None:
+    """Rank 0's write of the (full) checkpoint at ``step`` takes ``seconds`` more."""
+    io = trainer.strategy.checkpoint_io
+    save = io.save_checkpoint
+
+    def slow_save(*args, **kwargs):
+        if trainer.global_rank == 0 and trainer.global_step == step:
+            time.sleep(seconds)
+        return save(*args, **kwargs)
+
+    io.save_checkpoint = slow_save
+
+
+def build_strategy(args: argparse.Namespace) -> object:
+    if args.strategy != "fsdp_custom":
+        return args.strategy
     kwargs = {} if args.collective_timeout is None else {"collective_timeout": args.collective_timeout}
+    if args.pg_timeout is not None:
+        kwargs["timeout"] = timedelta(seconds=args.pg_timeout)
     async_save = args.fault == "async_after_fit"
-    strategy = FSDPCustomStrategy(auto_wrap_policy={Block}, state_dict_type="sharded", async_save=async_save, **kwargs)
+    state_dict_type = "full" if args.fault == "slow_save" else "sharded"
+    return FSDPCustomStrategy(
+        auto_wrap_policy={Block}, state_dict_type=state_dict_type, async_save=async_save, **kwargs
+    )
+
+
+def build_trainer(args: argparse.Namespace) -> L.Trainer:
+    strategy = build_strategy(args)
     return L.Trainer(
         strategy=strategy,
         accelerator="cpu",
@@ -108,10 +169,16 @@ def build_trainer(args: argparse.Namespace) -> L.Trainer:
         enable_checkpointing=args.checkpoints is not None,
         enable_progress_bar=False,
         enable_model_summary=False,
-        callbacks=[ModelCheckpoint(args.checkpoints, save_last=True, save_top_k=0, every_n_train_steps=1)]
-        if args.checkpoints
-        else [],
+        callbacks=callbacks(args),
     )
+
+
+def callbacks(args: argparse.Namespace) -> list[L.Callback]:
+    if args.on_exception_seconds is not None:  # then save a checkpoint on exception
+        return [OnExceptionCheckpoint(args.checkpoints), SlowOnException(args.on_exception_seconds)]
+    if args.checkpoints:
+        return [ModelCheckpoint(args.checkpoints, save_last=True, save_top_k=0, every_n_train_steps=1)]
+    return []
 
 
 def main() -> None:
@@ -122,6 +189,12 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--num-nodes", type=int, default=1)
     parser.add_argument("--collective-timeout", type=float, default=None)
+    parser.add_argument("--pg-timeout", type=float, default=None, help="the strategy's timeout, in seconds")
+    parser.add_argument("--save-seconds", type=float, default=8.0, help="slow_save: rank 0's write takes this")
+    parser.add_argument("--step-seconds", type=float, default=0.0, help="each training step sleeps this")
+    parser.add_argument("--on-exception-seconds", type=float, default=None, help="rank 0's on_exception takes this")
+    parser.add_argument("--meta-init", action="store_true", help="build the model on the meta device")
+    parser.add_argument("--strategy", default="fsdp_custom", choices=["fsdp_custom", "ddp_find_unused_parameters_true"])
     parser.add_argument("--checkpoints", default=None, help="save last.ckpt there after every step")
     parser.add_argument("--resume", action="store_true", help='fit from ckpt_path="last"')
     args = parser.parse_args()
@@ -132,8 +205,12 @@ def main() -> None:
         die_during_save(trainer, args.rank, args.step, whole_job=args.fault == "save_kill_all")
     if args.fault == "save_raise":
         fail_before_save(trainer, args.rank, args.step)
+    if args.fault == "slow_save":
+        slow_down_save(trainer, args.step, args.save_seconds)
     data = make_batches(8, 4 * args.devices * args.num_nodes).reshape(-1, make_batches(1, 1).shape[-1])
-    module = FaultyLM(args.fault, args.rank, args.step)
+    with trainer.init_module(empty_init=args.meta_init):  # meta: the engine materializes it unit by unit
+        module = FaultyLM(args.fault, args.rank, args.step)
+    module.step_seconds = args.step_seconds
     loader = DataLoader(TensorDataset(data), batch_size=4)
     if args.fault == "caught":  # every rank fails alike, the script goes on with a new run
         try:
@@ -141,6 +218,14 @@ def main() -> None:
         except ValueError:
             pass
         trainer, module.fault = build_trainer(args), "slow"  # rank 1 is slow at step 2 of the new run
+    if args.fault == "caught_slow":
+        try:
+            trainer.fit(module, loader)
+        except StopTraining as stop:
+            if trainer.global_rank == 0:
+                time.sleep(2)  # post-processing of its own (an upload)
+            print(f"CAUGHT {stop} at step {trainer.global_step}", flush=True)
+        return
     if args.resume:
         trainer.fit(module, loader, ckpt_path="last")
     else:

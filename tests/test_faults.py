@@ -1,5 +1,6 @@
 """A rank that dies, raises, hangs or drifts ends the whole job fast, and every surviving rank
-says which rank and where ([Note: watchdog]); a save killed midway loses nothing.
+says which rank and where ([Note: watchdog]); a save killed midway loses nothing; a healthy job
+is never ended (a caught exception, a slow rank-0 save, SIGTERM to every rank).
 
 Each case is a real Lightning job (tests/faulty_job.py, gloo, 2 ranks) under Lightning's own
 launcher (``python train.py``), torchrun, or two torchrun "nodes", run with a deadline; the test
@@ -8,11 +9,13 @@ asserts the time the job took to end and the words of the error."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from dist_utils import run_torchrun_nodes
 
@@ -148,3 +151,56 @@ def test_an_async_save_after_training_completes(tmp_path):
     assert sorted(os.listdir(checkpoints)) == ["after.ckpt", "last.ckpt"]
     assert sorted(os.listdir(checkpoints / "after.ckpt"))[-2:] == ["fsdp_meta.json", "meta.pt"]
     assert "terminate called" not in output and "ending this process" not in output
+
+
+def test_every_rank_raising_and_catching_with_one_rank_slower_ends_well():
+    # rank 1 raises at once and reports; rank 0 does 6 s of its own work first, then raises too;
+    # both catch the exception and post-process: nobody is ended for the other's report
+    code, output, _ = _run("--fault", "caught_slow", "--step", "3")
+    assert code == 0, output[-4000:]
+    assert "CAUGHT rank 0 stops here at step 3" in output and "CAUGHT rank 1 stops here at step 3" in output
+    assert "ending this process" not in output and "CollectiveError" not in output
+
+
+def test_a_rank0_save_longer_than_a_short_collective_timeout_is_not_a_failure(tmp_path):
+    # the other rank waits in a barrier for rank 0's 8 s write: barriers are left to the group's
+    # timeout (20 s here, 30 min by default), not to the engine's collective_timeout (3 s)
+    checkpoints = tmp_path / "checkpoints"
+    args = ["--fault", "slow_save", "--step", "3", "--save-seconds", "8", "--collective-timeout", "3"]
+    code, output, _ = _run(*args, "--pg-timeout", "20", "--checkpoints", str(checkpoints))
+    assert code == 0, output[-4000:]
+    assert "LIMITS rank 0: collective 3 s, blocking calls 50 s" in output
+    assert "FINISHED rank 0 at step 8" in output and os.listdir(checkpoints) == ["last.ckpt"]
+
+
+def _sigterm_every_rank(strategy: str, checkpoints: Path) -> tuple[int, str]:
+    """Run under torchrun, send SIGTERM to both ranks at once after the first step; return the end."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29595", JOB]
+    command += ["--fault", "none", "--step-seconds", "0.5", "--strategy", strategy]
+    command += ["--checkpoints", str(checkpoints), "--on-exception-seconds", "6"]
+    job = subprocess.Popen(command, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        for line in job.stdout:
+            lines.append(line)
+            if "STARTED rank 0" in line:
+                break
+        time.sleep(1.0)
+        for rank in psutil.Process(job.pid).children():
+            os.kill(rank.pid, signal.SIGTERM)
+        output = "".join(lines) + job.communicate(timeout=90)[0]
+    finally:
+        job.kill()
+    return job.returncode, output
+
+
+def test_sigterm_to_every_rank_ends_as_lightning_does(tmp_path):
+    # Lightning raises SIGTERMException on every rank at the same step; OnExceptionCheckpoint saves,
+    # then rank 0 spends 6 s in an on_exception of its own (an upload): as under DDP, all end well
+    reference = _sigterm_every_rank("ddp_find_unused_parameters_true", tmp_path / "ddp")
+    code, output = _sigterm_every_rank("fsdp_custom", tmp_path / "fsdp")
+    assert (code, reference[0]) == (0, 0), output[-4000:]
+    for rank in (0, 1):
+        assert f"ON_EXCEPTION rank {rank}: SIGTERMException" in output, output[-4000:]
+    assert os.listdir(tmp_path / "fsdp") == os.listdir(tmp_path / "ddp") == ["on_exception.ckpt"]
+    assert "fsdp_custom: rank" not in output and "ending this process" not in output

@@ -1,13 +1,18 @@
 """The engine's watchdog without Lightning ([Note: watchdog], [Note: order stamps]): ranks that
 issue different collectives of one size stop at the first one, for every kind; a collective no
-peer joins ends at ``collective_timeout``; the flight recorder stays bounded. World 3, gloo."""
+peer joins ends at ``collective_timeout``; a rank outside collectives when another fails goes on
+and stops at its next collective; the flight recorder stays bounded; the store channel retries
+and never reconfigures the default store; the failure message's sentences (diagnosis.py) from
+reports alone. World 2 and 3, gloo."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import tempfile
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -18,8 +23,10 @@ from models import Block, TiedLM
 from torch import nn
 
 from fsdp_strategy.checkpoint import full_state_dict, load_folder, save_folder
-from fsdp_strategy.engine import CollectiveError, check_collective_timeout, shard_model, watchdog
+from fsdp_strategy.engine import CollectiveError, check_collective_timeout, diagnosis, shard_model, watchdog
+from fsdp_strategy.engine.channel import StoreChannel, StoreLost
 from fsdp_strategy.engine.collectives import CommGroup, CommLedger, all_gather, all_reduce, reduce_scatter
+from fsdp_strategy.engine.diagnosis import Peer, PeerState
 from fsdp_strategy.engine.flight import RING_SIZE, STAMP_SLOTS
 
 
@@ -114,3 +121,156 @@ def test_inputs_of_another_float_dtype_are_cast_to_param_dtype():
 def test_bad_collective_timeouts_are_named(value, error, message):
     with pytest.raises(error, match=message):
         check_collective_timeout(value)
+
+
+def _limits_body(rank: int, world: int) -> dict:
+    default = watchdog.start()
+    default_limits = default.limits
+    explicit = watchdog.start(1.5).limits  # the running watchdog takes the new limit
+    unlimited = watchdog.start(float("inf")).limits
+    default.stop()
+    return {"default": default_limits, "explicit": explicit, "unlimited": unlimited}
+
+
+def test_the_default_collective_limit_is_the_process_groups_timeout(tmp_path):
+    # dist_utils creates the group with a 90 s timeout; blocking calls get it plus a margin
+    result = run_ranks(_limits_body, 2, tmp_path)[0]
+    assert tuple(result["default"]) == (90.0, 90.0 + watchdog.CONTROL_MARGIN)
+    assert tuple(result["explicit"]) == (1.5, 90.0 + watchdog.CONTROL_MARGIN)  # barriers keep the group's
+    assert result["unlimited"].collective == float("inf")
+
+
+def _outside_body(rank: int, world: int) -> dict:
+    dog = watchdog.start()  # the group's 90 s: nothing here may end a process
+    comm, ledger = CommGroup.of(dist.group.WORLD), CommLedger()
+    all_reduce(torch.ones(4), comm, ledger, "warm-up").wait()
+    if rank == 1:
+        dog.report_exception(ValueError("a failure of rank 1's own"))
+        time.sleep(8)  # stays alive while rank 0 reads its report
+        return {"ended": False}
+    time.sleep(3)  # outside every collective while rank 1 reports: it must go on
+    start = time.monotonic()
+    try:
+        all_reduce(torch.ones(4), comm, ledger, "after").wait()
+    except CollectiveError as error:
+        return {"ended": False, "error": str(error), "seconds": time.monotonic() - start}
+    return {"ended": False, "error": None}
+
+
+def test_a_rank_outside_collectives_goes_on_and_its_next_collective_raises_at_once(tmp_path):
+    first = run_ranks(_outside_body, 2, tmp_path, timeout=60)[0]
+    assert first["error"] is not None and first["seconds"] < 1.0, first
+    assert "rank 0 (node 0) stopped at all_reduce #" in first["error"] and "of unit 'after'" in first["error"]
+    assert "First report: rank 1 raised ValueError: a failure of rank 1's own" in first["error"]
+
+
+def _stopped_peer_body(rank: int, world: int) -> str:
+    watchdog.start(2.0)
+    comm, ledger = CommGroup.of(dist.group.WORLD), CommLedger()
+    pids = [None] * world
+    dist.all_gather_object(pids, os.getpid())
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)  # alive but silent until rank 0 continues it
+        return "continued"
+    try:
+        all_reduce(torch.ones(4), comm, ledger, "waits").wait()
+    except CollectiveError as error:
+        return str(error)
+    finally:
+        os.kill(pids[1], signal.SIGCONT)
+    return "no error"
+
+
+def test_a_live_rank_that_sends_no_heartbeat_is_not_responding_not_lost(tmp_path):
+    message = run_ranks(_stopped_peer_body, 2, tmp_path, timeout=60, allow_failure=True)[0]
+    assert "collective_timeout=2 s" in message, message
+    assert "NOT RESPONDING, its process is alive but sent no heartbeat" in message
+    assert "LOST" not in message
+
+
+class FlakyStore:
+    """A real store whose first ``failures`` calls fail, as a store does while its host restarts."""
+
+    def __init__(self, failures: int) -> None:
+        self.store = dist.HashStore()
+        self.failures = failures
+        self.calls = 0
+
+    def __getattr__(self, name: str):
+        method = getattr(self.store, name)
+
+        def call(*args):
+            self.calls += 1
+            if self.calls <= self.failures:
+                raise RuntimeError("Broken pipe")
+            return method(*args)
+
+        return call
+
+
+def test_store_calls_retry_with_backoff_before_the_store_is_declared_lost():
+    flaky = FlakyStore(failures=3)
+    channel = StoreChannel(flaky, attempts=4, backoff=0.01)
+    channel.set("beat/0", "1")  # the fourth attempt answers
+    assert channel.read("beat/0") == "1" and channel.lost is None
+    gone = FlakyStore(failures=100)
+    channel = StoreChannel(gone, attempts=4, backoff=0.01)
+    with pytest.raises(StoreLost, match="Broken pipe"):
+        channel.set("beat/0", "1")
+    calls = gone.calls
+    with pytest.raises(StoreLost):  # declared lost: not called again
+        channel.read("beat/0")
+    assert calls == 4 and gone.calls == 4
+
+
+def test_the_channel_never_changes_the_default_stores_timeout():
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=77))
+    channel = StoreChannel.connect(store, "fsdp_custom/test")
+    channel.set("peer/0", "{}")
+    assert store.timeout == timedelta(seconds=77)
+    assert dist.PrefixStore("fsdp_custom/test", store).get("peer/0") == b"{}"  # the same store, its own connection
+
+
+MINE = {"seq": 40, "kind": "all_gather", "unit": "blocks.1", "step": 3, "iteration": 4}
+
+
+def _report(kind: str, seq: int, unit: str = "blocks.1", waiting: bool = True) -> dict:
+    latest = {"seq": seq, "kind": "all_gather", "unit": unit, "step": 3, "iteration": 4}
+    return {"reason": f"rank 1 {kind} here", "kind": kind, "waiting": waiting, "latest": latest}
+
+
+@pytest.mark.parametrize(
+    ("peer", "expected"),
+    [
+        (Peer(1, None, PeerState.GONE), "rank 1 (node ?, host ?, pid ?): LOST, its process has exited"),
+        (
+            Peer(1, {"node": 1, "host": "b", "pid": 7}, PeerState.SILENT),
+            "rank 1 (node 1, host b, pid 7): NOT RESPONDING, no heartbeat for 5 s and no report",
+        ),
+        (Peer(1, None, PeerState.SILENT_ALIVE), "NOT RESPONDING, its process is alive but sent no heartbeat for 5 s"),
+        (Peer(1, None, PeerState.ALIVE), "alive, sent no report"),
+        (
+            Peer(1, None, PeerState.REPORTED, _report("failed", 38)),
+            "waiting for all_gather #38 of unit 'blocks.1' (step 3, iteration 4), BEHIND by 2",
+        ),
+        (Peer(1, None, PeerState.REPORTED, _report("failed", 41)), "ahead by 1"),
+        (
+            Peer(1, None, PeerState.REPORTED, _report("failed", 40, "blocks.0")),
+            "a DIFFERENT collective at the same place",
+        ),
+        (
+            Peer(1, None, PeerState.REPORTED, _report("raised", 40, waiting=False)),
+            "last issued all_gather #40 of unit 'blocks.1' (step 3, iteration 4); rank 1 raised here",
+        ),
+    ],
+)
+def test_each_peer_state_has_its_sentence(peer, expected):
+    assert expected in diagnosis.peer_line(peer, MINE, silence=5.0)
+
+
+def test_the_failure_message_puts_the_headline_and_first_report_before_the_peers():
+    message = diagnosis.failure_message("headline", "rank 1 raised X", ["peer line"], ["dump line"])
+    assert message == "headline\n  First report: rank 1 raised X\n  peer line\n  dump line"
+    assert "First report" not in diagnosis.failure_message("same", "same", [], [])
+    line = diagnosis.store_unreachable_line("StoreLost: Broken pipe", [0])
+    assert line.startswith("the store is unreachable (StoreLost: Broken pipe)") and "rank 0 LOST" in line

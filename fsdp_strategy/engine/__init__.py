@@ -89,7 +89,7 @@ def shard_model(
     backward_prefetch: Any = "BACKWARD_PRE",
     sync_module_states: bool = False,
     ignored_modules: Iterable[nn.Module] | None = None,
-    collective_timeout: float | timedelta | None = watchdog.DEFAULT_COLLECTIVE_TIMEOUT,
+    collective_timeout: float | timedelta | None = None,
     check_collective_order: bool = True,
 ) -> nn.Module:
     """Shard ``module``'s parameters in place across the ranks and install the schedule.
@@ -101,8 +101,9 @@ def shard_model(
     all-gathers are issued ahead of their unit (see ``Prefetch``). ``sync_module_states``: every
     parameter and buffer takes global rank 0's value before sharding (one broadcast each).
     ``ignored_modules``: left whole and unsynchronized on every rank ([Note: ignored modules]).
-    ``collective_timeout`` (seconds or a timedelta; None: no limit): a collective waiting longer
-    ends the job on every rank with a report of where each rank was ([Note: watchdog]).
+    ``collective_timeout`` (seconds or a timedelta; None: the process group's own timeout;
+    ``math.inf``: no limit): an engine collective waiting longer ends the job on every rank with a
+    report of where each rank was ([Note: watchdog]).
     ``check_collective_order``: stamp every collective so ranks that issue different ones stop
     at the first ([Note: order stamps]).
     Costs at rest: 1/N of the parameters plus padding; while running, the units gathered now.
@@ -177,7 +178,8 @@ def shard_model(
 
 
 def check_collective_timeout(value: Any) -> float | None:
-    """``collective_timeout`` as seconds: a positive number, a positive timedelta, or None (no limit)."""
+    """``collective_timeout`` as seconds: a positive number (``math.inf``: no limit), a positive
+    timedelta, or None (the process group's own timeout, decided when the watchdog starts)."""
     if value is None:
         return None
     seconds = value.total_seconds() if isinstance(value, timedelta) else value
@@ -188,7 +190,9 @@ def check_collective_timeout(value: Any) -> float | None:
     except OverflowError:
         seconds = math.inf
     if not seconds > 0:
-        raise ValueError(f"collective_timeout={value!r} must be positive (or None for no limit)")
+        raise ValueError(
+            f"collective_timeout={value!r} must be positive (None: the process group's timeout; math.inf: no limit)"
+        )
     return seconds
 
 

@@ -342,6 +342,15 @@ def _wait(work: Any, record: CollectiveRecord, host_blocking: bool) -> None:
         dog.wait(work, record, host_blocking)
 
 
+def _issue(kind: CollectiveKind, unit: str, dtype: torch.dtype, nbytes: int) -> CollectiveRecord:
+    """Record a collective about to be issued; raise if the job was stopped ([Note: watchdog])."""
+    record = RECORDER.issue(kind.value, unit, dtype, nbytes)
+    dog = watchdog.active()
+    if dog is not None:
+        dog.check_issue(record)
+    return record
+
+
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
@@ -413,7 +422,7 @@ def all_gather(
         stamp = _stamp(kind, unit).tensor(shard.dtype, shard.device)
         shard[-STAMP_SLOTS:].copy_(stamp)
         check = _stamp_check(output.view(comm.size, -1)[:, -STAMP_SLOTS:], stamp.expand(comm.size, -1), comm, True)
-    record = RECORDER.issue(kind.value, unit, shard.dtype, payload)
+    record = _issue(kind, unit, shard.dtype, payload)
     if _exchanged(shard, comm):
         work = _exchange_all_gather(output, shard, comm)
     else:
@@ -438,7 +447,7 @@ def reduce_scatter(
     check = None
     if stamped:
         check = _sum_stamp(kind, unit, full.view(comm.size, -1)[:, -STAMP_SLOTS:], output[-STAMP_SLOTS:], comm)
-    record = RECORDER.issue(kind.value, unit, full.dtype, payload)
+    record = _issue(kind, unit, full.dtype, payload)
     if _exchanged(full, comm):
         work = _exchange_reduce_scatter(output, full, comm)
     else:
@@ -462,7 +471,7 @@ def all_reduce(
     if stamped and op == "sum":
         check = _sum_stamp(kind, unit, tensor[-STAMP_SLOTS:], tensor[-STAMP_SLOTS:], comm)
     reduce_op = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
-    record = RECORDER.issue(kind.value, unit, tensor.dtype, payload)
+    record = _issue(kind, unit, tensor.dtype, payload)
     work = dist.all_reduce(tensor, op=reduce_op, group=comm.group, async_op=True)
     return Pending(work, ledger, kind, unit, record, check, not tensor.is_cuda)
 
@@ -482,9 +491,8 @@ def watched(kind: str, name: str) -> Iterator[None]:
     if dog is None or threading.current_thread() is not threading.main_thread():  # a background save
         yield
         return
-    if dog.error is not None:
-        raise dog.error
     record = RECORDER.issue(kind, name)
+    dog.check_issue(record)
     dog.watch_blocking(record)
     try:
         yield

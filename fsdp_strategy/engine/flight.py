@@ -46,9 +46,11 @@ class CollectiveRecord:
     nbytes: int  # bytes of the full buffer
     iteration: int  # the engine's iteration (root forwards since start, from 1) when it was issued
     step: int | None  # the trainer's global step when it was issued (set by the strategy), or None
-    issued: float  # time.time() at issue
+    issued: float  # time.time() at issue (wall clock, for people reading a dump)
+    started: float  # time.monotonic() at issue: what deadlines are measured from
     ended: float | None = None  # time.time() when its wait returned; None while in flight
     work: Any = None  # the work handle while it is in flight and watched (NCCL), else None
+    limit: float | None = None  # seconds it may wait before the watchdog stops the job; None: no limit
 
     def describe(self) -> str:
         """``all_gather #57 of unit 'blocks.3' (step 2, iteration 3)``."""
@@ -58,8 +60,13 @@ class CollectiveRecord:
     def as_dict(self) -> dict[str, Any]:
         """The record as JSON-ready values (the work handle left out)."""
         fields = asdict(self)
-        fields.pop("work")
+        for local in ("work", "started", "limit"):
+            fields.pop(local)
         return fields
+
+    def waited(self) -> float:
+        """Seconds since it was issued (monotonic)."""
+        return time.monotonic() - self.started
 
 
 class FlightRecorder:
@@ -76,7 +83,9 @@ class FlightRecorder:
         """Append and return the record of a collective being issued now."""
         self.seq += 1
         dtype_name = str(dtype).removeprefix("torch.") if dtype is not None else ""
-        record = CollectiveRecord(self.seq, kind, unit, dtype_name, nbytes, self.iteration, self.step, time.time())
+        record = CollectiveRecord(
+            self.seq, kind, unit, dtype_name, nbytes, self.iteration, self.step, time.time(), time.monotonic()
+        )
         self.ring.append(record)
         return record
 

@@ -1,31 +1,39 @@
-"""The watchdog: when a rank dies, raises, hangs or drifts, every rank stops fast and says where.
+"""The watchdog: when a rank dies, raises, hangs or drifts, every rank stops and says where; a
+rank that is alive and well is never ended for it.
 
 [Note: watchdog]
 A failure on one rank shows on the others as a collective that never ends (a dead peer on
 NCCL, a peer stuck, or on another collective) or that ends in an error naming nothing of ours
 ("Connection closed by peer"). The watchdog turns each into a ``CollectiveError`` that names the
-rank at fault and where every rank was ([Note: flight recorder]):
-- Side channel: the default process group's own store, through a second client connection
-  (``store.clone()``; its calls time out after ``STORE_TIMEOUT``). Each rank publishes its
-  identity (rank, node, host, pid) once, a heartbeat counter every ``interval`` seconds from a
-  daemon thread, and, when it fails, a report (its reason and its ring) and the job's ``abort``
-  key (the first reason wins).
-- Waits: on gloo the host blocks, so waits poll (``work.wait(POLL)``) and notice within 0.2 s a
-  failure another rank published, an error of the wait, or a wait older than
-  ``collective_timeout``. On NCCL ``wait()`` only orders streams; the thread then watches the
-  oldest unfinished collective, and reads the order stamps ([Note: order stamps]) once their
-  event has passed. Blocking calls (barriers, broadcasts) are watched by the thread too.
-- Diagnosis: the failing rank reports, logs a first line at once (a launcher may kill it next),
-  waits up to ``grace`` seconds for the other ranks' reports (a rank whose process is gone on
-  this host, or whose heartbeat stopped, is lost), and raises a message with one line per rank:
-  lost, raised, behind, ahead, or on another collective.
-- Ending: a rank whose collectives are wedged cannot exit normally (gloo's threads and NCCL's
+rank at fault and where every rank was ([Note: flight recorder], diagnosis.py):
+- Side channel (channel.py): each rank publishes its identity (rank, node, host, pid) once, a
+  heartbeat every ``HEARTBEAT`` seconds from a daemon thread, and, when it fails or raises, a
+  report and the job's ``abort`` key (the first report wins).
+- Limits: an engine collective may wait ``collective_timeout`` (default: the process group's
+  timeout, which is Lightning's and torch's 30 minutes unless the strategy's ``timeout`` says
+  otherwise). Blocking control-plane calls (barriers, broadcasts, Lightning's reduce, the
+  checkpoint's object gathers) are left to the process group's own timeout: a rank-0 checkpoint
+  write that outlives a short ``collective_timeout`` is not a failure.
+- Waits: on gloo the host blocks, so waits poll (``work.wait(POLL)``) and raise within 0.2 s
+  of another rank's report, of a peer this rank waits on having died (its process gone on this
+  host, or on another host its heartbeat silent for ``SILENCE`` s), of an error of the wait, or
+  of the wait outliving its limit. A collective issued after another rank's report raises at
+  once. On NCCL ``wait()`` only orders streams; the thread watches the oldest unfinished
+  collective (and blocking calls) and reads the order stamps ([Note: order stamps]) once their
+  event has passed; there it ends the process, since the host cannot be unblocked otherwise.
+- Never ended for another's failure: a rank outside every collective when another rank reports
+  only learns of it (it publishes where it is, for the failing rank's message) and goes on: its
+  ``on_exception`` callbacks, ``finally`` blocks, uploads and own exceptions run to their end,
+  and a caught exception leaves no deadline behind. Only a rank that then stays outside every
+  collective for the whole ``collective_timeout`` is ended (a hung rank would hold the job
+  forever otherwise).
+- Ending: a rank whose collective failed cannot exit normally (gloo's threads and NCCL's
   kernels wait for the peer forever), so after a ``CollectiveError`` the process ends with
-  ``os._exit(1)`` at interpreter exit, or ``EXIT_GRACE`` seconds later if it is still running.
-  A rank that sees another's report while it is outside any collective (stuck in Python) logs
-  it and ends the same way.
-Costs: one store write per rank per ``interval`` in the thread; per collective nothing beyond
-the recorder's append, and a Python loop only for waits longer than ``POLL``.
+  ``os._exit(1)`` at interpreter exit (after the user's handlers), or ``collective_timeout``
+  later if it is still running then.
+Costs: one store write and one read per rank per ``HEARTBEAT`` in the thread; per collective
+nothing beyond the recorder's append and two attribute reads; a Python loop only for waits
+longer than ``POLL``.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from __future__ import annotations
 import atexit
 import json
 import logging
+import math
 import os
 import socket
 import sys
@@ -41,19 +50,24 @@ import threading
 import time
 from collections import deque
 from datetime import timedelta
-from typing import Any, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 import torch
 import torch.distributed as dist
 
-from fsdp_strategy.engine.flight import RECORDER, CollectiveRecord
+from fsdp_strategy.engine import diagnosis
+from fsdp_strategy.engine.channel import StoreChannel, StoreLost
+from fsdp_strategy.engine.diagnosis import Peer, PeerState, first_line
+from fsdp_strategy.engine.flight import RECORDER, CollectiveRecord, FlightRecorder
 
 log = logging.getLogger(__name__)
 
 POLL = timedelta(seconds=0.2)
-STORE_TIMEOUT = timedelta(seconds=5)
-EXIT_GRACE = 10.0  # seconds a failed process may take to print and unwind before os._exit
-DEFAULT_COLLECTIVE_TIMEOUT = 600.0  # seconds; NCCL's default, a third of Lightning's 30 minutes
+HEARTBEAT = 1.0  # seconds between heartbeats
+GRACE = 5.0  # seconds a failing rank waits for the other ranks' reports before it writes its message
+SILENCE = 60.0  # seconds without a heartbeat after which a rank on another host, waited on, is taken for dead
+PEER_CHECK_AFTER = 2.0  # a wait this old makes the thread look at the peers (then every as many seconds)
+CONTROL_MARGIN = 30.0  # seconds the thread gives a blocking call beyond the process group's timeout
 
 
 class CollectiveError(RuntimeError):
@@ -63,9 +77,29 @@ class CollectiveError(RuntimeError):
     """
 
 
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}"[:300]
+class Limits(NamedTuple):
+    """Seconds a call may wait before the watchdog stops the job (``math.inf``: no limit)."""
+
+    collective: float  # the engine's collectives: ``collective_timeout``
+    control: float  # blocking control-plane calls: past the process group's own timeout
+
+
+def process_group_timeout(group: Any = None) -> float:
+    """Seconds of ``group``'s (default: the default group's) own timeout, torch's default if unknown."""
+    group = group or dist.group.WORLD
+    for device in ("cpu", "cuda"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout.total_seconds()
+        except (RuntimeError, AttributeError, ValueError):
+            continue
+    return dist.default_pg_timeout.total_seconds()
+
+
+def limits_for(collective_timeout: float | None) -> Limits:
+    """The limits of the default group: ``collective_timeout`` (None: the group's own timeout)."""
+    group_timeout = process_group_timeout()
+    collective = group_timeout if collective_timeout is None else collective_timeout
+    return Limits(collective, max(collective, group_timeout) + CONTROL_MARGIN)
 
 
 def _process_gone(pid: int) -> bool:
@@ -79,278 +113,6 @@ def _process_gone(pid: int) -> bool:
         return False
 
 
-class Watchdog:
-    """Heartbeats, reports and timed waits for one process group ([Note: watchdog])."""
-
-    def __init__(self, store: Any, rank: int, world: int, node: int, collective_timeout: float | None) -> None:
-        self.rank, self.world, self.node = rank, world, node
-        self.collective_timeout = collective_timeout
-        self.interval = 1.0
-        self.grace = 5.0
-        self.identity = {"rank": rank, "node": node, "host": socket.gethostname(), "pid": os.getpid()}
-        self.error: CollectiveError | None = None  # raised once; every later wait raises it again
-        self.abort_reason: str | None = None  # another rank's published failure, seen by the thread
-        self.reported_own = False  # this rank published an exception of its own step
-        self._store = store
-        self.dump_path = ""  # this rank's ring, written when it reports
-        self._identities: dict[int, dict[str, Any]] = {}  # filled by the thread until every rank is known
-        self._beats = 0
-        self._store_lost = False  # a store call failed: the thread no longer calls it
-        self._exit_at: float | None = None
-        self._watched: deque[CollectiveRecord] = deque()  # NCCL / blocking records the thread watches
-        self._unverified: deque[tuple[CollectiveRecord, torch.Tensor, Any]] = deque()  # CUDA stamp checks
-        self._stop = threading.Event()
-        store.set(f"peer/{rank}", json.dumps(self.identity))
-        self._thread = threading.Thread(target=self._run, name="fsdp-custom-watchdog", daemon=True)
-        self._thread.start()
-
-    # ---- the main thread's side --------------------------------------------------------
-
-    def wait(self, work: Any, record: CollectiveRecord, host_blocking: bool) -> None:
-        """Wait for ``work``: polling on the host (gloo), or order the stream and watch it (NCCL)."""
-        if self.error is not None:
-            raise self.error
-        if not host_blocking:
-            work.wait()
-            record.work = work
-            self._watched.append(record)
-            return
-        RECORDER.waiting = record
-        try:
-            while True:
-                try:
-                    work.wait(POLL)
-                    break
-                except RuntimeError as error:
-                    if "timed out" not in str(error):
-                        self.fail(record, f"its wait failed: {_first_line(error)}", error)
-                    if self.abort_reason is not None:
-                        self.fail(record, "another rank stopped the job")
-                    if self._timed_out(record):
-                        self.fail(record, self._timeout_reason(record))
-        finally:
-            RECORDER.waiting = None
-        record.ended = time.time()
-
-    def watch_blocking(self, record: CollectiveRecord) -> None:
-        """Let the thread time a blocking call the main thread cannot poll (a barrier)."""
-        self._watched.append(record)
-
-    def defer_check(self, record: CollectiveRecord, mismatch: torch.Tensor) -> None:
-        """Check a CUDA stamp comparison when the device has computed it, without a sync."""
-        host = torch.empty((), dtype=torch.bool, pin_memory=True)
-        host.copy_(mismatch, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        self._unverified.append((record, host, event))
-
-    def report_exception(self, error: BaseException) -> None:
-        """Publish this rank's own exception, so waiting ranks stop and name it."""
-        if self.error is not None or isinstance(error, CollectiveError) or self.reported_own:
-            return
-        self.reported_own = True
-        self._publish(f"rank {self.rank} raised {_first_line(error)}", None, "raised")
-
-    def fail(self, record: CollectiveRecord | None, reason: str, cause: BaseException | None = None) -> NoReturn:
-        """Publish, diagnose, and raise the ``CollectiveError`` of this rank's failure."""
-        if self.error is None:
-            self._exit_at = time.time() + self.grace + EXIT_GRACE  # the diagnosis may wait ``grace``
-            self.error = CollectiveError(self._diagnose(record, reason))
-        raise self.error from cause
-
-    # ---- diagnosis ---------------------------------------------------------------------
-
-    def _publish(self, reason: str, record: CollectiveRecord | None, kind: str = "failed") -> None:
-        """Write this rank's report (``kind``: "failed", "raised" or "outside") and the abort key."""
-        report = {**self.identity, "reason": reason, "kind": kind, "waiting": record is not None}
-        latest = record or RECORDER.latest()
-        report["latest"] = latest.as_dict() if latest is not None else None
-        path = os.path.join(tempfile.gettempdir(), f"fsdp_custom_flight_rank{self.rank}_pid{os.getpid()}.json")
-        try:
-            with open(path, "w") as file:
-                json.dump({**report, "ring": RECORDER.snapshot()}, file, indent=1)
-        except OSError:
-            path = "(not written)"
-        report["dump"] = self.dump_path = path
-        try:
-            self._store.set(f"report/{self.rank}", json.dumps(report))
-            self._store.compare_set("abort", "", reason)
-        except Exception as error:  # the store's host is gone: the report stays local
-            log.debug("fsdp_custom watchdog: cannot publish: %s", error)
-
-    def _diagnose(self, record: CollectiveRecord | None, reason: str) -> str:
-        where = record.describe() if record is not None else "no collective"
-        headline = f"fsdp_custom: rank {self.rank} (node {self.node}) stopped at {where}: {reason}"
-        self._publish(headline, record)
-        try:
-            first = self._store.get("abort").decode()
-        except Exception:
-            first = self.abort_reason or headline
-        gone = "".join(f"; rank {r} has exited" for r in sorted(self._gone_locally()))
-        earlier = f"; first report: {first}" if first != headline else ""
-        log.error("%s%s%s", headline, earlier, gone)  # at once: a launcher may kill this rank next
-        lines = [headline] + ([f"First report: {first}"] if first != headline else [])
-        lines += self._peer_lines(record)
-        every = os.path.join(tempfile.gettempdir(), "fsdp_custom_flight_rank*.json")
-        lines.append(f"Flight recorder rings: {every} (this rank: {self.dump_path})")
-        return "\n  ".join(lines)
-
-    def _read(self, prefix: str) -> dict[int, Any]:
-        keys = [f"{prefix}/{rank}" for rank in range(self.world)]
-        found = {}
-        for rank, key in enumerate(keys):
-            if self._store.check([key]):
-                found[rank] = self._store.get(key).decode()
-        return found
-
-    def _peer_lines(self, record: CollectiveRecord | None) -> list[str]:
-        """One line per other rank, after waiting up to ``grace`` seconds for their reports."""
-        identities = self._identities
-        try:
-            self._learn_identities()
-            beats_before = self._read("beat")
-            deadline = time.time() + self.grace
-            while True:
-                reports = {rank: json.loads(text) for rank, text in self._read("report").items()}
-                gone = self._gone_locally()
-                missing = [r for r in range(self.world) if r != self.rank and r not in reports and r not in gone]
-                if not missing or time.time() > deadline:
-                    break
-                time.sleep(0.1)
-            beats_after = self._read("beat")
-        except Exception as error:
-            lost = "".join(f"; rank {r} LOST, its process has exited" for r in sorted(self._gone_locally()))
-            return [
-                f"the store is unreachable ({_first_line(error)}): the process that hosts it (global rank 0 under "
-                f"Lightning's launcher or env://, the torchrun agent of node 0 under torchrun) has ended{lost}"
-            ]
-        mine = record or RECORDER.latest()
-        lines = []
-        for rank in range(self.world):
-            if rank == self.rank:
-                continue
-            who = identities.get(rank, {"node": "?", "host": "?", "pid": "?"})
-            name = f"rank {rank} (node {who['node']}, host {who['host']}, pid {who['pid']})"
-            if rank in reports:
-                lines.append(f"{name}: {self._relation(reports[rank], mine)}")
-            elif rank in gone:
-                lines.append(f"{name}: LOST, its process has exited (killed, or out of memory?)")
-            elif beats_before.get(rank) == beats_after.get(rank):
-                lines.append(f"{name}: LOST, no heartbeat for {self.grace:.0f} s and no report")
-            else:
-                lines.append(f"{name}: alive but sent no report")
-        return lines
-
-    def _gone_locally(self) -> set[int]:
-        """Ranks on this host whose process has exited."""
-        host = self.identity["host"]
-        return {r for r, who in self._identities.items() if who["host"] == host and _process_gone(who["pid"])}
-
-    def _timed_out(self, record: CollectiveRecord) -> bool:
-        return self.collective_timeout is not None and time.time() - record.issued > self.collective_timeout
-
-    def _timeout_reason(self, record: CollectiveRecord) -> str:
-        waited = time.time() - record.issued
-        return f"it waited {waited:.1f} s (collective_timeout={self.collective_timeout:g} s)"
-
-    @staticmethod
-    def _relation(report: dict[str, Any], mine: CollectiveRecord | None) -> str:
-        latest = report.get("latest")
-        if latest is None:
-            return f"has issued no collective; {report['reason']}"
-        other = CollectiveRecord(**latest)
-        state = "waiting for" if report.get("waiting") else "last issued"
-        text = f"{state} {other.describe()}"
-        if mine is not None:
-            if other.seq < mine.seq:
-                text += f", BEHIND by {mine.seq - other.seq}"
-            elif other.seq > mine.seq:
-                text += f", ahead by {other.seq - mine.seq}"
-            elif (other.kind, other.unit) != (mine.kind, mine.unit):
-                text += ", a DIFFERENT collective at the same place"
-        if report.get("kind") in ("raised", "outside"):
-            text += f"; {report['reason']}"
-        return text
-
-    # ---- the thread --------------------------------------------------------------------
-
-    def _run(self) -> None:
-        while True:
-            try:
-                self._tick()
-            except Exception as error:  # the store's host ended, or the group was torn down
-                if self._stop.is_set() or active() is not self:
-                    return
-                # not a failure by itself: a job's ranks end at different times; a collective
-                # in flight fails on its own. The store is not called again (each failed call
-                # logs a C++ trace); timeouts and an end already decided are still kept.
-                log.debug("fsdp_custom watchdog: store call failed, not used any more: %s", error)
-                self._store_lost = True
-            known = len(self._identities) == self.world or self._store_lost
-            if self._stop.wait(self.interval if known else 0.05):
-                return
-
-    def _learn_identities(self) -> None:
-        if len(self._identities) < self.world:
-            self._identities.update({rank: json.loads(text) for rank, text in self._read("peer").items()})
-
-    def _tick(self) -> None:
-        if self._exit_at is not None and time.time() > self._exit_at:  # first: the store may be gone
-            self._exit(self.error or self.abort_reason)
-        if not self._store_lost:
-            self._learn_identities()
-            self._beats += 1
-            self._store.set(f"beat/{self.rank}", str(self._beats))
-            if self.abort_reason is None and self._store.check(["abort"]):
-                self.abort_reason = self._store.get("abort").decode()
-        self._check_device()
-        now = time.time()
-        while self._watched and (self._watched[0].ended is not None or _completed(self._watched[0], now)):
-            self._watched.popleft()
-        if self._watched and self.error is None and self._timed_out(self._watched[0]):
-            self._fail_from_thread(self._watched[0], self._timeout_reason(self._watched[0]))
-        if self.abort_reason is not None:
-            self._end_outside_collective()
-
-    def _check_device(self) -> None:
-        while self._unverified and self._unverified[0][2].query():
-            record, host, _ = self._unverified.popleft()
-            if bool(host) and self.error is None:
-                self._fail_from_thread(record, "the ranks issued different collectives here (order stamps differ)")
-
-    def _fail_from_thread(self, record: CollectiveRecord, reason: str) -> None:
-        try:
-            self.fail(record, reason)
-        except CollectiveError as error:
-            self._exit(error)
-
-    def _end_outside_collective(self) -> None:
-        """Another rank failed while this one is not in a poll loop: report, then end."""
-        if RECORDER.waiting is not None or self.error is not None or self.reported_own or self._exit_at:
-            return
-        self._exit_at = time.time() + self.grace
-        latest = RECORDER.latest()
-        doing = f"its last collective: {latest.describe()}" if latest is not None else "no collective issued"
-        self._publish(f"rank {self.rank} was not waiting in a collective of the engine ({doing})", None, "outside")
-        log.error("fsdp_custom: rank %d stops: %s", self.rank, self.abort_reason)
-
-    @staticmethod
-    def _exit(reason: Any) -> NoReturn:
-        sys.stderr.write(f"fsdp_custom: ending this process: {reason}\n")
-        _flush_and_exit()
-
-    def stop(self) -> None:
-        """Stop the thread (the process group is going away)."""
-        self._stop.set()
-
-
-def _completed(record: CollectiveRecord, now: float) -> bool:
-    if record.work is None or not record.work.is_completed():
-        return False
-    record.ended, record.work = now, None
-    return True
-
-
 def _flush_and_exit() -> NoReturn:
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -358,6 +120,347 @@ def _flush_and_exit() -> NoReturn:
         except Exception:
             pass
     os._exit(1)
+
+
+class Watchdog:
+    """Heartbeats, reports and timed waits for the default process group ([Note: watchdog])."""
+
+    def __init__(
+        self, channel: StoreChannel, rank: int, world: int, node: int, limits: Limits, recorder: FlightRecorder
+    ) -> None:
+        self.rank, self.world, self.node = rank, world, node
+        self.limits = limits
+        self.recorder = recorder
+        self.identity = {"rank": rank, "node": node, "host": socket.gethostname(), "pid": os.getpid()}
+        self.error: CollectiveError | None = None  # this rank's failure; every later collective raises it again
+        self.abort: str | None = None  # another rank's first report, seen by the thread
+        self.peer_lost: str | None = None  # a rank this one waits on has died, seen by the thread
+        self.reported_own = False  # this rank published an exception of its own
+        self.dump_path = ""  # this rank's ring, written when it reports
+        self._channel = channel
+        self._identities: dict[int, dict[str, Any]] = {}  # filled by the thread until every rank is known
+        self._beats = 0
+        self._heard: dict[int, tuple[str, float]] = {}  # rank -> (last heartbeat seen, monotonic time it changed)
+        self._next_beat_read = 0.0
+        self._end_at: float | None = None  # monotonic deadline after which this process is ended
+        self._end_reason = ""
+        self._outside_published = False
+        self._watched: deque[CollectiveRecord] = deque()  # NCCL / blocking records the thread watches
+        self._unverified: deque[tuple[CollectiveRecord, torch.Tensor, Any]] = deque()  # CUDA stamp checks
+        self._stop = threading.Event()
+        try:
+            channel.set(f"peer/{rank}", json.dumps(self.identity))
+        except StoreLost:
+            log.warning("fsdp_custom watchdog: the store does not answer; failures will be reported without peers")
+        self._thread = threading.Thread(target=self._run, name="fsdp-custom-watchdog", daemon=True)
+        self._thread.start()
+
+    # ---- the main thread's side --------------------------------------------------------
+
+    def check_issue(self, record: CollectiveRecord) -> None:
+        """Raise before ``record`` is issued if this job was stopped: by this rank's own failure,
+        another rank's report, or the death of a rank."""
+        if self.error is not None:
+            raise self.error
+        reason = self._stopped_by()
+        if reason is not None:
+            self.fail(record, reason)
+
+    def wait(self, work: Any, record: CollectiveRecord, host_blocking: bool) -> None:
+        """Wait for ``work``: polling on the host (gloo), or order the stream and watch it (NCCL)."""
+        if self.error is not None:
+            raise self.error
+        record.limit = self.limits.collective
+        if not host_blocking:
+            work.wait()
+            record.work = work
+            self._watched.append(record)
+            return
+        self.recorder.waiting = record
+        try:
+            while True:
+                try:
+                    work.wait(POLL)
+                    break
+                except RuntimeError as error:
+                    if "timed out" not in str(error):
+                        self.fail(record, f"its wait failed: {first_line(error)}", error)
+                    reason = self._stopped_by() or self._over_limit(record)
+                    if reason is not None:
+                        self.fail(record, reason)
+        finally:
+            self.recorder.waiting = None
+        record.ended = time.time()
+
+    def watch_blocking(self, record: CollectiveRecord) -> None:
+        """Let the thread time a blocking call the main thread cannot poll (a barrier)."""
+        if self.error is not None:
+            raise self.error
+        record.limit = self.limits.control
+        self._watched.append(record)
+
+    def defer_check(self, record: CollectiveRecord, mismatch: torch.Tensor) -> None:
+        """Check a CUDA stamp comparison when the device has computed it, without a sync."""
+        host = torch.empty((), dtype=torch.bool, pin_memory=True)
+        host.copy_(mismatch, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(mismatch.device))
+        self._unverified.append((record, host, event))
+
+    def report_exception(self, error: BaseException) -> None:
+        """Publish this rank's own exception: the other ranks' collectives then raise, naming it."""
+        if self.error is not None or isinstance(error, CollectiveError) or self.reported_own:
+            return
+        self.reported_own = True
+        self._publish(f"rank {self.rank} raised {first_line(error)}", None, "raised")
+
+    def fail(self, record: CollectiveRecord | None, reason: str, cause: BaseException | None = None) -> NoReturn:
+        """Publish, diagnose, and raise the ``CollectiveError`` of this rank's failure."""
+        if self.error is None:
+            self.error = CollectiveError(self._diagnose(record, reason))
+            self._end_after(self.error, self.limits.collective)
+        raise self.error from cause
+
+    def _stopped_by(self) -> str | None:
+        if self.abort is not None:
+            return "another rank stopped the job"
+        return self.peer_lost
+
+    @staticmethod
+    def _over_limit(record: CollectiveRecord) -> str | None:
+        if record.limit is None or record.waited() <= record.limit:
+            return None
+        return f"it waited {record.waited():.1f} s (collective_timeout={record.limit:g} s)"
+
+    def _end_after(self, reason: Any, seconds: float) -> None:
+        if math.isfinite(seconds) and self._end_at is None:
+            self._end_at = time.monotonic() + seconds
+            self._end_reason = str(reason)
+
+    # ---- diagnosis ---------------------------------------------------------------------
+
+    def _publish(self, reason: str, record: CollectiveRecord | None, kind: str = "failed") -> None:
+        """Write this rank's report (``kind``: "failed", "raised" or "outside") and, first wins, the abort key."""
+        report = {**self.identity, "reason": reason, "kind": kind, "waiting": record is not None}
+        latest = record or self.recorder.latest()
+        report["latest"] = latest.as_dict() if latest is not None else None
+        path = os.path.join(tempfile.gettempdir(), f"fsdp_custom_flight_rank{self.rank}_pid{os.getpid()}.json")
+        try:
+            with open(path, "w") as file:
+                json.dump({**report, "ring": self.recorder.snapshot()}, file, indent=1)
+        except OSError:
+            path = "(not written)"
+        report["dump"] = self.dump_path = path
+        try:
+            self._channel.set(f"report/{self.rank}", json.dumps(report))
+            if kind != "outside":
+                self._channel.set_first("abort", json.dumps({"rank": self.rank, "reason": reason}))
+        except StoreLost as error:  # the store's host is gone: the report stays local
+            log.debug("fsdp_custom watchdog: cannot publish: %s", error)
+
+    def _first_report(self, fallback: str) -> str:
+        try:
+            text = self._channel.read("abort")
+        except StoreLost:
+            text = None
+        return json.loads(text)["reason"] if text else (self.abort or fallback)
+
+    def _diagnose(self, record: CollectiveRecord | None, reason: str) -> str:
+        where = record.describe() if record is not None else "no collective"
+        headline = f"fsdp_custom: rank {self.rank} (node {self.node}) stopped at {where}: {reason}"
+        self._publish(headline, record)
+        first = self._first_report(headline)
+        gone = "".join(f"; rank {r} has exited" for r in sorted(self._gone_locally()))
+        earlier = f"; first report: {first}" if first != headline else ""
+        log.error("%s%s%s", headline, earlier, gone)  # at once: a launcher may kill this rank next
+        mine = record or self.recorder.latest()
+        try:
+            peers = self._peers_after_grace()
+            lines = [diagnosis.peer_line(peer, mine.as_dict() if mine else None, GRACE) for peer in peers]
+        except StoreLost as error:
+            lines = [diagnosis.store_unreachable_line(str(error), sorted(self._gone_locally()))]
+        every = os.path.join(tempfile.gettempdir(), "fsdp_custom_flight_rank*.json")
+        dumps = [f"Flight recorder rings: {every} (this rank: {self.dump_path})"]
+        nccl_dump = _nccl_dump_prefix()
+        if nccl_dump is not None:
+            dumps.append(f"torch's NCCL flight recorder, dumped on its own timeout: {nccl_dump}<rank>")
+        return diagnosis.failure_message(headline, first, lines, dumps)
+
+    def _peers_after_grace(self) -> list[Peer]:
+        """Every other rank's state, after waiting up to ``GRACE`` seconds for their reports."""
+        self._learn_identities()
+        beats_before = self._channel.read_ranks("beat", self.world)
+        deadline = time.monotonic() + GRACE
+        while True:
+            reports = {rank: json.loads(text) for rank, text in self._channel.read_ranks("report", self.world).items()}
+            gone = self._gone_locally()
+            missing = [r for r in range(self.world) if r != self.rank and r not in reports and r not in gone]
+            if not missing or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        beats_after = self._channel.read_ranks("beat", self.world)
+        peers = []
+        for rank in range(self.world):
+            if rank == self.rank:
+                continue
+            identity = self._identities.get(rank)
+            if rank in reports:
+                peers.append(Peer(rank, identity, PeerState.REPORTED, reports[rank]))
+            elif rank in gone:
+                peers.append(Peer(rank, identity, PeerState.GONE))
+            elif beats_before.get(rank) == beats_after.get(rank):
+                local = identity is not None and identity["host"] == self.identity["host"]
+                peers.append(Peer(rank, identity, PeerState.SILENT_ALIVE if local else PeerState.SILENT))
+            else:
+                peers.append(Peer(rank, identity, PeerState.ALIVE))
+        return peers
+
+    def _gone_locally(self) -> set[int]:
+        """Ranks on this host whose process has exited."""
+        host = self.identity["host"]
+        return {r for r, who in self._identities.items() if who["host"] == host and _process_gone(who["pid"])}
+
+    # ---- the thread --------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._tick()
+            except Exception as error:  # never let the thread die with a trace; the next tick retries
+                log.debug("fsdp_custom watchdog: %s", first_line(error))
+            known = len(self._identities) == self.world or self._channel.lost is not None
+            if self._stop.wait(HEARTBEAT if known else 0.05):
+                return
+
+    def _learn_identities(self) -> None:
+        if len(self._identities) < self.world:
+            found = self._channel.read_ranks("peer", self.world)
+            self._identities.update({rank: json.loads(text) for rank, text in found.items()})
+
+    def _tick(self) -> None:
+        if self._end_at is not None and time.monotonic() > self._end_at:  # first: the store may be gone
+            self._end(self._end_reason)
+        if self._channel.lost is None:
+            try:
+                self._learn_identities()
+                self._beats += 1
+                self._channel.set(f"beat/{self.rank}", str(self._beats))
+                if self.abort is None:
+                    self._read_abort()
+            except StoreLost as error:  # not a failure by itself: ranks end at different times
+                log.debug("fsdp_custom watchdog: the store is gone, no more heartbeats: %s", error)
+        self._check_device()
+        self._check_peers()
+        self._check_watched()
+        if self.abort is not None and self.error is None:
+            self._outside_collective()
+
+    def _read_abort(self) -> None:
+        text = self._channel.read("abort")
+        if text:
+            first = json.loads(text)
+            if first["rank"] != self.rank:
+                self.abort = first["reason"]
+
+    def _check_device(self) -> None:
+        while self._unverified and self._unverified[0][2].query():
+            record, host, _ = self._unverified.popleft()
+            if bool(host) and self.error is None:
+                self._fail_from_thread(record, "the ranks issued different collectives here (order stamps differ)")
+
+    def _check_peers(self) -> None:
+        """While this rank waits long, notice a peer that died: gone on this host, or silent on another."""
+        oldest = self.recorder.waiting or (self._watched[0] if self._watched else None)
+        if oldest is None or oldest.waited() < PEER_CHECK_AFTER or self.peer_lost is not None:
+            self._heard.clear()
+            return
+        gone = sorted(self._gone_locally())
+        if gone:
+            self.peer_lost = f"rank {gone[0]} LOST, its process has exited"
+            return
+        now = time.monotonic()
+        if len(self._identities) < self.world or self._channel.lost is not None or now < self._next_beat_read:
+            return
+        self._next_beat_read = now + PEER_CHECK_AFTER
+        try:
+            beats = self._channel.read_ranks("beat", self.world)
+        except StoreLost:
+            return
+        for rank, beat in beats.items():
+            last = self._heard.get(rank)
+            if last is None or last[0] != beat:
+                self._heard[rank] = (beat, now)
+            elif now - last[1] > SILENCE and self._identities[rank]["host"] != self.identity["host"]:
+                self.peer_lost = f"rank {rank} sent no heartbeat for {SILENCE:.0f} s (its process or host is down?)"
+                return
+
+    def _check_watched(self) -> None:
+        while self._watched and (self._watched[0].ended is not None or _completed(self._watched[0])):
+            self._watched.popleft()
+        if not self._watched or self.error is not None:
+            return
+        oldest = self._watched[0]
+        reason = self._stopped_by() or self._over_limit(oldest)
+        if reason is not None:
+            self._fail_from_thread(oldest, reason)
+
+    def _fail_from_thread(self, record: CollectiveRecord, reason: str) -> None:
+        """A collective the host cannot be woken from failed: diagnose and end the process."""
+        try:
+            self.fail(record, reason)
+        except CollectiveError as error:
+            self._end(error)
+
+    def _outside_collective(self) -> None:
+        """Another rank reported while this one is outside every collective: say where this rank
+        is (for that rank's message) and go on; end only after ``collective_timeout`` outside."""
+        if self._outside_published or self.reported_own or self.recorder.waiting is not None:
+            return
+        self._outside_published = True
+        latest = self.recorder.latest()
+        doing = f"its last collective: {latest.describe()}" if latest is not None else "no collective issued"
+        self._publish(f"rank {self.rank} was not waiting in a collective of the engine ({doing})", None, "outside")
+        limit = self.limits.collective
+        log.warning(
+            "fsdp_custom: %s; this rank goes on and stops at its next collective%s",
+            self.abort,
+            f" (or in {limit:g} s if it issues none)" if math.isfinite(limit) else "",
+        )
+        self._end_after(f"{self.abort}; this rank issued no collective for {limit:g} s after it", limit)
+
+    @staticmethod
+    def _end(reason: Any) -> NoReturn:
+        sys.stderr.write(f"fsdp_custom: ending this process: {reason}\n")
+        _flush_and_exit()
+
+    def stop(self) -> None:
+        """Stop the thread (the process group is going away, or a new run starts); a store call in
+        flight ends within its timeout and is not retried."""
+        self._stop.set()
+        self._channel.close()
+
+
+def _completed(record: CollectiveRecord) -> bool:
+    if record.work is None or not record.work.is_completed():
+        return False
+    record.ended, record.work = time.time(), None
+    return True
+
+
+def _nccl_dump_prefix() -> str | None:
+    """Where torch's NCCL flight recorder dumps, if the default group uses NCCL."""
+    if not dist.is_initialized() or "nccl" not in dist.get_backend():
+        return None
+    return os.environ.get("TORCH_FR_DUMP_TEMP_FILE") or os.environ.get(
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "/tmp/nccl_trace_rank_"
+    )
+
+
+def enable_nccl_flight_recorder() -> None:
+    """Turn on torch's own NCCL flight recorder and its dump on timeout, unless the user set them.
+    Must run before the NCCL process group is created. Costs: torch's ring of 2,000 entries."""
+    os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
+    os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
 
 
 _ACTIVE: Watchdog | None = None
@@ -372,18 +475,16 @@ def active() -> Watchdog | None:
     return None
 
 
-def start(
-    collective_timeout: float | None = DEFAULT_COLLECTIVE_TIMEOUT, node: int | None = None, fresh: bool = False
-) -> Watchdog | None:
+def start(collective_timeout: float | None = None, node: int | None = None, fresh: bool = False) -> Watchdog | None:
     """Start the watchdog of the default process group (once per group; later calls may only
-    change ``collective_timeout``). ``fresh``: start a new one whatever runs (every rank must
-    pass it at the same point: the Lightning strategy does at each run's setup, so a failure
-    that a script caught and went on from is not reported again). Nothing without a group of
-    two ranks or more."""
+    change ``collective_timeout``, None meaning the group's own timeout). ``fresh``: start a new
+    one whatever runs (every rank must pass it at the same point: the Lightning strategy does at
+    each run's setup, so a failure that a script caught and went on from is not reported
+    again). Nothing without a group of two ranks or more."""
     global _ACTIVE, _ACTIVE_GROUP, _STARTS, _previous_excepthook
     running = active()
     if running is not None and not (fresh and running.error is None):
-        running.collective_timeout = collective_timeout
+        running.limits = limits_for(collective_timeout)
         return running
     if not dist.is_initialized() or dist.get_world_size() < 2:
         return None
@@ -395,22 +496,13 @@ def start(
     _STARTS += 1
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # an elastic restart keeps the agent's store
     prefix = f"fsdp_custom/watchdog/{restart}/{_STARTS}/"
-    store = dist.PrefixStore(prefix, _client(dist.distributed_c10d._get_default_store()))
+    channel = StoreChannel.connect(dist.distributed_c10d._get_default_store(), prefix)
     if node is None:
         node = int(os.environ.get("GROUP_RANK") or os.environ.get("NODE_RANK") or 0)
-    _ACTIVE = Watchdog(store, dist.get_rank(), dist.get_world_size(), node, collective_timeout)
+    limits = limits_for(collective_timeout)
+    _ACTIVE = Watchdog(channel, dist.get_rank(), dist.get_world_size(), node, limits, RECORDER)
     _ACTIVE_GROUP = dist.group.WORLD
     return _ACTIVE
-
-
-def _client(store: Any) -> Any:
-    """A connection of the watchdog's own (``clone``) with short timeouts, else the store itself."""
-    try:
-        store = store.clone()
-    except (RuntimeError, AttributeError):
-        pass
-    store.set_timeout(STORE_TIMEOUT)
-    return store
 
 
 def _at_exit() -> None:
@@ -421,7 +513,7 @@ def _at_exit() -> None:
     if _ACTIVE.error is not None:
         _flush_and_exit()
     _ACTIVE.stop()
-    _ACTIVE._thread.join(timeout=STORE_TIMEOUT.total_seconds() + 1)
+    _ACTIVE._thread.join(timeout=10.0)
 
 
 def _report_uncaught(kind: type, error: BaseException, traceback: Any) -> None:

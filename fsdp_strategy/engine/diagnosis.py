@@ -1,0 +1,107 @@
+"""The text of a failure report: what each rank was doing when one of them stopped the job.
+
+Pure functions of what the ranks published ([Note: watchdog]): reports, identities and
+whether a peer's heartbeat moved. Nothing here touches a store, a thread or a process, so
+every sentence a user may read is tested without starting one.
+
+A report (one per rank that failed or saw a failure) is a dict: ``rank``, ``node``, ``host``,
+``pid``, ``reason`` (one line), ``kind`` ("failed": a collective of that rank failed;
+"raised": that rank's own code raised; "outside": it saw another rank's report while not in a
+collective), ``waiting`` (it was blocked in the collective ``latest`` names) and ``latest``
+(a ``CollectiveRecord.as_dict()``, or None).
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Any, NamedTuple
+
+
+class PeerState(str, Enum):
+    """What the reporting rank knows of another rank when it writes its message."""
+
+    REPORTED = "reported"  # the peer published a report: its own words say what it was doing
+    GONE = "gone"  # the peer's process, on this host, has exited
+    SILENT_ALIVE = "silent_alive"  # on this host and alive, but its heartbeat did not move
+    SILENT = "silent"  # on another host, its heartbeat did not move: its process or host may be down
+    ALIVE = "alive"  # its heartbeat moved, and it sent no report
+
+
+class Peer(NamedTuple):
+    """One other rank, as the reporting rank sees it."""
+
+    rank: int
+    identity: dict[str, Any] | None  # {"node", "host", "pid"} as the peer published it, or None if unknown
+    state: PeerState
+    report: dict[str, Any] | None = None  # its report, when ``state`` is REPORTED
+
+
+def describe(record: dict[str, Any]) -> str:
+    """``all_gather #57 of unit 'blocks.3' (step 2, iteration 3)`` from a record's dict."""
+    step = f"step {record['step']}, " if record.get("step") is not None else ""
+    return f"{record['kind']} #{record['seq']} of unit {record['unit']!r} ({step}iteration {record['iteration']})"
+
+
+def first_line(error: BaseException) -> str:
+    """``TypeName: first line of its message``, at most 300 characters."""
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"[:300]
+
+
+def relation(report: dict[str, Any], mine: dict[str, Any] | None) -> str:
+    """Where a reporting peer was, relative to this rank's own latest collective."""
+    latest = report.get("latest")
+    if latest is None:
+        return f"has issued no collective; {report['reason']}"
+    state = "waiting for" if report.get("waiting") else "last issued"
+    text = f"{state} {describe(latest)}"
+    if mine is not None:
+        if latest["seq"] < mine["seq"]:
+            text += f", BEHIND by {mine['seq'] - latest['seq']}"
+        elif latest["seq"] > mine["seq"]:
+            text += f", ahead by {latest['seq'] - mine['seq']}"
+        elif (latest["kind"], latest["unit"]) != (mine["kind"], mine["unit"]):
+            text += ", a DIFFERENT collective at the same place"
+    if report.get("kind") in ("raised", "outside"):
+        text += f"; {report['reason']}"
+    return text
+
+
+def peer_line(peer: Peer, mine: dict[str, Any] | None, silence: float) -> str:
+    """One line of the message about ``peer``; ``silence``: seconds its heartbeat was watched."""
+    who = peer.identity or {"node": "?", "host": "?", "pid": "?"}
+    name = f"rank {peer.rank} (node {who['node']}, host {who['host']}, pid {who['pid']})"
+    if peer.state is PeerState.REPORTED:
+        assert peer.report is not None
+        return f"{name}: {relation(peer.report, mine)}"
+    if peer.state is PeerState.GONE:
+        return f"{name}: LOST, its process has exited (killed, or out of memory?)"
+    if peer.state is PeerState.SILENT_ALIVE:
+        return (
+            f"{name}: NOT RESPONDING, its process is alive but sent no heartbeat for {silence:.0f} s and no report "
+            "(busy in code that holds the GIL, or stopped in a debugger?)"
+        )
+    if peer.state is PeerState.SILENT:
+        return (
+            f"{name}: NOT RESPONDING, no heartbeat for {silence:.0f} s and no report (its process or host may be down)"
+        )
+    return f"{name}: alive, sent no report"
+
+
+def store_unreachable_line(error: str, gone: list[int]) -> str:
+    """The line that replaces the peers' lines when the store cannot be read."""
+    lost = "".join(f"; rank {rank} LOST, its process has exited" for rank in gone)
+    return (
+        f"the store is unreachable ({error}): the process that hosts it (global rank 0 under Lightning's launcher "
+        f"or env://, the torchrun agent of node 0 under torchrun) has ended{lost}"
+    )
+
+
+def failure_message(headline: str, first: str | None, lines: list[str], dumps: list[str]) -> str:
+    """The whole message: this rank's headline, the first report if another, a line per peer, the dumps."""
+    parts = [headline]
+    if first is not None and first != headline:
+        parts.append(f"First report: {first}")
+    parts += lines
+    parts += dumps
+    return "\n  ".join(parts)
