@@ -101,15 +101,26 @@ def init_process_group_kwargs(device: torch.device, timeout: timedelta | None) -
 
 
 def refuse_whole_model_averaging(callbacks: list) -> None:
-    """Raise for callbacks that average a whole copy of the model (SWA, EMA): each rank holds 1/N
-    of the parameters, and Lightning's averaging callbacks copy and update unsharded modules."""
+    """Raise for ``StochasticWeightAveraging`` and for more than one ``WeightAveraging``.
+
+    SWA deep-copies the whole unsharded module before the strategy shards it and, at its end,
+    runs an extra epoch of forward passes through its own copy to recompute BatchNorm statistics:
+    both need every parameter on every rank. ``WeightAveraging`` (EMA, or SWA's average with
+    ``avg_fn=get_swa_avg_fn()``) averages each rank's shards instead ([Note: sharded weight
+    averaging] in averaging.py); two of them would overwrite each other's checkpoint entries."""
     from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
     from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-    found = [type(c).__name__ for c in callbacks if isinstance(c, (StochasticWeightAveraging, WeightAveraging))]
-    if found:
+    if any(isinstance(c, StochasticWeightAveraging) for c in callbacks):
         raise MisconfigurationException(
-            f"{', '.join(found)} cannot work with the fsdp_custom strategy: it averages a whole copy of the model, "
-            "and each rank holds only its shard of the parameters (Lightning's FSDP refuses it too). Remove the "
-            "callback, or average inside a callback of your own under `with summon_full_params(model):`"
+            "StochasticWeightAveraging cannot work with the fsdp_custom strategy: it copies the whole unsharded model "
+            "and recomputes BatchNorm statistics with forward passes through that copy, while each rank holds only "
+            "its shard of the parameters. Use lightning.pytorch.callbacks.WeightAveraging(avg_fn=get_swa_avg_fn()) "
+            "from torch.optim.swa_utils: it averages each rank's shards (with your own BatchNorm update, if needed)"
+        )
+    averaging = [type(c).__name__ for c in callbacks if isinstance(c, WeightAveraging)]
+    if len(averaging) > 1:
+        raise MisconfigurationException(
+            f"fsdp_custom supports one WeightAveraging callback at a time, got {averaging}: each writes the "
+            "checkpoint's state_dict"
         )

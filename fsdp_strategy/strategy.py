@@ -41,6 +41,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 
+from fsdp_strategy import averaging
 from fsdp_strategy.arguments import (
     check_backend,
     check_fsdp_keywords,
@@ -265,6 +266,10 @@ class FSDPCustomStrategy(CheckpointHooks, ParallelStrategy):
             self.root_device
         )
         assert self.cluster_environment is not None
+        if self.lightning_module is not None and self.lightning_module._trainer is not None:
+            callbacks = self.lightning_module.trainer.callbacks
+            refuse_whole_model_averaging(callbacks)  # before the callbacks' setup copies anything
+            averaging.defer(averaging.averaging_callbacks(self.lightning_module.trainer))
         created_here = not _distributed_is_initialized()
         if "nccl" in self._process_group_backend:
             watchdog.enable_nccl_flight_recorder()
@@ -310,16 +315,18 @@ class FSDPCustomStrategy(CheckpointHooks, ParallelStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         """Shard the model (once: validate/test after fit reuse it), then set up optimizers and precision."""
         assert self.accelerator is not None and self.model is not None
-        refuse_whole_model_averaging(trainer.callbacks)
         self.accelerator.setup(trainer)
         if not is_sharded(self.model):  # validate/test after fit reuse the sharded model
             if trainer.state.fn == TrainerFn.FITTING and self._layer_sync is not None:
                 self.model = self._sync_layers(self.model)
             self._shard(self.model)
+        self.scheduler.optimizer_steps.open()  # closed at teardown ([Note: edits while gathered])
         self.precision_plugin.attach(self.root_device.type, self.scheduler.clip_grad_norm_)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            for callback in averaging.averaging_callbacks(trainer):  # [Note: sharded weight averaging]
+                averaging.build(callback, self.model)
         self.setup_precision_plugin()
         self._load_into_shards(trainer)
 
@@ -448,8 +455,13 @@ class FSDPCustomStrategy(CheckpointHooks, ParallelStrategy):
         return tensor
 
     def teardown(self) -> None:
-        """Finish any checkpoint in flight, then tear down as Lightning does."""
+        """Finish any checkpoint in flight, remove the engine's optimizer-step hooks, then tear down
+        as Lightning does."""
         self._writer.teardown()
+        if self.model is not None and is_sharded(self.model):
+            self.scheduler.optimizer_steps.close()
+        if self.lightning_module is not None and self.lightning_module._trainer is not None:
+            averaging.restore(averaging.averaging_callbacks(self.lightning_module.trainer))
         assert self.cluster_environment is not None and self.accelerator is not None
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()

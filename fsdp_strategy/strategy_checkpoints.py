@@ -18,6 +18,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.optim import Optimizer
 
+from fsdp_strategy import averaging
 from fsdp_strategy import checkpoint as ckpt
 from fsdp_strategy.checkpoint import full, layout, sharded, sharded_load, storage
 from fsdp_strategy.checkpoint.storage import Location
@@ -103,6 +104,14 @@ class CheckpointHooks:
             )
         if self._data_position is not None and "loops" in checkpoint:
             checkpoint[DATA_POSITION_KEY] = self._data_position.state_dict()
+        averaged = self._averaging_callback()
+        extra = {}
+        if averaged is not None and "current_model_state" in checkpoint:  # [Note: sharded weight averaging]
+            if self._state_dict_type == "full":
+                checkpoint["state_dict"] = averaging.full_average(self.model, averaged)
+            else:
+                checkpoint.pop("current_model_state")  # the folder's "model": written below
+                extra = {averaging.AVERAGED_KEY: averaging.sharded_views(self.model, averaged)}
         final, temporary = self._save_targets(filepath)
         if self._state_dict_type == "full":
             self._writer.save_full(
@@ -113,7 +122,7 @@ class CheckpointHooks:
         checkpoint.pop("state_dict", None)
         with_optimizers = checkpoint.pop("optimizer_states", None) is not None
         optimizers = list(self.optimizers) if with_optimizers else []
-        self._writer.save_sharded(final, temporary, self.model, optimizers, checkpoint)
+        self._writer.save_sharded(final, temporary, self.model, optimizers, checkpoint, extra)
 
     def remove_checkpoint(self, filepath: _PATH) -> None:
         """Delete a checkpoint file or folder (after any save in flight)."""
@@ -146,18 +155,32 @@ class CheckpointHooks:
         assert self.model is not None and self.lightning_module is not None
         optimizers = list(self.optimizers) if trainer.state.fn == TrainerFn.FITTING else []
         strict = self.lightning_module.strict_loading
+        checkpoint, averaged = pending.checkpoint, self._averaging_callback()
+        with_average = "averaging_state" in checkpoint  # written with WeightAveraging
         if pending.is_folder:
             rank_zero_info(
                 f"fsdp_custom: loading {pending.path}: {sharded.describe_resharding(pending.meta, self.model)}"
             )
-            sharded_load.load_tensors(
-                pending.path, self.model, optimizers, pending.checkpoint, strict, meta=pending.meta
-            )
+            sharded_load.load_tensors(pending.path, self.model, optimizers, checkpoint, strict, meta=pending.meta)
+            if averaged is not None and with_average:
+                averaging.load_sharded_average(pending.path, self.model, averaged)
         else:
             rank_zero_info(
                 f"fsdp_custom: loading full checkpoint {pending.path}: each of {self.world_size} ranks takes its rows"
             )
-            full.apply_full_checkpoint(pending.checkpoint, self.model, optimizers, strict, pending.path)
+            current = checkpoint.get("current_model_state") if with_average else None
+            weights = checkpoint if current is None else {**checkpoint, "state_dict": current}
+            full.apply_full_checkpoint(weights, self.model, optimizers, strict, pending.path)
+            if averaged is not None and current is not None:
+                averaging.load_full_average(self.model, averaged, checkpoint["state_dict"])
+        if averaged is not None and not with_average:  # as WeightAveraging: both start from the weights
+            averaging.copy_current(self.model, averaged)
+
+    def _averaging_callback(self) -> Any:
+        """The trainer's WeightAveraging callback once its sharded average is built, else None."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        found = averaging.averaging_callbacks(trainer) if trainer is not None else []
+        return found[0] if found and found[0]._average_model is not None else None
 
     def process_dataloader(self, dataloader: object) -> object:
         """Make the training dataloader resumable mid-epoch, also on another world size (data.py)."""

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_utils import run_ranks
-from lightning.pytorch.callbacks import EMAWeightAveraging, StochasticWeightAveraging
+from lightning.pytorch.callbacks import EMAWeightAveraging, StochasticWeightAveraging, WeightAveraging
 from lightning.pytorch.plugins.precision import FSDPPrecision, MixedPrecision, Precision
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from test_strategy import LIGHTNING_ENV, quiet_trainer
@@ -90,16 +90,16 @@ def _plugins_body(rank: int, world: int, root: str) -> dict:
         trainer.fit(module, DataLoader(_data(world), batch_size=PER_RANK))
         trainer.save_checkpoint(f"{root}/{kind}.ckpt")
         result[f"{kind}_live_dtype"] = module.net[1].running_mean.dtype
-    for callback in (StochasticWeightAveraging(swa_lrs=0.1), EMAWeightAveraging()):
-        trainer = quiet_trainer(strategy=FSDPCustomStrategy(), devices=world, max_steps=1, callbacks=[callback])
+    for callbacks in ([StochasticWeightAveraging(swa_lrs=0.1)], [EMAWeightAveraging(), WeightAveraging()]):
+        trainer = quiet_trainer(strategy=FSDPCustomStrategy(), devices=world, max_steps=1, callbacks=callbacks)
         try:
             trainer.fit(NormNet(), DataLoader(_data(world), batch_size=PER_RANK))
         except MisconfigurationException as error:
-            result[type(callback).__name__] = str(error)
+            result[f"averaging {len(callbacks)}"] = str(error)
     return result
 
 
-def test_sync_batchnorm_buffer_dtypes_in_checkpoints_and_averaging_refused(tmp_path):
+def test_sync_batchnorm_buffer_dtypes_in_checkpoints_and_whole_model_averaging_refused(tmp_path):
     result = run_ranks(_plugins_body, 2, tmp_path, str(tmp_path), env=LIGHTNING_ENV, timeout=300)[0]
     reference = _reference(2)
     assert result["full_live_dtype"] == result["sharded_live_dtype"] == torch.bfloat16
@@ -111,8 +111,9 @@ def test_sync_batchnorm_buffer_dtypes_in_checkpoints_and_averaging_refused(tmp_p
     assert result[True]["losses"] == pytest.approx(reference["losses"], rel=1e-5)
     assert torch.allclose(result[True]["running_mean"], reference["running_mean"], rtol=1e-5, atol=1e-6)
     assert result[False]["losses"] != pytest.approx(reference["losses"], rel=1e-3)  # per-rank statistics differ
-    for name in ("StochasticWeightAveraging", "EMAWeightAveraging"):
-        assert f"{name} cannot work with the fsdp_custom strategy" in result[name]
+    assert "StochasticWeightAveraging cannot work with the fsdp_custom strategy" in result["averaging 1"]
+    assert "WeightAveraging(avg_fn=get_swa_avg_fn())" in result["averaging 1"]
+    assert "one WeightAveraging callback at a time" in result["averaging 2"]
 
 
 def test_precision_plugins_are_converted_or_refused():

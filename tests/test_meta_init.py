@@ -167,3 +167,92 @@ def test_param_init_fn_initializes_what_reset_parameters_cannot():
     assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
     with pytest.raises(TypeError, match="param_init_fn must be a callable"):
         shard_model(WithGain(), param_init_fn="reset")
+
+
+def _families() -> dict:
+    """(model class, config, per-block unit class) of three Hugging Face families, built from configs."""
+    from transformers.models.bert.modeling_bert import BertLayer
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    size = {"vocab_size": 96}
+    return {
+        "llama": (
+            transformers.LlamaForCausalLM,
+            transformers.LlamaConfig(**{**LLAMA, **size, "hidden_size": 64, "intermediate_size": 128}),
+            LlamaDecoderLayer,
+        ),
+        "gpt2": (
+            transformers.GPT2LMHeadModel,
+            transformers.GPT2Config(**size, n_embd=64, n_layer=4, n_head=2, n_positions=32),
+            GPT2Block,
+        ),
+        "bert": (
+            transformers.BertForMaskedLM,
+            transformers.BertConfig(
+                **size,
+                hidden_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                intermediate_size=128,
+                pad_token_id=0,
+            ),
+            BertLayer,
+        ),
+    }
+
+
+def _statistics(state: dict[str, torch.Tensor]) -> dict[str, tuple]:
+    """Per floating tensor: constant value (or None), mean, std, element count."""
+    result = {}
+    for name, value in state.items():
+        if not value.is_floating_point() or value.numel() == 0:
+            continue
+        flat = value.detach().double().reshape(-1)
+        constant = flat[0].item() if torch.all(flat == flat[0]) else None
+        result[name] = (constant, flat.mean().item(), flat.std().item() if flat.numel() > 1 else 0.0, flat.numel())
+    return result
+
+
+def _meta_family_body(rank: int, world: int) -> dict:
+    result = {}
+    for family, (model_class, config, block) in _families().items():
+        for policy in (None, {block}):
+            torch.manual_seed(rank)
+            with torch.device("meta"):
+                model = model_class(config)
+            shard_model(model, auto_wrap_policy=policy)
+            state = full_state_dict(model, rank0_only=False)
+            padding = None
+            if family == "bert":
+                padding = state["bert.embeddings.word_embeddings.weight"][config.pad_token_id]
+            result[family, policy is not None] = {"stats": _statistics(state), "padding": padding}
+    return result
+
+
+def test_meta_init_reproduces_each_librarys_initialization_by_distribution(tmp_path):
+    # eager builds are the reference: every constant (norms, biases, the padding row) exactly; every
+    # random tensor's std within 10 % (or 4 standard errors) of the eager one and its mean within 4
+    # standard errors; GPT-2's c_proj rescaled by its parent module (std 0.02 / sqrt(2 * n_layer)),
+    # which a child-only init misses
+    results = run_ranks(_meta_family_body, 2, tmp_path, timeout=300)[0]
+    for family, (model_class, config, _) in _families().items():
+        torch.manual_seed(0)
+        eager = _statistics(model_class(config).state_dict())
+        for per_block in (False, True):
+            got = results[family, per_block]["stats"]
+            what = f"{family} ({'per-block units' if per_block else 'one unit'})"
+            assert got.keys() == eager.keys(), what
+            for name, (constant, mean, std, count) in eager.items():
+                g_constant, g_mean, g_std, _ = got[name]
+                if constant is not None:
+                    assert g_constant == constant, f"{what} {name}: {got[name]} vs constant {constant}"
+                    continue
+                tolerance = max(0.1, 4 / (2 * count) ** 0.5)  # 4 standard errors of a sample std
+                assert abs(g_std / std - 1) < tolerance, f"{what} {name}: std {g_std:.5f} vs eager {std:.5f}"
+                assert abs(g_mean - mean) < 4 * std / count**0.5 + 1e-6, f"{what} {name}: mean {g_mean} vs {mean}"
+            if family == "gpt2":
+                c_proj = got["transformer.h.0.attn.c_proj.weight"][2]
+                assert abs(c_proj / (0.02 / (2 * config.n_layer) ** 0.5) - 1) < 0.1, c_proj
+            if family == "bert":
+                assert torch.all(results[family, per_block]["padding"] == 0), what

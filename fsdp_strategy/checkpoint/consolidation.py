@@ -50,6 +50,13 @@ def _under(paths: dict[str, tuple], prefix: str) -> list[str]:
     return [key for key, path in paths.items() if path[0] == prefix]
 
 
+def weights_key(paths: dict[str, tuple]) -> str:
+    """The DCP key of the weights a consolidated file holds: the average where the folder has one
+    (written with Lightning's ``WeightAveraging``, whose full checkpoints keep the average as
+    ``state_dict`` and the model as ``current_model_state``), else the model."""
+    return "averaged_model" if any(path[0] == "averaged_model" for path in paths.values()) else "model"
+
+
 def parse_size(text: str | int | None) -> int | None:
     """'500MB', '2GB', '1.5GiB' (a string needs its unit) or an int of bytes -> bytes (positive)."""
     if text is None:
@@ -90,7 +97,9 @@ def consolidate(
 ) -> Path:
     """Write the sharded checkpoint ``src`` as one file (or safetensors shards) at ``dst``.
 
-    "torch": ``torch.load(dst)["state_dict"]`` loads into the unsharded LightningModule
+    "torch": ``torch.load(dst)["state_dict"]`` loads into the unsharded LightningModule (a folder
+    written with ``WeightAveraging`` gives its average there and the model as
+    ``current_model_state``, as Lightning's full checkpoints do)
     (``weights_only``: ``torch.load(dst)`` is that state dict); the rest of Lightning's state and
     the optimizer states (full tensors, in torch's layout keyed by position) come along unless
     ``weights_only``, so ``Trainer(strategy="ddp").fit(ckpt_path=dst)`` resumes from it (DDP has
@@ -150,11 +159,15 @@ def _write_torch(
     src: Path, stored: tuple, out: Path, dtype: torch.dtype | None, weights_only: bool, version: int, rename: Any
 ) -> None:
     metadata, paths = stored
-    model = read_tensors(src, metadata, _under(paths, "model"), dtype)
+    model = read_tensors(src, metadata, _under(paths, weights_key(paths)), dtype)
     state_dict = {rename(paths[key][1]): tensor for key, tensor in model.items()}
     if weights_only:
         torch.save(state_dict, out)
         return
+    current = {}
+    if weights_key(paths) != "model":  # Lightning's WeightAveraging layout: the model apart from its average
+        live = read_tensors(src, metadata, _under(paths, "model"), dtype)
+        current = {"current_model_state": {paths[key][1]: tensor for key, tensor in live.items()}}
     lightning_state = layout.load_object(
         src / (layout.LEGACY_LIGHTNING_FILE if version == 1 else layout.LIGHTNING_FILE), weights_only=False
     )
@@ -169,7 +182,7 @@ def _write_torch(
         group_paths = {key: paths[key] for key in entries if paths[key][1] == "param_groups"}
         groups = legacy_groups[index] if version == 1 else _param_groups(entries, group_paths)
         optimizer_states.append(_by_position(paths, entries, groups))
-    torch.save({**lightning_state, "state_dict": state_dict, "optimizer_states": optimizer_states}, out)
+    torch.save({**lightning_state, **current, "state_dict": state_dict, "optimizer_states": optimizer_states}, out)
 
 
 def _param_groups(entries: dict[str, Any], group_paths: dict[str, tuple]) -> list[dict]:
@@ -198,7 +211,7 @@ def _write_safetensors(
     from safetensors.torch import save_file
 
     metadata, paths = stored
-    keys = [key for key in _under(paths, "model") if hasattr(metadata.state_dict_metadata[key], "size")]
+    keys = [key for key in _under(paths, weights_key(paths)) if hasattr(metadata.state_dict_metadata[key], "size")]
     if limit is None:
         tensors = read_tensors(src, metadata, keys, dtype)
         save_file({rename(paths[key][1]): tensor.contiguous() for key, tensor in tensors.items()}, str(out))

@@ -72,16 +72,23 @@ class CheckpointWriter:
         _commit(temporary, final)
 
     def save_sharded(
-        self, final: Where, temporary: Where, module: nn.Module, optimizers: list, lightning_state: dict
+        self,
+        final: Where,
+        temporary: Where,
+        module: nn.Module,
+        optimizers: list,
+        lightning_state: dict,
+        extra_tensors: dict | None = None,
     ) -> None:
-        """Every rank writes its shards into ``temporary``; rank 0 commits it to ``final``."""
+        """Every rank writes its shards into ``temporary``; rank 0 commits it to ``final``.
+        ``extra_tensors``: more DCP keys to write (a weight average's shard views)."""
         final, temporary = storage.locate(final), storage.locate(temporary)
         self.wait()
         self.setup()  # a save after the end of training (teardown released the background group)
         error, state = None, None
         try:  # what one rank may fail at alone, agreed before DCP's collectives begin
             storage.makedirs(temporary)
-            state = sharded.prepare_state(module, optimizers)
+            state = {**sharded.prepare_state(module, optimizers), **(extra_tensors or {})}
         except Exception as caught:
             error = caught
         _agree(error, final, temporary)

@@ -28,7 +28,7 @@ from fsdp_strategy.engine.collectives import CommGroup, CommLedger
 from fsdp_strategy.engine.flight import STAMP_SLOTS
 from fsdp_strategy.engine.guard import install_guards
 from fsdp_strategy.engine.ignored import find_ignored
-from fsdp_strategy.engine.init import ParamInitFn, materialize, meta_tensor_names, weight_initializers
+from fsdp_strategy.engine.init import ParamInitFn, materialize, meta_tensor_names, post_order, weight_initializers
 from fsdp_strategy.engine.order import Prefetch
 from fsdp_strategy.engine.param import ShardedParam, ShardLayout
 from fsdp_strategy.engine.placement import plan_units
@@ -49,7 +49,7 @@ __all__ = [
     "check_collective_timeout",
 ]
 
-_SCHEDULER_ATTR = "_fsdp_custom_scheduler"
+SCHEDULER_ATTRIBUTE = "_fsdp_custom_scheduler"  # where shard_model keeps the Scheduler on the root module
 
 
 def comm_groups(
@@ -135,6 +135,7 @@ def shard_model(
     unit_modules = [module, *(m for m in select_unit_modules(module, policy) if id(m) not in ignored.module_ids)]
     placement = plan_units(module, unit_modules, skip=ignored.module_ids)
     initializers = weight_initializers(module)
+    order = post_order(module)
     module_names = {id(m): name for name, m in module.named_modules()}
     layout = ShardLayout(shard_comm.rank, shard_comm.size, storage_device, compute_device, precision.param_dtype)
     ledger = CommLedger()
@@ -148,7 +149,7 @@ def shard_model(
         for param_id in placement.params[index]:
             for use in placement.uses[param_id]:
                 owned.setdefault(id(use.module), (module_names[id(use.module)], use.module))
-        materialize(list(owned.values()), compute_device, param_init_fn, initializers, placement.uses)
+        materialize(list(owned.values()), compute_device, param_init_fn, initializers, placement.uses, order)
         if sync_module_states:
             collectives.broadcast_from_rank0(
                 [use.module._parameters[use.name] for use in _first_uses(placement, index)]
@@ -172,8 +173,8 @@ def shard_model(
     scheduler = Scheduler(units, strategy, precision, ledger, memory, compute_device, device_mesh, prefetch)
     scheduler.saved_buffer_dtypes = buffer_dtypes
     scheduler.ignored_params = ignored.params
-    install_guards(module, units)
-    module.__dict__[_SCHEDULER_ATTR] = scheduler
+    scheduler.hook_handles += install_guards(module, units)
+    module.__dict__[SCHEDULER_ATTRIBUTE] = scheduler
     return module
 
 
@@ -226,7 +227,7 @@ def _place_buffers(
 
 def is_sharded(module: nn.Module) -> bool:
     """Whether ``shard_model`` was applied to ``module``."""
-    return getattr(module, _SCHEDULER_ATTR, None) is not None
+    return getattr(module, SCHEDULER_ATTRIBUTE, None) is not None
 
 
 @contextmanager
@@ -243,7 +244,7 @@ def summon_full_params(module: nn.Module, writeback: bool = False) -> Iterator[n
 
 def get_scheduler(module: nn.Module) -> Scheduler:
     """The Scheduler that ``shard_model`` installed on ``module`` (the root)."""
-    scheduler = getattr(module, _SCHEDULER_ATTR, None)
+    scheduler = getattr(module, SCHEDULER_ATTRIBUTE, None)
     if scheduler is None:
         raise ValueError(f"{type(module).__name__} was not sharded with shard_model()")
     return scheduler

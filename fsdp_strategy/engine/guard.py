@@ -19,6 +19,7 @@ from collections import defaultdict
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from fsdp_strategy.engine.param import ShardedParam
 from fsdp_strategy.engine.unit import FSDPUnit, ShardedState
@@ -41,8 +42,9 @@ def _check_gathered(
             param.sync_requires_grad()
 
 
-def install_guards(root: nn.Module, units: list[FSDPUnit]) -> None:
-    """Register the [Note: loud misuse] check on every module that holds a sharded parameter."""
+def install_guards(root: nn.Module, units: list[FSDPUnit]) -> list[RemovableHandle]:
+    """Register the [Note: loud misuse] check on every module that holds a sharded parameter;
+    return the hooks' handles."""
     names = {id(module): name or "root" for name, module in root.named_modules()}
     holders: dict[int, dict[int, tuple[FSDPUnit, list[ShardedParam]]]] = defaultdict(dict)
     modules: dict[int, nn.Module] = {}
@@ -51,6 +53,8 @@ def install_guards(root: nn.Module, units: list[FSDPUnit]) -> None:
             for use in param.uses:
                 modules[id(use.module)] = use.module
                 holders[id(use.module)].setdefault(id(unit), (unit, []))[1].append(param)
+    handles = []
     for module_id, by_unit in holders.items():
         hook = functools.partial(_check_gathered, names[module_id], list(by_unit.values()))
-        modules[module_id].register_forward_pre_hook(hook)
+        handles.append(modules[module_id].register_forward_pre_hook(hook))
+    return handles

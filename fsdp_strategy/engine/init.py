@@ -1,14 +1,19 @@
 """Deferred initialization: modules created on the meta device are materialized unit by unit.
 
-A module whose own parameters or buffers are on the meta device is initialized, just before
-its unit is sharded (so peak memory is about one unit's full size, not the model's), by:
+The modules of a unit that hold tensors on the meta device are initialized, just before the unit
+is sharded (so peak memory is about one unit's full size, not the model's), by:
 1. ``param_init_fn(module)`` when given (FSDP1's meaning: it allocates the module's own meta
    tensors, e.g. with ``module.to_empty(device=..., recurse=False)``, and initializes them);
-2. otherwise the engine allocates them on the compute device, filled with NaN, and calls the
-   module's ``reset_parameters()`` if it has one, then the ``_init_weights(module)`` of the
-   nearest enclosing module that defines it (Hugging Face models: it initializes norms,
-   rotary frequencies and ``Conv1D`` too). A floating tensor still NaN afterwards was
+2. otherwise the library's own initialization, in its own order: the engine allocates each
+   module's meta tensors on the compute device, filled with NaN, and calls its
+   ``reset_parameters()`` if it has one (what its constructor would have done); then, as Hugging
+   Face's ``initialize_weights`` does, the ``_init_weights`` of the nearest enclosing module that
+   defines one is called on every module of the unit whose subtree was on the meta device,
+   children before parents, so a parent's rescaling of its children (GPT-2's ``c_proj``) happens
+   after the children's own initialization. A floating tensor still NaN afterwards was
    initialized by nothing: that is an error naming it, as is a module neither can initialize.
+An ``_init_weights`` that changes tensors of another unit (a parent whose child is a unit of its
+own) cannot reach them: keep such a child in its parent's unit.
 """
 
 from __future__ import annotations
@@ -82,26 +87,111 @@ def _keep_ties(module: nn.Module, before: dict[str, nn.Parameter], uses: dict[in
                 use.module._parameters[use.name] = fresh
 
 
+def post_order(root: nn.Module) -> list[nn.Module]:
+    """Every module of ``root`` once, children before their parent (``nn.Module.apply``'s order)."""
+    order: list[nn.Module] = []
+    seen: set[int] = set()
+
+    def visit(module: nn.Module) -> None:
+        seen.add(id(module))
+        for child in module.children():
+            if id(child) not in seen:
+                visit(child)
+        order.append(module)
+
+    visit(root)
+    return order
+
+
 def materialize(
     modules: list[tuple[str, nn.Module]],
     device: torch.device,
     param_init_fn: ParamInitFn | None = None,
     initializers: dict[int, Callable[[nn.Module], None]] | None = None,
     uses: dict[int, list[ParamUse]] | None = None,
+    order: list[nn.Module] | None = None,
 ) -> None:
-    """Allocate and initialize every listed module that holds meta tensors (not recursive).
+    """Allocate and initialize the listed modules (one unit's) that hold meta tensors.
 
-    ``uses`` (original parameter id -> its registrations) keeps tied parameters tied.
-    Raises ValueError naming every tensor that nothing initialized.
+    ``uses`` (original parameter id -> its registrations, the first first) keeps tied parameters
+    tied, and a tied parameter keeps the value its first registration's initialization gave it
+    (an input embedding, not the output layer tied to it: Hugging Face initializes before it ties);
+    ``order`` (``post_order`` of the model) is the order the initializers run in. Raises
+    ValueError naming every tensor that nothing initialized.
     """
+    initializers = initializers or {}
     stuck: list[str] = []
-    for prefix, module in modules:
-        dotted = f"{prefix}." if prefix else ""
-        if not _meta_names(dotted, module):
+    on_meta = [(prefix, module) for prefix, module in modules if _meta_names(_dotted(prefix), module)]
+    if param_init_fn is not None:
+        for prefix, module in on_meta:
+            before = _meta_params(module)
+            with torch.no_grad():
+                param_init_fn(module)
+            _keep_ties(module, before, uses or {})
+            stuck.extend(_meta_names(_dotted(prefix), module))
+        _raise_if_stuck(stuck)
+        return
+    allocated: list[tuple[str, nn.Module, list[str]]] = []
+    for prefix, module in on_meta:
+        reset = getattr(module, "reset_parameters", None)
+        if not callable(reset) and id(module) not in initializers:
+            stuck.extend(_meta_names(_dotted(prefix), module))
             continue
-        before = {name: p for name, p in module._parameters.items() if p is not None and p.is_meta}
-        stuck.extend(_initialize(module, dotted, device, param_init_fn, (initializers or {}).get(id(module))))
+        before = _meta_params(module)
+        allocated.append((prefix, module, _allocate_meta(module, device)))
         _keep_ties(module, before, uses or {})
+        if callable(reset):
+            with torch.no_grad():
+                reset()
+    tied_later = {(id(use.module), use.name) for places in (uses or {}).values() for use in places[1:]}
+    _run_initializers([m for _, m in modules], {id(m) for _, m, _ in allocated}, initializers, order, tied_later)
+    for prefix, module, names in allocated:
+        tensors = {**module._parameters, **module._buffers}
+        stuck.extend(
+            f"{_dotted(prefix)}{name}"
+            for name in names
+            if tensors[name].is_floating_point() and torch.isnan(tensors[name]).any()
+        )
+    _raise_if_stuck(stuck)
+
+
+def _run_initializers(
+    members: list[nn.Module],
+    materialized: set[int],
+    initializers: dict[int, Callable[[nn.Module], None]],
+    order: list[nn.Module] | None,
+    tied_later: set[tuple[int, str]],
+) -> None:
+    """Call each member's ``_init_weights`` where its subtree holds a materialized module, children
+    first; a parameter at a later place of a tie (``tied_later``: (module id, name)) keeps its value."""
+    in_unit = {id(m) for m in members}
+    order = [m for m in (order or members) if id(m) in in_unit]
+    touched = set(materialized)
+    for module in order:  # children come first: a parent is touched if any child is
+        if any(id(child) in touched for child in module.children()):
+            touched.add(id(module))
+    with torch.no_grad():
+        for module in order:
+            initializer = initializers.get(id(module))
+            if initializer is None or id(module) not in touched:
+                continue
+            kept = {
+                name: p.detach().clone() for name, p in module._parameters.items() if (id(module), name) in tied_later
+            }
+            initializer(module)
+            for name, value in kept.items():
+                module._parameters[name].copy_(value)
+
+
+def _dotted(prefix: str) -> str:
+    return f"{prefix}." if prefix else ""
+
+
+def _meta_params(module: nn.Module) -> dict[str, nn.Parameter]:
+    return {name: p for name, p in module._parameters.items() if p is not None and p.is_meta}
+
+
+def _raise_if_stuck(stuck: list[str]) -> None:
     if stuck:
         raise ValueError(
             f"cannot initialize {stuck} from the meta device: their modules have no reset_parameters(), no enclosing "
@@ -109,30 +199,3 @@ def materialize(
             "with meta tensors; it allocates them, e.g. module.to_empty(device=..., recurse=False), and initializes "
             "them), give the module a reset_parameters(), or create these tensors on a real device"
         )
-
-
-def _initialize(
-    module: nn.Module,
-    dotted: str,
-    device: torch.device,
-    param_init_fn: ParamInitFn | None,
-    hf_init: Callable[[nn.Module], None] | None,
-) -> list[str]:
-    """Initialize one module's own meta tensors; return the names nothing initialized."""
-    if param_init_fn is not None:
-        with torch.no_grad():
-            param_init_fn(module)
-        return _meta_names(dotted, module)
-    reset = getattr(module, "reset_parameters", None)
-    if not callable(reset) and hf_init is None:
-        return _meta_names(dotted, module)
-    names = _allocate_meta(module, device)
-    with torch.no_grad():
-        if callable(reset):
-            reset()
-        if hf_init is not None:
-            hf_init(module)
-    tensors = {**module._parameters, **module._buffers}
-    return [
-        f"{dotted}{name}" for name in names if tensors[name].is_floating_point() and torch.isnan(tensors[name]).any()
-    ]

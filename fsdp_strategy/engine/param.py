@@ -84,10 +84,11 @@ class ShardedParam:
             self._padded_full = torch.empty(
                 self.world * self.shard_numel, dtype=self.param_dtype, device=compute_device
             )
-        full = self._padded_full[: self.dim0 * self.row_numel].view(self.shape)
-        self.unsharded = nn.Parameter(full, requires_grad=param.requires_grad)
+        self._full = self._padded_full[: self.dim0 * self.row_numel].view(self.shape)
+        self.unsharded = nn.Parameter(self._full, requires_grad=param.requires_grad)
         self._agreed_requires_grad = param.requires_grad  # [Note: requires_grad on either side]
         self.stashed_grad: torch.Tensor | None = None  # no_sync: the full gradient so far, in reduce dtype
+        self._filled_version = 0  # the full parameter's version counter when it was last filled
         self.free_unsharded()
 
     @property
@@ -137,9 +138,48 @@ class ShardedParam:
         Autograd saved the full parameter at its forward version; refilling it for backward
         writes the same values, so fill it under ``_unsafe_preserve_version_counter``.
         """
+        if not self.unsharded.is_set_to(self._full):  # ``.data`` replaced while sharded: ours again
+            self.unsharded.data = self._full
         if not self.unsharded_allocated:
             self._padded_full.untyped_storage().resize_(self.unsharded_nbytes)
         return self._padded_full.view(self.world, self.shard_numel)
+
+    def keep_full_edits(self) -> bool:
+        """Copy this rank's rows of the full parameter into the shard, so that a change made to the
+        full parameter while it was gathered persists ([Note: edits while gathered] in unit.py).
+
+        A full parameter whose ``.data`` was replaced (``p.data = ...``) gives its new value and is
+        pointed back at the engine's storage. Returns False, changing nothing, where the rows
+        differ from the shard but cannot be kept exactly (gathered in a lower ``param_dtype``).
+        Costs: one copy of this rank's rows (1/N of the parameter); with a lower ``param_dtype``
+        a comparison instead, and a device sync.
+        """
+        value = self.unsharded.detach()
+        if not self.unsharded.is_set_to(self._full):
+            if value.shape != self.shape:
+                raise RuntimeError(
+                    f"fsdp_custom: the full parameter {self.fqn!r} was given data of shape {tuple(value.shape)} "
+                    f"while gathered; its shape is {tuple(self.shape)}"
+                )
+            self.unsharded.data = self._full
+        rows = value.reshape(self.dim0, self.row_numel)[self.shard_rank * self.chunk_rows :][: self.chunk_rows]
+        target = self.sharded.detach().view(self.chunk_rows, self.row_numel)[: rows.shape[0]]
+        if self.param_dtype == self.sharded.dtype:
+            with torch.no_grad():
+                target.copy_(rows)
+            return True
+        kept = target.to(rows.device, rows.dtype)
+        return bool(((rows == kept) | (rows.isnan() & kept.isnan())).all())
+
+    def mark_filled(self) -> None:
+        """Note that the full parameter now holds the gathered values (see ``visibly_edited``)."""
+        self._filled_version = self.unsharded._version
+
+    def visibly_edited(self) -> bool:
+        """Whether the full parameter was changed since it was filled in a way that leaves a trace:
+        an in-place operation on it (its version counter) or new ``.data``. Edits through
+        ``p.data.<op>_()`` leave none. Costs: two attribute reads."""
+        return self.unsharded._version != self._filled_version or not self.unsharded.is_set_to(self._full)
 
     def free_unsharded(self) -> None:
         """Release the full parameter's memory (its gradient, if any, is kept); never an aliased shard."""

@@ -72,6 +72,7 @@ from fsdp_strategy.engine.collectives import CommLedger
 from fsdp_strategy.engine.flight import RECORDER
 from fsdp_strategy.engine.ignored import local_grad_norm
 from fsdp_strategy.engine.iteration import BackwardPass, Frame, PostBackward, UnitRun, autograd_running
+from fsdp_strategy.engine.optimizer_steps import OptimizerSteps
 from fsdp_strategy.engine.order import ExecutionOrder, Prefetch
 from fsdp_strategy.engine.param import ShardedParam
 from fsdp_strategy.engine.trace import traced
@@ -121,6 +122,8 @@ class Scheduler:
         self._sync_grads = True
         self._pending_reduces: deque[PendingReduce] = deque()
         self._undecided: list[UndecidedGrad] = []
+        self.optimizer_steps = OptimizerSteps(units)  # [Note: edits while gathered]
+        self.hook_handles: list[Any] = []  # every module hook the engine registered on the model
         self._register_hooks()
 
     # ---- hooks -------------------------------------------------------------------------
@@ -130,8 +133,8 @@ class Scheduler:
             run = self._runs[id(unit)]
             pre = torch._dynamo.disable(functools.partial(self._pre_forward, unit, run), recursive=True)
             post = torch._dynamo.disable(functools.partial(self._post_forward, unit, run), recursive=True)
-            unit.module.register_forward_pre_hook(pre, with_kwargs=True, prepend=True)
-            unit.module.register_forward_hook(post, always_call=True)
+            self.hook_handles.append(unit.module.register_forward_pre_hook(pre, with_kwargs=True, prepend=True))
+            self.hook_handles.append(unit.module.register_forward_hook(post, always_call=True))
             run.backward_hook = torch._dynamo.disable(functools.partial(self._pre_backward, unit, run))
             for param in unit.params:  # [Note: a backward no unit hook sees]; kept when it is unfrozen later
                 trainable = param.unsharded.requires_grad
@@ -150,6 +153,8 @@ class Scheduler:
         if not in_backward and unit.training_state is TrainingState.IDLE:
             unit.training_state = TrainingState.FORWARD
         unit.wait_unshard()
+        if unit is self.root_unit:  # training_step runs inside it: [Note: edits while gathered]
+            unit.exposed = True
         if not in_backward and torch.is_grad_enabled():
             self._ran_forward.setdefault(id(unit), unit)
         if not in_backward and self._forward_phase is not None:
@@ -193,6 +198,8 @@ class Scheduler:
                 unit.training_state = TrainingState.IDLE
             if self._reshard_after_forward(unit, hooked):
                 unit.reshard()
+            else:  # gathered past its forward: user code may reach it ([Note: edits while gathered])
+                unit.exposed = True
         if unit is self.root_unit and self._root_depth == 0 and not in_backward:
             self._end_forward()
         return output
@@ -408,7 +415,7 @@ class Scheduler:
         for unit in self.units:
             unit.pinned = 0
             unit.drop_grads()
-            unit.reshard()
+            unit.reshard(keep_edits=False)
             unit.training_state = TrainingState.IDLE
             self._runs[id(unit)].clear()
         self._root_depth = 0

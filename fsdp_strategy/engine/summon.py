@@ -5,8 +5,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-import torch
-
 from fsdp_strategy.engine.runtime import Scheduler
 
 
@@ -33,12 +31,7 @@ def summon_all_units(scheduler: Scheduler, writeback: bool = False) -> Iterator[
             unit.wait_unshard()
         yield
     finally:
-        if writeback:
-            with torch.no_grad():
-                for param in params:
-                    if not param.aliased:
-                        param.sharded.copy_(param.local_rows(param.unsharded.detach(), param.shard_rank))
         for unit in scheduler.units:
             unit.pinned -= 1
             if not unit.pinned:
-                unit.reshard()
+                unit.reshard(keep_edits=writeback)

@@ -13,6 +13,25 @@ A parameter no rank had a gradient for keeps ``sharded.grad`` as it was (None af
 over all ranks, zeros included: DDP with ``find_unused_parameters=True``. The flags cost K
 elements per rank and no extra collective; reading a global flag back (a device sync on CUDA)
 is only needed for parameters this rank did not use, and is deferred to the end of backward.
+
+[Note: edits while gathered]
+While a unit is gathered, code may change its full parameters: ``training_step`` runs inside the
+root's forward (a WGAN's ``p.data.clamp_()``, an EMA or momentum encoder updated in place or by
+``p.data = ...``), and an optimizer may step inside it (manual optimization, a GAN's two
+optimizers). The shards are the truth, so:
+- at reshard, a change is written back: each rank copies its own rows of the full parameter into
+  its shard (every rank holds the same full parameter, so no communication). Units that user code
+  may have reached while gathered (the root, a unit kept gathered after its forward, a summoned
+  unit with ``writeback``) write back every parameter; other units only those with a visible
+  trace (version counter, replaced ``.data``). Where the full parameter is in a lower
+  ``param_dtype`` than its shard, a change cannot be kept exactly: that is an error naming it;
+- an optimizer step on the shards of a gathered unit (the Scheduler's optimizer hooks) first
+  writes back, then, after the step, gathers the unit again (``refresh``), so the next use of the
+  weights sees the stepped ones. The stepped full parameters get a new version, so a graph that
+  saved the old ones is refused by autograd, as it is for any in-place update without sharding.
+Costs: a copy of 1/N of the unit at each reshard of such a unit (a comparison and a device sync
+with a lower ``param_dtype``); one all-gather of the unit per optimizer step taken while it is
+gathered.
 """
 
 from __future__ import annotations
@@ -113,6 +132,7 @@ class FSDPUnit:
         self.state = ShardedState.SHARDED
         self.training_state = TrainingState.IDLE
         self.pinned = 0  # > 0 inside summon_full_params: nothing reshards the unit
+        self.exposed = False  # gathered where user code may change it ([Note: edits while gathered])
         self._aliased = bool(params) and all(p.aliased for p in params)  # [Note: aliased shards]
         self._shard_sizes = [p.shard_numel for p in params]
         self._stamp_slots = context.stamp_slots
@@ -174,24 +194,71 @@ class FSDPUnit:
             return
         self.unshard()
         gather, self._gather = self._gather, None
+        self._copy_out(gather)
+        for param in self.params:
+            param.install(unsharded=True)
+        self.memory.allocated(self.name, self.unsharded_nbytes, "params")
+        self.memory.freed(self.name, gather.nbytes, "gather_buffer")
+        self.state = ShardedState.UNSHARDED
+
+    def _copy_out(self, gather: GatherInFlight) -> None:
+        """Wait for ``gather`` and fill the full parameters from it (their versions kept)."""
         gather.work.wait()
         with torch.no_grad(), span("gather_copy_out"):
             targets = [param.allocate_unsharded() for param in self.params]
             with torch.autograd._unsafe_preserve_version_counter(tuple(targets)):
                 torch.split_with_sizes_copy(self._columns(gather.gathered), self._shard_sizes, dim=1, out=targets)
             self.ledger.record_copy("gather_copy_out", self.unsharded_nbytes)
-            for param in self.params:
-                param.install(unsharded=True)
-        self.memory.allocated(self.name, self.unsharded_nbytes, "params")
-        self.memory.freed(self.name, gather.nbytes, "gather_buffer")
-        self.state = ShardedState.UNSHARDED
+        for param in self.params:
+            param.mark_filled()
 
-    def reshard(self) -> None:
-        """Register the shards again and free the full parameters (and any gather in flight)."""
+    def refresh(self, changed: set[int]) -> None:
+        """Gather a gathered unit again after its shards changed (an optimizer step while it was
+        gathered: [Note: edits while gathered]). The full parameters whose shard ids are in
+        ``changed`` get a new version; the others are rewritten with the values they hold.
+        Costs: one all-gather of the unit and its gather buffer while in flight."""
+        if self.state is not ShardedState.UNSHARDED or self._aliased or not self.params:
+            return
+        gather = self._start_gather([p.sharded for p in self.params], self._param_dtype)
+        self.memory.allocated(self.name, gather.nbytes, "gather_buffer")
+        self._copy_out(gather)
+        self.memory.freed(self.name, gather.nbytes, "gather_buffer")
+        for param in self.params:
+            if id(param.sharded) in changed:
+                torch.autograd.graph.increment_version(param.unsharded)
+                param.mark_filled()
+
+    def keep_edits(self, every_param: bool) -> None:
+        """Write changes of the full parameters back into the shards ([Note: edits while gathered]):
+        of every parameter, or of those with a visible trace only. Raises for changes that cannot be
+        kept exactly, naming the parameters, before anything is freed."""
+        if self.state is not ShardedState.UNSHARDED or self._aliased:
+            return
+        lossy = [p.fqn for p in self.params if (every_param or p.visibly_edited()) and not p.keep_full_edits()]
+        if lossy:
+            shard_dtype = str(self.params[0].sharded.dtype).removeprefix("torch.")
+            raise RuntimeError(
+                f"fsdp_custom: parameters {lossy} of unit {self.name!r} were changed while gathered in "
+                f"{str(self._param_dtype).removeprefix('torch.')} (in training_step, or between a unit's forward and "
+                f"backward), and their {shard_dtype} shards cannot keep the change exactly. Change them where the "
+                "parameters are this rank's shards (in a callback's on_train_batch_end, outside the step), give the "
+                "changed modules a unit of their own (auto_wrap_policy), or train in full precision"
+            )
+
+    def reshard(self, keep_edits: bool | None = None) -> None:
+        """Register the shards again and free the full parameters (and any gather in flight).
+
+        ``keep_edits``: write changes of the full parameters back first ([Note: edits while
+        gathered]): True for every parameter, None (default) for every parameter of an exposed
+        unit and the visibly changed ones of others, False for none (a failed iteration,
+        ``summon_full_params`` without writeback)."""
         if self._gather is not None:
             gather, self._gather = self._gather, None
             gather.work.wait()
             self.memory.freed(self.name, gather.nbytes, "gather_buffer")
+        if self.state is ShardedState.UNSHARDED and keep_edits is not False:
+            self.keep_edits(every_param=bool(keep_edits) or self.exposed)
+        self.exposed = False
         if self.state is ShardedState.UNSHARDED:
             for param in self.params:
                 param.sync_requires_grad()  # a change made to the full parameter outlives it

@@ -1,0 +1,243 @@
+"""Weights changed inside a training step ([Note: edits while gathered]): a GAN recomputing the
+generator after its step, two optimizer steps on one batch, WGAN clipping with ``p.data.clamp_``,
+an EMA updated after a manual step, a MoCo momentum encoder replaced by ``p.data = ...``, and a
+``requires_grad_`` toggle in the step. Each runs under fsdp_custom with the default wrapping (the
+whole model one unit, gathered for the whole step) and with per-module units, at world 2 and 3;
+the oracle is the same LightningModule trained by Lightning on one device with the global batch
+(what DDP computes). Losses and every final weight (the EMA's and the momentum encoder's too)
+must agree."""
+
+from __future__ import annotations
+
+import copy
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from dist_utils import run_ranks
+from pattern_models import DIM, MLPBlock
+from test_strategy import LIGHTNING_ENV, quiet_trainer
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from fsdp_strategy import FSDPCustomStrategy, MixedPrecision
+from fsdp_strategy.checkpoint import full_state_dict
+
+PER_RANK = 2
+STEPS = 3
+
+
+class Pattern(L.LightningModule):
+    """A generator and a critic; ``training_step`` is the pattern's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.generator = nn.Sequential(nn.Linear(4, DIM), MLPBlock())
+        self.critic = nn.Sequential(MLPBlock(), nn.Linear(DIM, 1))
+        self.losses: list[torch.Tensor] = []
+
+    def critic_loss(self, noise: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+        fake = self.generator(noise).detach()  # recomputed: must see the generator as it is now
+        return F.softplus(-self.critic(real)).mean() + F.softplus(self.critic(fake)).mean()
+
+    def configure_optimizers(self):
+        return [
+            torch.optim.Adam(self.generator.parameters(), lr=1e-2),
+            torch.optim.Adam(self.critic.parameters(), lr=1e-2),
+        ]
+
+
+class GAN(Pattern):
+    """Lightning's GAN tutorial: the critic's step regenerates with the stepped generator."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        noise, real = batch
+        opt_g, opt_d = self.optimizers()
+        self.toggle_optimizer(opt_g)
+        g_loss = F.softplus(-self.critic(self.generator(noise))).mean()
+        self.manual_backward(g_loss)
+        opt_g.step()
+        opt_g.zero_grad()
+        self.untoggle_optimizer(opt_g)
+        self.toggle_optimizer(opt_d)
+        d_loss = self.critic_loss(noise, real)
+        self.manual_backward(d_loss)
+        opt_d.step()
+        opt_d.zero_grad()
+        self.untoggle_optimizer(opt_d)
+        self.losses.append(torch.stack([g_loss, d_loss]).detach())
+
+
+class TwoSteps(Pattern):
+    """Two optimizer steps of the critic on one batch; the second loss sees the first step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        noise, real = batch
+        _, opt_d = self.optimizers()
+        losses = []
+        for _ in range(2):
+            loss = self.critic_loss(noise, real)
+            self.manual_backward(loss)
+            opt_d.step()
+            opt_d.zero_grad()
+            losses.append(loss.detach())
+        self.losses.append(torch.stack(losses))
+
+
+class WGANClip(Pattern):
+    """A critic step, then its weights clipped in place through ``.data``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        noise, real = batch
+        _, opt_d = self.optimizers()
+        loss = self.critic_loss(noise, real)
+        self.manual_backward(loss)
+        opt_d.step()
+        opt_d.zero_grad()
+        for param in self.critic.parameters():
+            param.data.clamp_(-0.05, 0.05)
+        self.losses.append(loss.detach().reshape(1))
+
+
+class EMA(Pattern):
+    """An EMA copy of the critic (frozen parameters of the same module) updated after a manual step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.ema = copy.deepcopy(self.critic).requires_grad_(False)
+
+    def training_step(self, batch, batch_idx):
+        noise, real = batch
+        _, opt_d = self.optimizers()
+        loss = self.critic_loss(noise, real)
+        self.manual_backward(loss)
+        opt_d.step()
+        opt_d.zero_grad()
+        with torch.no_grad():
+            for average, param in zip(self.ema.parameters(), self.critic.parameters()):
+                average.mul_(0.5).add_(param, alpha=0.5)
+        self.losses.append(loss.detach().reshape(1))
+
+
+class MoCo(Pattern):
+    """Automatic optimization; a momentum encoder (frozen) replaced by ``p.data = ...`` in the step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.momentum = copy.deepcopy(self.critic).requires_grad_(False)
+
+    def training_step(self, batch, batch_idx):
+        noise, real = batch
+        for key, query in zip(self.momentum.parameters(), self.critic.parameters()):
+            key.data = key.data * 0.5 + query.data * 0.5
+        loss = self.critic_loss(noise, real) + (self.momentum(real) - self.critic(real)).pow(2).mean()
+        self.losses.append(loss.detach().reshape(1))
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.critic.parameters(), lr=1e-2)
+
+
+class Toggle(Pattern):
+    """The generator frozen by ``requires_grad_`` inside the step, unfrozen at the next."""
+
+    def training_step(self, batch, batch_idx):
+        noise, real = batch
+        self.generator.requires_grad_(batch_idx % 2 == 1)
+        loss = F.softplus(-self.critic(self.generator(noise))).mean() + self.critic_loss(noise, real)
+        self.losses.append(loss.detach().reshape(1))
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+PATTERNS = {"gan": GAN, "two_steps": TwoSteps, "wgan_clip": WGANClip, "ema": EMA, "moco": MoCo, "toggle": Toggle}
+
+
+def _data(world: int) -> TensorDataset:
+    generator = torch.Generator().manual_seed(3)
+    n = STEPS * PER_RANK * world
+    return TensorDataset(torch.randn(n, 4, generator=generator), torch.randn(n, DIM, generator=generator) + 1)
+
+
+def _fit(name: str, world: int, devices: int, strategy: object = "auto") -> dict:
+    torch.manual_seed(0)
+    module = PATTERNS[name]()
+    trainer = quiet_trainer(devices=devices, max_steps=STEPS, strategy=strategy, use_distributed_sampler=False)
+    dataset = _data(world)  # rank r takes samples r, r + world, ...: together the one-device batch
+    sampler = DistributedSampler(dataset, shuffle=False) if devices > 1 else None
+    batch_size = PER_RANK if devices > 1 else PER_RANK * world
+    trainer.fit(module, DataLoader(dataset, batch_size=batch_size, sampler=sampler))
+    losses = torch.stack(module.losses)
+    if devices > 1:
+        dist.all_reduce(losses)
+        losses /= devices
+        state = full_state_dict(trainer.strategy.model, rank0_only=False)
+    else:
+        state = {name: value.detach().clone() for name, value in module.state_dict().items()}
+    return {"losses": losses, "state": state}
+
+
+CONFIGS = {  # None: the whole model one unit, the strategy's default
+    "default wrapping": (None, "FULL_SHARD"),
+    "per-module units": ({MLPBlock, nn.Linear}, "FULL_SHARD"),
+    "per-module units, SHARD_GRAD_OP": ({MLPBlock, nn.Linear}, "SHARD_GRAD_OP"),
+}
+
+
+def _sharded_body(rank: int, world: int) -> dict:
+    results = {}
+    for name in PATTERNS:
+        for config, (policy, sharding) in CONFIGS.items():
+            strategy = FSDPCustomStrategy(auto_wrap_policy=policy, sharding_strategy=sharding)
+            results[name, config] = _fit(name, world, world, strategy)
+    return results
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_weights_changed_in_the_step_match_one_device(tmp_path, world):
+    expected = {name: _fit(name, world, 1) for name in PATTERNS}
+    results = run_ranks(_sharded_body, world, tmp_path, env=LIGHTNING_ENV, timeout=400)[0]
+    for (name, config), got in results.items():
+        want = expected[name]
+        what = f"{name} ({config}, world {world})"
+        torch.testing.assert_close(
+            got["losses"], want["losses"], rtol=1e-5, atol=1e-6, msg=lambda m, what=what: f"{what}: {m}"
+        )
+        assert got["state"].keys() == want["state"].keys(), what
+        for key, value in want["state"].items():
+            torch.testing.assert_close(
+                got["state"][key], value, rtol=1e-5, atol=1e-6, msg=lambda m, what=what, key=key: f"{what} {key}: {m}"
+            )
+
+
+def _lossy_body(rank: int, world: int) -> str:
+    mixed = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    try:
+        _fit("wgan_clip", world, world, FSDPCustomStrategy(mixed_precision=mixed))
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_change_a_low_precision_copy_cannot_keep_is_an_error(tmp_path):
+    # the full parameters are bfloat16 copies of float32 shards: clipping them cannot be kept exactly
+    message = run_ranks(_lossy_body, 2, tmp_path, env=LIGHTNING_ENV, timeout=120)[0]
+    assert "of unit 'root' were changed while gathered in bfloat16" in message, message
+    assert "critic.0.norm.weight" in message and "float32 shards cannot keep the change exactly" in message
