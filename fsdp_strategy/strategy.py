@@ -381,7 +381,29 @@ class FSDPCustomStrategy(CheckpointHooks, ParallelStrategy):
 
     def _redirect(self, method: str, *args: Any, **kwargs: Any) -> Any:
         assert self.model is not None and self.lightning_module is not None
-        return self._forward_redirection(self.model, self.lightning_module, method, *args, **kwargs)
+        with self._reported():
+            return self._forward_redirection(self.model, self.lightning_module, method, *args, **kwargs)
+
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        with self._reported():
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    @contextmanager
+    def _reported(self) -> Generator[None, None, None]:
+        """Report an exception of a step or a backward at once ([Note: watchdog]): Lightning's
+        ``on_exception`` callbacks run before the strategy's, and may wait in a collective (a
+        checkpoint on exception) that the other ranks, not told, would never join."""
+        try:
+            yield
+        except BaseException as error:
+            self._report_exception(error)
+            raise
+
+    @staticmethod
+    def _report_exception(error: BaseException) -> None:
+        dog = watchdog.active()
+        if dog is not None and not isinstance(error, SIGTERMException):  # raised on every rank in step
+            dog.report_exception(error)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.train_step_context():
@@ -411,9 +433,7 @@ class FSDPCustomStrategy(CheckpointHooks, ParallelStrategy):
         """Tell the other ranks ([Note: watchdog]: their next collective raises, naming this rank's
         exception; not Lightning's ``SIGTERMException``, which every rank raises at the same step
         after a barrier), and leave no half-done iteration behind (see ``Scheduler.reset``)."""
-        dog = watchdog.active()
-        if dog is not None and not isinstance(exception, SIGTERMException):  # raised on every rank in step
-            dog.report_exception(exception)
+        self._report_exception(exception)
         if self.model is not None and is_sharded(self.model):
             self.scheduler.reset()
         super().on_exception(exception)

@@ -9,7 +9,9 @@ block 0 once more than the other ranks, a unit of the same size as block 1), ``s
 and ``save_kill_all`` (SIGKILL of the rank, or of the whole job, in the middle of the sharded
 save of ``last.ckpt`` into ``--checkpoints``, after the rank's shards are written).
 Healthy jobs that must end well: ``caught_slow`` (every rank raises ``StopTraining`` at
-``--step``, rank 0 after 6 s of its own work; the script catches it and post-processes),
+``--step``, rank 0 after 6 s of its own work; the script catches it and rank 0 post-processes
+for ``--post-seconds``), ``barrier_raise`` (rank 0 waits in a barrier while ``--rank`` raises:
+rank 0 must fail there and run its handlers),
 ``slow_save`` (rank 0's full checkpoint write at ``--step`` takes ``--save-seconds``), and
 ``none`` with ``--step-seconds`` (a slow step, to send signals to).
 """
@@ -53,8 +55,10 @@ class FaultyLM(L.LightningModule):
             os.kill(os.getpid(), signal.SIGKILL)
         if due and self.fault == "exit":
             os._exit(3)
-        if due and self.fault == "raise":
+        if due and self.fault in ("raise", "barrier_raise"):
             raise ValueError("injected failure in training_step")
+        if self.fault == "barrier_raise" and self.global_step == self.fault_step:
+            self.trainer.strategy.barrier("user")  # the other rank raised instead of joining
         if self.fault == "caught" and self.global_step == self.fault_step and not self.trainer.sanity_checking:
             raise ValueError("the same failure on every rank")
         if due and self.fault == "hang":
@@ -178,7 +182,7 @@ def callbacks(args: argparse.Namespace) -> list[L.Callback]:
         return [OnExceptionCheckpoint(args.checkpoints), SlowOnException(args.on_exception_seconds)]
     if args.checkpoints:
         return [ModelCheckpoint(args.checkpoints, save_last=True, save_top_k=0, every_n_train_steps=1)]
-    return []
+    return [SlowOnException(0.0)]  # says that on_exception ran
 
 
 def main() -> None:
@@ -191,6 +195,7 @@ def main() -> None:
     parser.add_argument("--collective-timeout", type=float, default=None)
     parser.add_argument("--pg-timeout", type=float, default=None, help="the strategy's timeout, in seconds")
     parser.add_argument("--save-seconds", type=float, default=8.0, help="slow_save: rank 0's write takes this")
+    parser.add_argument("--post-seconds", type=float, default=2.0, help="caught_slow: rank 0's post-processing")
     parser.add_argument("--step-seconds", type=float, default=0.0, help="each training step sleeps this")
     parser.add_argument("--on-exception-seconds", type=float, default=None, help="rank 0's on_exception takes this")
     parser.add_argument("--meta-init", action="store_true", help="build the model on the meta device")
@@ -223,7 +228,7 @@ def main() -> None:
             trainer.fit(module, loader)
         except StopTraining as stop:
             if trainer.global_rank == 0:
-                time.sleep(2)  # post-processing of its own (an upload)
+                time.sleep(args.post_seconds)  # post-processing of its own (an upload)
             print(f"CAUGHT {stop} at step {trainer.global_step}", flush=True)
         return
     if args.resume:

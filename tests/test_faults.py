@@ -155,8 +155,9 @@ def test_an_async_save_after_training_completes(tmp_path):
 
 def test_every_rank_raising_and_catching_with_one_rank_slower_ends_well():
     # rank 1 raises at once and reports; rank 0 does 6 s of its own work first, then raises too;
-    # both catch the exception and post-process: nobody is ended for the other's report
-    code, output, _ = _run("--fault", "caught_slow", "--step", "3")
+    # both catch the exception and rank 0 post-processes for 8 s: nobody is ended for the other's
+    # report, also past collective_timeout (the group's 10 s here): a caught exception leaves no deadline
+    code, output, _ = _run("--fault", "caught_slow", "--step", "3", "--pg-timeout", "10", "--post-seconds", "8")
     assert code == 0, output[-4000:]
     assert "CAUGHT rank 0 stops here at step 3" in output and "CAUGHT rank 1 stops here at step 3" in output
     assert "ending this process" not in output and "CollectiveError" not in output
@@ -204,3 +205,22 @@ def test_sigterm_to_every_rank_ends_as_lightning_does(tmp_path):
         assert f"ON_EXCEPTION rank {rank}: SIGTERMException" in output, output[-4000:]
     assert os.listdir(tmp_path / "fsdp") == os.listdir(tmp_path / "ddp") == ["on_exception.ckpt"]
     assert "fsdp_custom: rank" not in output and "ending this process" not in output
+
+
+def test_a_rank_waiting_in_a_barrier_when_another_raises_fails_there_and_runs_its_handlers():
+    # rank 1 raises instead of joining rank 0's barrier: rank 0 is not ended from the watchdog's
+    # thread; its barrier fails once rank 1 is gone, and its on_exception runs (as under DDP)
+    code, output, seconds = _run("--fault", "barrier_raise", "--rank", "1", "--step", "3")
+    assert code != 0 and seconds < DEADLINE, output[-4000:]
+    assert "ON_EXCEPTION rank 0: CollectiveError" in output and "ON_EXCEPTION rank 1: ValueError" in output
+    assert "rank 0 (node 0) stopped at barrier #" in output and "rank 1 raised ValueError" in output
+    assert "ending this process" not in output
+
+
+def test_a_rank_that_raises_is_reported_before_its_checkpoint_on_exception(tmp_path):
+    # OnExceptionCheckpoint on rank 1 waits in the save's collectives; rank 0, told at once, stops
+    # (under DDP, and before the step reported by itself, both waited for the group's timeout)
+    args = ["--fault", "raise", "--rank", "1", "--step", "3", "--checkpoints", str(tmp_path / "ckpt")]
+    code, output, seconds = _run(*args, "--on-exception-seconds", "0")
+    assert code != 0 and seconds < DEADLINE, output[-4000:]
+    assert "First report: rank 1 raised ValueError: injected failure in training_step" in output, output[-4000:]

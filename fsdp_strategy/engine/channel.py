@@ -55,7 +55,7 @@ class StoreChannel:
             try:
                 return call(*args)
             except Exception as error:  # DistStoreError, DistNetworkError, RuntimeError: all mean "no answer"
-                if attempt + 1 == self._attempts or self._closing:
+                if attempt + 1 == self._attempts or self._closing or _host_gone(error):
                     self.lost = first_line(error)
                     raise StoreLost(self.lost) from error
                 time.sleep(delay)
@@ -88,6 +88,16 @@ class StoreChannel:
             if value is not None:
                 found[rank] = value
         return found
+
+
+_GONE = ("broken pipe", "connection reset", "connection refused", "connection closed")
+
+
+def _host_gone(error: BaseException) -> bool:
+    """Whether ``error`` says the store's host closed the connection: no later attempt can answer
+    (and each failed attempt makes torch log a C++ trace)."""
+    text = str(error).lower()
+    return any(words in text for words in _GONE)
 
 
 def _own_connection(store: Any) -> Any:

@@ -43,9 +43,9 @@ def describe(record: dict[str, Any]) -> str:
 
 
 def first_line(error: BaseException) -> str:
-    """``TypeName: first line of its message``, at most 300 characters."""
+    """``TypeName: first line of its message`` (the name alone without one), at most 300 characters."""
     text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}"[:300]
+    return (f"{type(error).__name__}: {text[0]}" if text else type(error).__name__)[:300]
 
 
 def relation(report: dict[str, Any], mine: dict[str, Any] | None) -> str:

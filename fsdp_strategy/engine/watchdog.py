@@ -212,6 +212,8 @@ class Watchdog:
         if self.error is not None or isinstance(error, CollectiveError) or self.reported_own:
             return
         self.reported_own = True
+        if self.error is None:  # alive and unwinding: no deadline from another rank's report stays
+            self._end_at = None
         self._publish(f"rank {self.rank} raised {first_line(error)}", None, "raised")
 
     def fail(self, record: CollectiveRecord | None, reason: str, cause: BaseException | None = None) -> NoReturn:
@@ -400,7 +402,11 @@ class Watchdog:
         if not self._watched or self.error is not None:
             return
         oldest = self._watched[0]
-        reason = self._stopped_by() or self._over_limit(oldest)
+        # a blocking call on gloo fails by itself once a dead peer's connection closes, and then
+        # raises in the main thread (its handlers run); only a device-side collective (NCCL), which
+        # nothing on the host will ever fail, is ended from here on another rank's report
+        stopped = self._stopped_by() if oldest.work is not None else None
+        reason = stopped or self._over_limit(oldest)
         if reason is not None:
             self._fail_from_thread(oldest, reason)
 
