@@ -71,13 +71,14 @@ from fsdp_strategy.engine.accounting import MemoryAccount
 from fsdp_strategy.engine.collectives import CommLedger
 from fsdp_strategy.engine.flight import RECORDER
 from fsdp_strategy.engine.ignored import local_grad_norm
-from fsdp_strategy.engine.iteration import BackwardPass, Frame, PostBackward, UnitRun, autograd_running
+from fsdp_strategy.engine.iteration import BackwardPass, PostBackward, autograd_running
 from fsdp_strategy.engine.optimizer_steps import OptimizerSteps
 from fsdp_strategy.engine.order import ExecutionOrder, Prefetch
 from fsdp_strategy.engine.param import ShardedParam
+from fsdp_strategy.engine.state import AfterPostBackward, Frame, UnitState
 from fsdp_strategy.engine.trace import traced
 from fsdp_strategy.engine.traversal import grad_tensors, replace_grad_tensors
-from fsdp_strategy.engine.unit import FSDPUnit, PendingReduce, ShardedState, TrainingState, UndecidedGrad
+from fsdp_strategy.engine.unit import FSDPUnit, PendingReduce, ShardedState, UndecidedGrad
 
 log = logging.getLogger(__name__)
 
@@ -109,10 +110,12 @@ class Scheduler:
         self.ledger = ledger
         self.memory = memory
         self.device = device
+        self.recorder = RECORDER  # [Note: flight recorder]: the engine counts iterations there
         # [Note: buffers keep their dtype in checkpoints] state-dict name -> dtype before buffer_dtype cast it
         self.saved_buffer_dtypes: dict[str, torch.dtype] = {}
         self.ignored_params: dict[str, nn.Parameter] = {}  # [Note: ignored modules] in ignored.py
-        self._runs = {id(unit): UnitRun() for unit in units}
+        self._states = {id(unit): UnitState(unit is units[0]) for unit in units}
+        self._backward_hooks: dict[int, Any] = {}  # unit id -> the pre-backward hook put on its outputs
         self._root_depth = 0
         self._order = ExecutionOrder()
         self._forward_phase: tuple | None = None
@@ -130,73 +133,82 @@ class Scheduler:
 
     def _register_hooks(self) -> None:
         for unit in self.units:
-            run = self._runs[id(unit)]
-            pre = torch._dynamo.disable(functools.partial(self._pre_forward, unit, run), recursive=True)
-            post = torch._dynamo.disable(functools.partial(self._post_forward, unit, run), recursive=True)
+            state = self._states[id(unit)]
+            pre = torch._dynamo.disable(functools.partial(self._pre_forward, unit, state), recursive=True)
+            post = torch._dynamo.disable(functools.partial(self._post_forward, unit, state), recursive=True)
             self.hook_handles.append(unit.module.register_forward_pre_hook(pre, with_kwargs=True, prepend=True))
             self.hook_handles.append(unit.module.register_forward_hook(post, always_call=True))
-            run.backward_hook = torch._dynamo.disable(functools.partial(self._pre_backward, unit, run))
+            self._backward_hooks[id(unit)] = torch._dynamo.disable(functools.partial(self._pre_backward, unit, state))
             for param in unit.params:  # [Note: a backward no unit hook sees]; kept when it is unfrozen later
                 trainable = param.unsharded.requires_grad
                 param.unsharded.requires_grad_(True).register_post_accumulate_grad_hook(self._grad_accumulated)
                 param.unsharded.requires_grad_(trainable)
 
+    def state_of(self, unit: FSDPUnit) -> UnitState:
+        """The iteration state of ``unit`` (state.py)."""
+        return self._states[id(unit)]
+
     @traced("pre_forward")
-    def _pre_forward(self, unit: FSDPUnit, run: UnitRun, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+    def _pre_forward(self, unit: FSDPUnit, state: UnitState, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         in_backward = autograd_running()
         if unit is self.root_unit:
             if self._root_depth == 0 and not in_backward:
                 args, kwargs = self._start_iteration(args, kwargs)
             self._root_depth += 1
         frame = Frame(sys.exc_info()[1])
-        run.frames.append(frame)
-        if not in_backward and unit.training_state is TrainingState.IDLE:
-            unit.training_state = TrainingState.FORWARD
+        state.forward_entered(frame, in_backward)
         unit.wait_unshard()
         if unit is self.root_unit:  # training_step runs inside it: [Note: edits while gathered]
             unit.exposed = True
         if not in_backward and torch.is_grad_enabled():
             self._ran_forward.setdefault(id(unit), unit)
         if not in_backward and self._forward_phase is not None:
-            run.ran_forward = True
+            state.ran_in_forward_pass()
             target = self._order.record(self._forward_phase, unit)
             if target is not None and self.prefetch.forward:
                 target.unshard()  # [Note: bounded prefetch]
         if torch.is_grad_enabled():
-            tensors = grad_tensors((args, kwargs))
-            if tensors:
-                frame.counted = not in_backward  # a recomputation's post-backward may never fire
-                callback = functools.partial(self._post_backward, unit, run, frame.counted)
-                outputs = PostBackward.apply(callback, *tensors)
-                args, kwargs = replace_grad_tensors((args, kwargs), list(outputs))
-                run.post_backwards_due += frame.counted
-                frame.input_ids = frozenset(map(id, outputs))
-            elif not in_backward:
-                run.uncovered_call = True  # [Note: calls without a post-backward]
+            args, kwargs = self._arm_post_backward(unit, state, frame, in_backward, args, kwargs)
         return args, kwargs
 
+    def _arm_post_backward(
+        self, unit: FSDPUnit, state: UnitState, frame: Frame, in_backward: bool, args: tuple, kwargs: dict
+    ) -> tuple[tuple, dict]:
+        """Put ``PostBackward`` on the call's inputs that need gradients ([Note: post-backward every
+        rank agrees on]); note a call whose inputs need none ([Note: calls without a post-backward])."""
+        tensors = grad_tensors((args, kwargs))
+        if not tensors:
+            if not in_backward:
+                state.call_uncovered()
+            return args, kwargs
+        frame.counted = not in_backward  # a recomputation's post-backward may never fire
+        callback = functools.partial(self._post_backward, unit, state, frame.counted)
+        outputs = PostBackward.apply(callback, *tensors)
+        state.post_backward_armed(frame.counted)
+        frame.input_ids = frozenset(map(id, outputs))
+        return replace_grad_tensors((args, kwargs), list(outputs))
+
     @traced("post_forward")
-    def _post_forward(self, unit: FSDPUnit, run: UnitRun, module: nn.Module, args: tuple, output: Any) -> Any:
-        if not run.frames:  # our pre-hook did not run (a hook before it raised)
+    def _post_forward(self, unit: FSDPUnit, state: UnitState, module: nn.Module, args: tuple, output: Any) -> Any:
+        frame = state.forward_exited()
+        if frame is None:  # our pre-hook did not run (a hook before it raised)
             return output
-        frame = run.frames.pop()
         if unit is self.root_unit:
             self._root_depth -= 1
         raised = sys.exc_info()[1]
         if raised is not None and raised is not frame.exception:
-            self._forward_failed(unit, run, frame)
+            self._forward_failed(unit, state, frame)
             return output
         in_backward = autograd_running()
         hooked = False
         if torch.is_grad_enabled():
             for tensor in grad_tensors(output):
                 if id(tensor) not in frame.input_ids:  # a unit returning its input: backward is not its own
-                    tensor.register_hook(run.backward_hook)
+                    tensor.register_hook(self._backward_hooks[id(unit)])
                     hooked = True
-        if not run.frames:
-            if unit.training_state is TrainingState.FORWARD:
-                unit.training_state = TrainingState.IDLE
-            if self._reshard_after_forward(unit, hooked):
+        if not state.on_stack:
+            policy = self.sharding_strategy.reshard_after_forward
+            if state.reshards_after_forward(hooked, self._root_depth, policy):
                 unit.reshard()
             else:  # gathered past its forward: user code may reach it ([Note: edits while gathered])
                 unit.exposed = True
@@ -205,44 +217,38 @@ class Scheduler:
         return output
 
     @traced("pre_backward")
-    def _pre_backward(self, unit: FSDPUnit, run: UnitRun, grad: torch.Tensor) -> None:
+    def _pre_backward(self, unit: FSDPUnit, state: UnitState, grad: torch.Tensor) -> None:
         self._enter_backward()
-        if unit.training_state is TrainingState.PRE_BACKWARD:
+        if not state.backward_reached():
             return
-        unit.training_state = TrainingState.PRE_BACKWARD
-        run.in_backward = True
         unit.wait_unshard()
         assert self._backward is not None
         target = self._order.record(("backward", self._backward.index), unit)
         if target is not None and self.prefetch.backward is BackwardPrefetch.BACKWARD_PRE:
             target.unshard()  # [Note: bounded prefetch]
         elif target is not None and self.prefetch.backward is BackwardPrefetch.BACKWARD_POST:
-            run.prefetch_after_backward = target
+            state.prefetch_after_backward = target
 
     @traced("post_backward")
-    def _post_backward(self, unit: FSDPUnit, run: UnitRun, counted: bool) -> None:
+    def _post_backward(self, unit: FSDPUnit, state: UnitState, counted: bool) -> None:
         self._enter_backward()
-        assert self._backward is not None
-        if run.prefetch_after_backward is not None:  # BACKWARD_POST: this unit's gradients are computed
-            run.prefetch_after_backward.unshard()
-            run.prefetch_after_backward = None
-        run.post_backwards_due -= counted
-        run.in_backward = True
-        if self._backward.create_graph or run.double_backward:  # [Note: double backward]
-            run.double_backward = True
-            return
-        if run.post_backwards_due > 0 or run.uncovered_call:  # another call of this unit may be ahead in backward
-            unit.training_state = TrainingState.IDLE
-            self._reshard_after_backward(unit, run)
-            return
-        unit.training_state = TrainingState.POST_BACKWARD
-        self._reshard_after_backward(unit, run)
         backward = self._backward
+        assert backward is not None
+        target = state.take_prefetch()
+        if target is not None:  # BACKWARD_POST: this unit's gradients are computed
+            target.unshard()
+        outcome = state.post_backward_fired(counted, backward.create_graph)
+        if outcome is AfterPostBackward.KEEP:  # [Note: double backward]
+            return
+        if state.may_reshard():  # [Note: forward on the stack]
+            unit.reshard()
+        if outcome is AfterPostBackward.RESHARD:  # another call of this unit may be ahead in backward
+            return
         backward.ready.add(id(unit))
         while backward.expected and id(backward.expected[0]) in backward.ready:
             ready = backward.expected.popleft()
-            if not self._runs[id(ready)].reduced:
-                self._reduce(ready, self._runs[id(ready)])
+            if not self._states[id(ready)].reduced:
+                self._reduce(ready)
 
     @traced("end_of_backward")
     def _end_of_backward(self) -> None:
@@ -251,14 +257,11 @@ class Scheduler:
         try:
             while backward.expected:  # [Note: post-backward every rank agrees on]
                 unit = backward.expected.popleft()
-                run = self._runs[id(unit)]
-                if not run.reduced:
-                    self._reduce(unit, run)
+                if not self._states[id(unit)].reduced:
+                    self._reduce(unit)
             for unit in self.units:  # then one fixed order on every rank
-                run = self._runs[id(unit)]
-                due = run.in_backward or run.double_backward or (run.frames and unit.state is ShardedState.UNSHARDED)
-                if due and not run.reduced:
-                    self._reduce(unit, run)
+                if self._states[id(unit)].needs_reduction(unit.state is ShardedState.UNSHARDED):
+                    self._reduce(unit)
             self._ran_forward.clear()
             self._settle_reductions()
             self._check_no_late_grads()
@@ -267,28 +270,22 @@ class Scheduler:
 
     def _finish_backward(self, backward: BackwardPass) -> None:
         for unit in self.units:
-            run = self._runs[id(unit)]
-            keep = unit.pinned or run.frames or (backward.create_graph and run.double_backward)
-            if not keep:
+            state = self._states[id(unit)]
+            if not state.keeps_after_backward(backward.create_graph):
                 unit.reshard()
-            if not backward.create_graph:
-                run.double_backward = False
-            run.in_backward = run.reduced = run.uncovered_call = False
-            run.prefetch_after_backward = None
-            run.post_backwards_due = 0
-            unit.training_state = TrainingState.FORWARD if run.frames else TrainingState.IDLE
+            state.backward_finished(backward.create_graph)
         self._order.commit(("backward", backward.index))
         self._backward = None
 
     # ---- schedule ----------------------------------------------------------------------
 
     def _start_iteration(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        stale = self._backward is not None or any(run.frames for run in self._runs.values())
+        stale = self._backward is not None or any(state.on_stack for state in self._states.values())
         if stale:
             log.warning("fsdp_custom: the previous iteration did not finish (an exception in backward?); resetting")
             self.reset()
         self._backwards_in_iteration = 0
-        RECORDER.iteration += 1
+        self.recorder.iteration += 1
         self._forward_phase = ("forward", torch.is_grad_enabled())
         self._order.start(self._forward_phase)
         dtype = self.mixed_precision.param_dtype
@@ -308,35 +305,16 @@ class Scheduler:
         self._order.commit(self._forward_phase)
         self._forward_phase = None
         for unit in self.units:
-            run = self._runs[id(unit)]
-            mistargeted = not run.ran_forward and not run.frames and unit is not self.root_unit
-            if mistargeted and not unit.pinned and not run.double_backward:
+            if self._states[id(unit)].forward_pass_finished():
                 unit.reshard()
-            run.ran_forward = False
 
-    def _reshard_after_forward(self, unit: FSDPUnit, backward_due: bool) -> bool:
-        if unit.pinned or unit.training_state is TrainingState.PRE_BACKWARD or self._runs[id(unit)].double_backward:
-            return False
-        if unit is self.root_unit:
-            return self._root_depth == 0 and not backward_due  # [Note: forward on the stack]
-        if not backward_due:
-            return True
-        return self.sharding_strategy.reshard_after_forward
-
-    def _reshard_after_backward(self, unit: FSDPUnit, run: UnitRun) -> None:
-        if not unit.pinned and not run.frames and not run.double_backward:  # [Note: forward on the stack]
-            unit.reshard()
-
-    def _forward_failed(self, unit: FSDPUnit, run: UnitRun, frame: Frame) -> None:
-        run.post_backwards_due -= frame.counted
+    def _forward_failed(self, unit: FSDPUnit, state: UnitState, frame: Frame) -> None:
+        state.forward_raised(frame)
         if unit is self.root_unit and self._root_depth == 0 and not autograd_running():
             log.info("fsdp_custom: the root forward raised; the iteration is reset")
             self.reset()
-        elif not run.frames:
-            if unit.training_state is TrainingState.FORWARD:
-                unit.training_state = TrainingState.IDLE
-            if self._reshard_after_forward(unit, backward_due=False):
-                unit.reshard()
+        elif not state.on_stack and state.reshards_after_forward(False, self._root_depth, True):
+            unit.reshard()
 
     @torch._dynamo.disable
     def _grad_accumulated(self, param: torch.Tensor) -> None:
@@ -356,8 +334,8 @@ class Scheduler:
             self._order.start(("backward", self._backward.index))
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
-    def _reduce(self, unit: FSDPUnit, run: UnitRun) -> None:
-        run.reduced = True
+    def _reduce(self, unit: FSDPUnit) -> None:
+        self._states[id(unit)].reduced_now()
         if not self._sync_grads:
             unit.stash_grads()
             return
@@ -413,11 +391,9 @@ class Scheduler:
             self.memory.freed(pending.unit.name, pending.nbytes, "reduce_buffer")
         self._undecided = []
         for unit in self.units:
-            unit.pinned = 0
+            self._states[id(unit)].reset()
             unit.drop_grads()
             unit.reshard(keep_edits=False)
-            unit.training_state = TrainingState.IDLE
-            self._runs[id(unit)].clear()
         self._root_depth = 0
         self._backward = None
         self._ran_forward.clear()

@@ -24,7 +24,7 @@ def summon_all_units(scheduler: Scheduler, writeback: bool = False) -> Iterator[
                 "weights with load_full_state_dict"
             )
     for unit in scheduler.units:
-        unit.pinned += 1
+        scheduler.state_of(unit).pin()
         unit.unshard()
     try:
         for unit in scheduler.units:
@@ -32,6 +32,5 @@ def summon_all_units(scheduler: Scheduler, writeback: bool = False) -> Iterator[
         yield
     finally:
         for unit in scheduler.units:
-            unit.pinned -= 1
-            if not unit.pinned:
+            if scheduler.state_of(unit).unpin():
                 unit.reshard(keep_edits=writeback)

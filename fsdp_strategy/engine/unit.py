@@ -2,7 +2,7 @@
 
 A unit does *what*: one all-gather of all its shards, the copy-out into full parameters, one
 reduction of all its gradients, the swap back to shards. It registers no hooks and decides
-no order; the Scheduler (runtime.py) decides *when* and keeps the unit's ``training_state``.
+no order; the Scheduler (runtime.py) decides *when*, from the unit's ``UnitState`` (state.py).
 
 [Note: usage flags]
 Every reduction carries, after the gradient columns of each rank's row, one flag per
@@ -56,15 +56,6 @@ class ShardedState(Enum):
     SHARDED = auto()  # only the shards exist; modules hold the sharded parameters
     GATHERING = auto()  # an all-gather is in flight; modules still hold the sharded parameters
     UNSHARDED = auto()  # full parameters are filled and registered in the modules
-
-
-class TrainingState(Enum):
-    """What the step is doing with a unit (kept by the Scheduler)."""
-
-    IDLE = auto()  # not running: between steps, or its forward ended and backward has not reached it
-    FORWARD = auto()  # its forward is on the stack (the root: for the whole root forward)
-    PRE_BACKWARD = auto()  # backward reached its outputs: gathered, its gradients are being computed
-    POST_BACKWARD = auto()  # its gradients were reduced (or stashed) in the current backward
 
 
 class UnitContext(NamedTuple):
@@ -130,8 +121,6 @@ class FSDPUnit:
         self.ledger = context.ledger
         self.memory = context.memory
         self.state = ShardedState.SHARDED
-        self.training_state = TrainingState.IDLE
-        self.pinned = 0  # > 0 inside summon_full_params: nothing reshards the unit
         self.exposed = False  # gathered where user code may change it ([Note: edits while gathered])
         self._aliased = bool(params) and all(p.aliased for p in params)  # [Note: aliased shards]
         self._shard_sizes = [p.shard_numel for p in params]
