@@ -40,7 +40,6 @@ from lit_gpt import ByteDataModule, GPTModule  # noqa: E402
 
 from fsdp_strategy import FSDPCustomStrategy  # noqa: E402
 from fsdp_strategy.engine import get_scheduler, summon_full_params  # noqa: E402
-from fsdp_strategy.engine.flight import RECORDER  # noqa: E402
 
 CONFIG = OmegaConf.load(Path(__file__).resolve().parents[1] / "examples" / "configs" / "gpt_small.yaml")
 
@@ -69,7 +68,7 @@ class Probe(Callback):
                 "rss_mib": process.memory_info().rss / 2**20,
                 "threads": process.num_threads(),
                 "fds": process.num_fds(),
-                "flight_ring": len(RECORDER.ring),
+                "flight_ring": len(scheduler.comm.recorder.ring),
                 "ledger_units": len(scheduler.ledger.per_unit) + len(scheduler.ledger.last_step_per_unit),
                 "memory_timeline": len(scheduler.memory.timeline or []),
                 "monitor_entries": sum(_entries(c) for c in trainer.callbacks if c is not self),

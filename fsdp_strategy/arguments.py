@@ -7,12 +7,17 @@ switching strategies brings those along; ``FSDP_KEYWORDS`` says what each does h
 
 from __future__ import annotations
 
+import math
+import numbers
+from collections.abc import Iterable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from fsdp_strategy.config import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from fsdp_strategy.wrap import as_policy_fn
 
 # keyword -> (value accepted as is, or None: any value refused; why)
@@ -124,3 +129,96 @@ def refuse_whole_model_averaging(callbacks: list) -> None:
             f"fsdp_custom supports one WeightAveraging callback at a time, got {averaging}: each writes the "
             "checkpoint's state_dict"
         )
+
+
+@dataclass(frozen=True)
+class ShardingOptions:
+    """How the engine shards and schedules a model: every option of ``shard_model`` that is not
+    about where it runs (device, groups, mesh), validated. Build it with ``validate``."""
+
+    sharding_strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD
+    auto_wrap_policy: Any = None  # as given (a set, an int, a callable or None); ``wrap_policy`` is the function
+    mixed_precision: MixedPrecision | None = None
+    cpu_offload: CPUOffload = CPUOffload()
+    param_init_fn: Any = None
+    forward_prefetch: bool = True
+    backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE
+    sync_module_states: bool = False
+    ignored_modules: tuple[torch.nn.Module, ...] | None = None
+    collective_timeout: float | None = None  # seconds; None: the process group's own timeout
+    check_collective_order: bool = True
+
+    @property
+    def wrap_policy(self) -> Any:
+        """``auto_wrap_policy`` as a function ``(module, recurse, nonwrapped_numel) -> bool``, or None."""
+        return as_policy_fn(self.auto_wrap_policy)
+
+    @classmethod
+    def validate(
+        cls,
+        sharding_strategy: Any = "FULL_SHARD",
+        auto_wrap_policy: Any = None,
+        mixed_precision: Any = None,
+        cpu_offload: Any = None,
+        param_init_fn: Any = None,
+        forward_prefetch: Any = True,
+        backward_prefetch: Any = "BACKWARD_PRE",
+        sync_module_states: Any = False,
+        ignored_modules: Any = None,
+        collective_timeout: Any = None,
+        check_collective_order: Any = True,
+    ) -> ShardingOptions:
+        """Check and convert every option; a bad one is a ``TypeError``/``ValueError`` naming the
+        argument, the value and what is accepted."""
+        as_policy_fn(auto_wrap_policy)
+        if param_init_fn is not None and not callable(param_init_fn):
+            raise TypeError(f"param_init_fn must be a callable (module) -> None, got {param_init_fn!r}")
+        for name, value in (
+            ("forward_prefetch", forward_prefetch),
+            ("sync_module_states", sync_module_states),
+            ("check_collective_order", check_collective_order),
+        ):
+            if not isinstance(value, bool):
+                raise TypeError(f"{name} must be a bool, got {value!r}")
+        return cls(
+            ShardingStrategy.from_any(sharding_strategy),
+            auto_wrap_policy,
+            MixedPrecision.from_any(mixed_precision),
+            CPUOffload.from_any(cpu_offload),
+            param_init_fn,
+            forward_prefetch,
+            BackwardPrefetch.from_any(backward_prefetch),
+            sync_module_states,
+            check_ignored_modules(ignored_modules),
+            check_collective_timeout(collective_timeout),
+            check_collective_order,
+        )
+
+
+def check_ignored_modules(value: Any) -> tuple[torch.nn.Module, ...] | None:
+    """None, or a list of modules (of the model: checked when it is sharded)."""
+    if value is None:
+        return None
+    listed = not isinstance(value, torch.nn.Module) and isinstance(value, Iterable)
+    if not listed or not all(isinstance(m, torch.nn.Module) for m in value):
+        raise TypeError(f"ignored_modules must be a list of modules of the model, got {value!r}")
+    return tuple(value)
+
+
+def check_collective_timeout(value: Any) -> float | None:
+    """``collective_timeout`` as seconds: a positive number (``math.inf``: no limit), a positive
+    timedelta, or None (the process group's own timeout, decided when the watchdog starts)."""
+    if value is None:
+        return None
+    seconds = value.total_seconds() if isinstance(value, timedelta) else value
+    if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real):
+        raise TypeError(f"collective_timeout must be seconds (a number), a timedelta or None, got {value!r}")
+    try:
+        seconds = float(seconds)
+    except OverflowError:
+        seconds = math.inf
+    if not seconds > 0:
+        raise ValueError(
+            f"collective_timeout={value!r} must be positive (None: the process group's timeout; math.inf: no limit)"
+        )
+    return seconds

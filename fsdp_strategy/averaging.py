@@ -29,10 +29,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim.swa_utils import AveragedModel
 
-from fsdp_strategy.checkpoint.full import _gather_unit
-from fsdp_strategy.checkpoint.sharded import checkpoint_view, dcp_reader, shard_mesh
+from fsdp_strategy.checkpoint.sharded import checkpoint_view, dcp_reader
 from fsdp_strategy.checkpoint.storage import Location
 from fsdp_strategy.engine import SCHEDULER_ATTRIBUTE, collectives, get_scheduler
+from fsdp_strategy.engine.view import ShardsView
 
 AVERAGED_KEY = "averaged_model"  # DCP key of the average in a sharded folder
 _STASHED = "_fsdp_custom_checkpoint"  # on a deferred callback: the checkpoint it was asked to load
@@ -78,6 +78,9 @@ def _without_engine(module: nn.Module) -> nn.Module:
     scheduler = get_scheduler(module)
     hooks = scheduler.hook_handles
     memo: dict[int, Any] = {id(scheduler): None}
+    for layer in module.modules():  # a SyncBatchNorm's watchdog stays the strategy's, uncopied
+        if getattr(layer, "watchdog", None) is not None:
+            memo[id(layer.watchdog)] = None
     for handle in hooks:
         for hooks_dict in (ref() for ref in _dict_refs(handle)):
             if hooks_dict is not None and handle.id in hooks_dict:
@@ -129,55 +132,50 @@ def averaged_tensors(callback: WeightAveraging) -> dict[str, torch.Tensor]:
 def full_average(module: nn.Module, callback: WeightAveraging, rank0_only: bool = True) -> dict[str, torch.Tensor]:
     """The average gathered into full tensors on the CPU (rank 0 only with ``rank0_only``; a
     collective: every rank calls it). Costs: one all-gather per unit, one unit at a time."""
-    scheduler = get_scheduler(module)
+    view = ShardsView.of(module)
     own = averaged_tensors(callback)
     keep = not rank0_only or collectives.process_rank()[0] == 0
     gathered: dict[str, torch.Tensor] = {}
-    for unit in scheduler.units:
-        fulls = _gather_unit(unit, [own[p.fqn].detach() for p in unit.params], keep)
-        gathered.update({p.fqn: full for p, full in zip(unit.params, fulls)})
+    for unit, params in view.unit_params():
+        fulls = view.gather(unit, [own[p.fqn].detach() for p in params], keep)
+        gathered.update({p.fqn: full for p, full in zip(params, fulls)})
     if not keep:
         return {}
-    by_id = {id(p.sharded): p.fqn for p in scheduler.sharded_params()}
-    dtypes = scheduler.saved_buffer_dtypes
     full = {}
     for name, value in module.state_dict(keep_vars=True).items():
-        fqn = by_id.get(id(value))
+        param = view.by_id.get(id(value))
         average = own[name].detach()
-        full[name] = gathered[fqn] if fqn is not None else average.to("cpu", dtypes.get(name, average.dtype), copy=True)
+        saved = view.buffer_dtypes.get(name, average.dtype)
+        full[name] = gathered[param.fqn] if param is not None else average.to("cpu", saved, copy=True)
     return full
 
 
-@torch.no_grad()
 def load_full_average(module: nn.Module, callback: WeightAveraging, state_dict: dict[str, torch.Tensor]) -> None:
     """Copy a full state dict into the average's shards: each rank takes its rows."""
-    scheduler = get_scheduler(module)
-    by_id = {id(p.sharded): p for p in scheduler.sharded_params()}
+    view = ShardsView.of(module)
     own = averaged_tensors(callback)
-    for name, value in module.state_dict(keep_vars=True).items():
-        if name not in state_dict:
-            continue
-        param = by_id.get(id(value))
-        source = state_dict[name]
-        own[name].copy_(param.local_rows(source, param.shard_rank) if param is not None else source)
+    with torch.no_grad():
+        for name, value in module.state_dict(keep_vars=True).items():
+            if name not in state_dict:
+                continue
+            param = view.by_id.get(id(value))
+            source = state_dict[name]
+            own[name].copy_(param.local_rows(source, param.shard_rank) if param is not None else source)
 
 
 def sharded_views(module: nn.Module, callback: WeightAveraging) -> dict[str, torch.Tensor]:
     """The average as the sharded checkpoint writes it (checkpoint views of its shards; buffers in
     their saved dtype)."""
-    scheduler = get_scheduler(module)
-    mesh = shard_mesh(scheduler)
-    by_id = {id(p.sharded): p for p in scheduler.sharded_params()}
+    view = ShardsView.of(module)
     own = averaged_tensors(callback)
-    dtypes = scheduler.saved_buffer_dtypes
     views = {}
     for name, value in module.state_dict(keep_vars=True).items():
-        param = by_id.get(id(value))
+        param = view.by_id.get(id(value))
         average = own[name].detach()
         if param is not None:
-            views[name] = checkpoint_view(param, average, mesh)
+            views[name] = checkpoint_view(param, average, view.mesh)
         else:
-            views[name] = average.to(dtypes.get(name, average.dtype))
+            views[name] = average.to(view.buffer_dtypes.get(name, average.dtype))
     return views
 
 

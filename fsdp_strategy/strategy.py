@@ -9,6 +9,7 @@ hooks (precision, clipping, accumulation, checkpoints) onto the engine.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import math
 from collections.abc import Generator
@@ -43,6 +44,7 @@ from torch import Tensor
 
 from fsdp_strategy import averaging
 from fsdp_strategy.arguments import (
+    ShardingOptions,
     check_backend,
     check_fsdp_keywords,
     check_timeout,
@@ -52,17 +54,19 @@ from fsdp_strategy.arguments import (
 )
 from fsdp_strategy.checkpoint.writer import CheckpointWriter
 from fsdp_strategy.config import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy, validate_device_mesh
-from fsdp_strategy.engine import Scheduler, check_collective_timeout, get_scheduler, is_sharded, shard_model, watchdog
-from fsdp_strategy.engine.collectives import CommLedger, watched
-from fsdp_strategy.engine.flight import RECORDER
+from fsdp_strategy.engine import Scheduler, get_scheduler, is_sharded, shard_with_options, watchdog
+from fsdp_strategy.engine.collectives import watched
+from fsdp_strategy.engine.ledger import CommLedger
+from fsdp_strategy.engine.watchdog import Watchdog
 from fsdp_strategy.precision import FSDPCustomPrecision
 from fsdp_strategy.strategy_checkpoints import CheckpointHooks
-from fsdp_strategy.sync_batchnorm import convert_sync_batchnorm
-from fsdp_strategy.wrap import apply_activation_checkpointing, as_policy_fn
+from fsdp_strategy.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
+from fsdp_strategy.wrap import apply_activation_checkpointing
 
 log = logging.getLogger(__name__)
 
 _STATE_DICT_TYPES = ("full", "sharded")
+_OPTION_ATTRIBUTES = tuple(field.name for field in dataclasses.fields(ShardingOptions))
 
 
 def _count(count: int) -> str:
@@ -155,11 +159,21 @@ class FSDPCustomStrategy(CheckpointHooks, ParallelStrategy):
             precision_plugin=precision_plugin,
         )
         self.num_nodes = 1
-        self.sharding_strategy = ShardingStrategy.from_any(sharding_strategy)
-        self.mixed_precision = MixedPrecision.from_any(mixed_precision)
-        self.cpu_offload = CPUOffload.from_any(cpu_offload)
-        as_policy_fn(auto_wrap_policy)
-        self.auto_wrap_policy = auto_wrap_policy
+        self._options = ShardingOptions.validate(
+            sharding_strategy,
+            auto_wrap_policy,
+            mixed_precision,
+            cpu_offload,
+            param_init_fn,
+            forward_prefetch,
+            backward_prefetch,
+            sync_module_states,
+            ignored_modules,
+            collective_timeout,
+            check_collective_order,
+        )
+        for name in _OPTION_ATTRIBUTES:  # read-only views of the validated options, under Lightning's names
+            setattr(self, name, getattr(self._options, name))
         self.activation_checkpointing_policy = checkpointing_policy(
             activation_checkpointing, activation_checkpointing_policy
         )
@@ -176,26 +190,7 @@ class FSDPCustomStrategy(CheckpointHooks, ParallelStrategy):
         self._device_mesh = validate_device_mesh(device_mesh, self.sharding_strategy)
         self._process_group_backend = check_backend(process_group_backend)
         self._timeout = check_timeout(timeout)
-        if param_init_fn is not None and not callable(param_init_fn):
-            raise TypeError(f"param_init_fn must be a callable (module) -> None, got {param_init_fn!r}")
-        self.param_init_fn = param_init_fn
-        if not isinstance(forward_prefetch, bool):
-            raise TypeError(f"forward_prefetch must be a bool, got {forward_prefetch!r}")
-        self.forward_prefetch = forward_prefetch
-        self.backward_prefetch = BackwardPrefetch.from_any(backward_prefetch)
-        if not isinstance(sync_module_states, bool):
-            raise TypeError(f"sync_module_states must be a bool, got {sync_module_states!r}")
-        self.sync_module_states = sync_module_states
-        if ignored_modules is not None and (
-            isinstance(ignored_modules, torch.nn.Module)
-            or not all(isinstance(m, torch.nn.Module) for m in ignored_modules)
-        ):
-            raise TypeError(f"ignored_modules must be a list of modules of the model, got {ignored_modules!r}")
-        self.ignored_modules = ignored_modules
-        self.collective_timeout = check_collective_timeout(collective_timeout)
-        if not isinstance(check_collective_order, bool):
-            raise TypeError(f"check_collective_order must be a bool, got {check_collective_order!r}")
-        self.check_collective_order = check_collective_order
+        self._watchdog: Watchdog | None = None  # started at each run's setup, closed at its teardown
         self._ledger_global_step: int | None = None  # the global_step the ledger's count started at
         self._init_checkpoint_hooks()
 
@@ -282,7 +277,10 @@ class FSDPCustomStrategy(CheckpointHooks, ParallelStrategy):
             # Lightning registers this for NCCL only; a gloo group left to interpreter shutdown can
             # abort the process ("terminate called without an active exception") after a good run.
             atexit.register(_destroy_dist_connection)
-        watchdog.start(self.collective_timeout, node=self.node_rank, fresh=True)  # one per run
+        if self._watchdog is not None:  # one per run: a failure a script caught is not reported again
+            self._watchdog.close()
+        self._watchdog = Watchdog.start(self.collective_timeout, node=self.node_rank, report_uncaught=False)
+        self._writer.watchdog = self._watchdog
         self._writer.setup()
         if isinstance(self._device_mesh, tuple):
             from torch.distributed.device_mesh import init_device_mesh
@@ -320,7 +318,11 @@ class FSDPCustomStrategy(CheckpointHooks, ParallelStrategy):
             if trainer.state.fn == TrainerFn.FITTING and self._layer_sync is not None:
                 self.model = self._sync_layers(self.model)
             self._shard(self.model)
-        self.scheduler.optimizer_steps.open()  # closed at teardown ([Note: edits while gathered])
+        self.scheduler.open()  # closed at teardown ([Note: edits while gathered])
+        self.scheduler.comm.attach(self._watchdog)  # this run's (validate/test after fit reuse the model)
+        for layer in self.model.modules():
+            if isinstance(layer, SyncBatchNorm):
+                layer.watchdog = self._watchdog
         self.precision_plugin.attach(self.root_device.type, self.scheduler.clip_grad_norm_)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -344,22 +346,8 @@ class FSDPCustomStrategy(CheckpointHooks, ParallelStrategy):
         self.model = model = self.precision_plugin.convert_module(model)
         if self.activation_checkpointing_policy is not None:
             apply_activation_checkpointing(model, self.activation_checkpointing_policy)
-        shard_model(
-            model,
-            sharding_strategy=self.sharding_strategy,
-            auto_wrap_policy=self.auto_wrap_policy,
-            mixed_precision=self.mixed_precision_config,
-            cpu_offload=self.cpu_offload,
-            device=self.root_device,
-            device_mesh=self._device_mesh,
-            param_init_fn=self.param_init_fn,
-            forward_prefetch=self.forward_prefetch,
-            backward_prefetch=self.backward_prefetch,
-            sync_module_states=self.sync_module_states,
-            ignored_modules=self.ignored_modules,
-            collective_timeout=self.collective_timeout,
-            check_collective_order=self.check_collective_order,
-        )
+        options = dataclasses.replace(self._options, mixed_precision=self.mixed_precision_config)
+        shard_with_options(model, options, self.root_device, device_mesh=self._device_mesh, watchdog=self._watchdog)
         _move_torchmetrics_to_device(model, self.root_device)
         units = self.scheduler.units
         params = self.scheduler.sharded_params()
@@ -399,11 +387,9 @@ class FSDPCustomStrategy(CheckpointHooks, ParallelStrategy):
             self._report_exception(error)
             raise
 
-    @staticmethod
-    def _report_exception(error: BaseException) -> None:
-        dog = watchdog.active()
-        if dog is not None and not isinstance(error, SIGTERMException):  # raised on every rank in step
-            dog.report_exception(error)
+    def _report_exception(self, error: BaseException) -> None:
+        if self._watchdog is not None and not isinstance(error, SIGTERMException):  # raised on every rank in step
+            self._watchdog.report_exception(error)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.train_step_context():
@@ -442,7 +428,7 @@ class FSDPCustomStrategy(CheckpointHooks, ParallelStrategy):
         """Start the ledger's count at the first batch of each optimizer step (under gradient
         accumulation a step's micro-batches are counted together)."""
         global_step = self.lightning_module.trainer.global_step
-        RECORDER.step = global_step  # the flight recorder names steps as the trainer counts them
+        self.scheduler.comm.recorder.step = global_step  # the flight recorder names steps as the trainer does
         if global_step != self._ledger_global_step:
             self.comm_ledger.start_step()
             self._ledger_global_step = global_step
@@ -454,7 +440,7 @@ class FSDPCustomStrategy(CheckpointHooks, ParallelStrategy):
         """Wait for every rank (device-aware on NCCL)."""
         if not _distributed_is_initialized():
             return
-        with watched("barrier", name or "Lightning"):
+        with watched("barrier", name or "Lightning", self._watchdog):
             if torch.distributed.get_backend() == "nccl":
                 torch.distributed.barrier(device_ids=[self.root_device.index])
             else:
@@ -464,22 +450,25 @@ class FSDPCustomStrategy(CheckpointHooks, ParallelStrategy):
         if not _distributed_is_initialized():
             return obj
         container = [obj]
-        with watched("broadcast", "Lightning"):
+        with watched("broadcast", "Lightning", self._watchdog):
             torch.distributed.broadcast_object_list(container, src, group=_group.WORLD)
         return container[0]
 
     def reduce(self, tensor: Tensor | Any, group: Any = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:
         if isinstance(tensor, Tensor):
-            with watched("all_reduce", "Lightning"):
+            with watched("all_reduce", "Lightning", self._watchdog):
                 return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
     def teardown(self) -> None:
-        """Finish any checkpoint in flight, remove the engine's optimizer-step hooks, then tear down
-        as Lightning does."""
+        """Finish any checkpoint in flight, close the engine's hooks and threads and the watchdog,
+        then tear down as Lightning does."""
         self._writer.teardown()
         if self.model is not None and is_sharded(self.model):
-            self.scheduler.optimizer_steps.close()
+            self.scheduler.close()  # nothing of the engine stays installed after the run
+        if self._watchdog is not None:
+            self._watchdog.close()
+            self._watchdog = self._writer.watchdog = None
         if self.lightning_module is not None and self.lightning_module._trainer is not None:
             averaging.restore(averaging.averaging_callbacks(self.lightning_module.trainer))
         assert self.cluster_environment is not None and self.accelerator is not None

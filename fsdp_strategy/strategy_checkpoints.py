@@ -84,7 +84,7 @@ class CheckpointHooks:
         if self.is_global_zero:
             final = storage.locate(filepath)
             try:
-                refusal = storage.refuse_to_replace(final, self._state_dict_type)
+                refusal = layout.refuse_to_replace(final, self._state_dict_type)
             except Exception as error:  # an unreachable filesystem: every rank must hear of it
                 refusal = error
             decision = (final.url, storage.temporary(final).url, refusal)

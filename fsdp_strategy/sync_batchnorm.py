@@ -1,12 +1,15 @@
 """``Trainer(sync_batchnorm=True)``: BatchNorm statistics over the global batch, on CPU and CUDA.
 
-torch's ``SyncBatchNorm`` refuses CPU tensors, so the strategy converts BatchNorm layers into
-:class:`SyncBatchNorm` here: in training with more than one rank, each rank's per-channel count,
-mean and squared deviations are all-gathered and combined (Chan's parallel formula, as torch's
-``batch_norm_gather_stats_with_counts``), and backward all-reduces the two per-channel sums the
-input gradient needs. The layer keeps BatchNorm's attribute names, so checkpoints and the
-engine's sharding of its weight and bias are unchanged. Costs: one all-gather of 3 values per
-channel in forward and one all-reduce of 2 per channel in backward, per layer call.
+The strategy converts BatchNorm layers into :class:`SyncBatchNorm`, a ``torch.nn.SyncBatchNorm``
+(code that checks ``isinstance(layer, torch.nn.SyncBatchNorm)`` holds). Where torch's accepts
+the input (CUDA), its own forward runs, with its fused kernels. On CPU, which torch's refuses,
+each rank's per-channel count, mean and squared deviations are all-gathered over the layer's
+``process_group`` (the data-parallel ranks; default: all) and combined (Chan's parallel formula,
+as torch's ``batch_norm_gather_stats_with_counts``), and backward all-reduces the two
+per-channel sums the input gradient needs. The layer keeps BatchNorm's attribute names, so
+checkpoints and the engine's sharding of its weight and bias are unchanged. Costs on CPU: one
+all-gather of 3 values per channel in forward and one all-reduce of 2 per channel in backward,
+per layer call.
 """
 
 from __future__ import annotations
@@ -23,14 +26,22 @@ class _SyncBatchNormFunction(torch.autograd.Function):
     """Normalize with the global batch's statistics; gradients as BatchNorm on the global batch."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float) -> Any:
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor | None,
+        bias: torch.Tensor | None,
+        eps: float,
+        group: Any,
+        dog: Any,
+    ) -> Any:
         dims = [d for d in range(x.dim()) if d != 1]
         shape = [1, -1] + [1] * (x.dim() - 2)
         work = x.float()
         count = torch.tensor([x.numel() // x.shape[1]], dtype=torch.float32, device=x.device)
         mean = work.sum(dims) / count.clamp(min=1)  # a rank with an empty batch adds count 0, not NaN
         m2 = ((work - mean.view(shape)) ** 2).sum(dims)
-        rows = collectives.all_gather_rows(torch.cat([count.expand_as(mean), mean, m2]))  # (world, 3C)
+        rows = collectives.all_gather_rows(torch.cat([count.expand_as(mean), mean, m2]), group, dog)  # (world, 3C)
         counts, means, m2s = rows.view(rows.shape[0], 3, -1).unbind(1)
         total = counts.sum(0)
         global_mean = (counts * means).sum(0) / total
@@ -39,7 +50,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         invstd = torch.rsqrt(var + eps)
         xhat = (work - global_mean.view(shape)) * invstd.view(shape)
         ctx.save_for_backward(xhat, invstd, weight)
-        ctx.total = total
+        ctx.total, ctx.group, ctx.dog = total, group, dog
         unbiased_var = var * total / (total - 1).clamp(min=1)
         ctx.mark_non_differentiable(global_mean, unbiased_var)
         out = xhat
@@ -57,29 +68,32 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         sum_dy_xhat = (grad * xhat).sum(dims)
         grad_weight = sum_dy_xhat.to(weight.dtype) if weight is not None else None
         grad_bias = sum_dy.to(weight.dtype) if weight is not None else None
-        sums = collectives.all_reduce_sum_(torch.cat([sum_dy, sum_dy_xhat]))
+        sums = collectives.all_reduce_sum_(torch.cat([sum_dy, sum_dy_xhat]), ctx.group, ctx.dog)
         global_dy, global_dy_xhat = sums.chunk(2)
         scale = invstd if weight is None else invstd * weight.float()
         grad_x = grad - (global_dy / ctx.total).view(shape) - xhat * (global_dy_xhat / ctx.total).view(shape)
         grad_x = grad_x * scale.view(shape)
-        return grad_x.to(grad_out.dtype), grad_weight, grad_bias, None
+        return grad_x.to(grad_out.dtype), grad_weight, grad_bias, None, None, None
 
 
-class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
-    """BatchNorm whose training statistics cover every rank's batch (any input rank >= 2).
+class SyncBatchNorm(nn.SyncBatchNorm):
+    """torch's ``SyncBatchNorm``, which also runs on CPU (see the module docstring).
 
-    Outside training, or with one rank, it is plain BatchNorm.
+    Outside training, or with one rank, it is plain BatchNorm. ``watchdog``: watches its CPU
+    collectives ([Note: watchdog]); the strategy sets it for each run.
     """
 
-    def _check_input_dim(self, input: torch.Tensor) -> None:
-        if input.dim() < 2:
-            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+    watchdog: Any = None
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        self._check_input_dim(input)
-        if not self.training or collectives.process_rank()[1] == 1:
+        if input.device.type != "cpu":  # torch's accepts it: its fused kernels
             return super().forward(input)
-        out, mean, unbiased_var = _SyncBatchNormFunction.apply(input, self.weight, self.bias, self.eps)
+        self._check_input_dim(input)
+        if not self.training or collectives.process_rank(self.process_group)[1] == 1:
+            return nn.modules.batchnorm._BatchNorm.forward(self, input)
+        out, mean, unbiased_var = _SyncBatchNormFunction.apply(
+            input, self.weight, self.bias, self.eps, self.process_group, self.watchdog
+        )
         if self.track_running_stats:
             with torch.no_grad():
                 self.num_batches_tracked.add_(1)
@@ -89,12 +103,13 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
         return out
 
 
-def convert_sync_batchnorm(module: nn.Module) -> nn.Module:
+def convert_sync_batchnorm(module: nn.Module, process_group: Any = None) -> nn.Module:
     """Replace every BatchNorm layer (``_BatchNorm``) below ``module`` by a :class:`SyncBatchNorm`
-    holding the same parameters and buffers; returns ``module`` (or the new layer if it is one)."""
+    over ``process_group`` (None: all ranks) holding the same parameters and buffers; returns
+    ``module`` (or the new layer if it is one)."""
     if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, SyncBatchNorm):
         converted = SyncBatchNorm(
-            module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats
+            module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats, process_group
         )
         if module.affine:
             converted.weight, converted.bias = module.weight, module.bias
@@ -103,7 +118,7 @@ def convert_sync_batchnorm(module: nn.Module) -> nn.Module:
         converted.train(module.training)
         return converted
     for name, child in module.named_children():
-        replaced = convert_sync_batchnorm(child)
+        replaced = convert_sync_batchnorm(child, process_group)
         if replaced is not child:
             setattr(module, name, replaced)
     return module

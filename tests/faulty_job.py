@@ -35,7 +35,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 from models import Block, TiedLM, lm_loss, make_batches  # noqa: E402
 
 from fsdp_strategy import FSDPCustomStrategy  # noqa: E402
-from fsdp_strategy.engine import watchdog  # noqa: E402
 
 
 class StopTraining(Exception):
@@ -83,7 +82,7 @@ class FaultyLM(L.LightningModule):
 
     def on_train_start(self):
         print(f"STARTED rank {self.global_rank} at step {self.global_step}", flush=True)
-        dog = watchdog.active()
+        dog = self.trainer.strategy._watchdog
         if dog is not None:
             collective, control = dog.limits
             print(f"LIMITS rank {self.global_rank}: collective {collective:g} s, blocking calls {control:g} s")

@@ -14,7 +14,8 @@ from dist_utils import run_ranks
 from torch import nn
 
 from fsdp_strategy.engine import collectives, get_scheduler, shard_model
-from fsdp_strategy.engine.collectives import CommGroup, CommLedger, Exchange
+from fsdp_strategy.engine.collectives import CommContext, CommGroup
+from fsdp_strategy.engine.exchange import Exchange
 from fsdp_strategy.engine.flight import STAMP_SLOTS
 
 
@@ -25,9 +26,27 @@ def _inputs(rank: int, world: int, numel: int) -> tuple[torch.Tensor, torch.Tens
     return shard, full
 
 
+def _two_models_in_either_order(rank: int, world: int, comm: CommGroup) -> bool:
+    """Two engines' contexts (own thread, own tag) gather same-size tensors, issued in opposite
+    orders on odd and even ranks: each still gets its own model's rows."""
+    contexts = [CommContext(tag=1 << 21), CommContext(tag=1 << 22)]
+    outputs = [torch.empty(world * 8) for _ in contexts]
+    order = [0, 1] if rank % 2 == 0 else [1, 0]
+    pending = {
+        i: collectives.all_gather(outputs[i], torch.full((8,), 10.0 * i + rank), comm, contexts[i], "u") for i in order
+    }
+    for i in order:
+        pending[i].wait()
+    for ctx in contexts:
+        ctx.close()
+    expected = [torch.cat([torch.full((8,), 10.0 * i + r) for r in range(world)]) for i in range(2)]
+    return all(torch.equal(out, want) for out, want in zip(outputs, expected))
+
+
 def _collectives_body(rank: int, world: int) -> dict:
     comm = CommGroup.of(dist.group.WORLD)
-    ledger = CommLedger()
+    ctx = CommContext()
+    ledger = ctx.ledger
     numel = 1000 + STAMP_SLOTS
     shard, full = _inputs(rank, world, numel)
     # torch's own collectives are the oracle
@@ -39,9 +58,9 @@ def _collectives_body(rank: int, world: int) -> dict:
     gathered = torch.empty(world * numel)
     in_place = gathered.view(world, numel)[rank]
     in_place.copy_(shard)
-    gather = collectives.all_gather(gathered, in_place, comm, ledger, "unit")
+    gather = collectives.all_gather(gathered, in_place, comm, ctx, "unit")
     reduced = torch.empty(numel)
-    reduce = collectives.reduce_scatter(reduced, full.clone(), comm, ledger, "unit")
+    reduce = collectives.reduce_scatter(reduced, full.clone(), comm, ctx, "unit")
     uses_exchange = isinstance(gather._work, Exchange) and isinstance(reduce._work, Exchange)
 
     # a user's own messages on the same group, default tag, while the engine's are in flight
@@ -57,9 +76,9 @@ def _collectives_body(rank: int, world: int) -> dict:
 
     # stamped: the stamps survive the exchange and are checked (no error means they agreed)
     stamped_out = torch.empty(world * numel)
-    collectives.all_gather(stamped_out, shard.clone(), comm, ledger, "stamped", stamped=True).wait()
+    collectives.all_gather(stamped_out, shard.clone(), comm, ctx, "stamped", stamped=True).wait()
     stamped_reduced = torch.empty(numel)
-    collectives.reduce_scatter(stamped_reduced, full.clone(), comm, ledger, "stamped", stamped=True).wait()
+    collectives.reduce_scatter(stamped_reduced, full.clone(), comm, ctx, "stamped", stamped=True).wait()
     expected_stamped = torch.empty(numel)
     dist.reduce_scatter_tensor(expected_stamped, full.clone())
     return {
@@ -73,6 +92,7 @@ def _collectives_body(rank: int, world: int) -> dict:
         "stamped_reduce": (stamped_reduced[:-STAMP_SLOTS] - expected_stamped[:-STAMP_SLOTS]).abs().max().item(),
         "uses_exchange": uses_exchange,
         "exchange_thread": any(t.name == "fsdp_custom-exchange" for t in threading.enumerate()),
+        "two_models": _two_models_in_either_order(rank, world, comm),
         "calls": {kind: totals.calls for kind, totals in ledger.current.items()},
     }
 
@@ -85,13 +105,16 @@ def test_point_to_point_collectives_equal_torchs_and_keep_user_messages_apart(tm
         assert result["stamped_reduce"] <= 1e-6 * result["reduce_scale"]
         assert result["user_message"]
         assert result["uses_exchange"] and result["exchange_thread"]
+        assert result["two_models"]
         assert result["calls"] == {"all_gather": 2, "reduce_scatter": 2}
 
 
 def _copies_body(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 7), nn.ReLU(), nn.Linear(7, 5))
+    random_state = torch.get_rng_state()
     shard_model(model, auto_wrap_policy={nn.Linear}, check_collective_order=False)
+    assert torch.equal(torch.get_rng_state(), random_state)  # agreeing on the exchange tag draws from no RNG of torch
     ledger = get_scheduler(model).ledger
     ledger.start_step()
     model(torch.randn(4, 6)).sum().backward()

@@ -1,6 +1,6 @@
 """SyncBatchNorm (``Trainer(sync_batchnorm=True)``) against BatchNorm on the concatenated global
 batch: outputs, input and weight gradients, running statistics; uneven and empty per-rank batches,
-2-D and 4-D inputs."""
+2-D and 4-D inputs; a ``torch.nn.SyncBatchNorm``, over its ``process_group``."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def _body(rank: int, world: int) -> dict:
         for shape_name, shape in SHAPES.items():
             torch.manual_seed(0)
             layer = convert_sync_batchnorm(nn.BatchNorm1d(4) if len(shape) == 1 else nn.BatchNorm2d(4))
-            assert isinstance(layer, SyncBatchNorm)
+            assert isinstance(layer, SyncBatchNorm) and isinstance(layer, nn.SyncBatchNorm)
             nn.init.normal_(layer.weight)
             x = _inputs(sizes, shape)[rank].requires_grad_(True)
             out = layer(x)
@@ -56,3 +56,19 @@ def test_sync_batchnorm_equals_batchnorm_on_the_global_batch(tmp_path):
                 assert torch.allclose(got_param_grads, expected_grads, atol=1e-4), what
                 assert torch.allclose(mean, reference.running_mean, atol=1e-6), what
                 assert torch.allclose(var, reference.running_var, atol=1e-5), what
+
+
+def _group_body(rank: int, world: int) -> torch.Tensor:
+    groups = [torch.distributed.new_group([0, 1]), torch.distributed.new_group([2])]  # every rank creates both
+    layer = convert_sync_batchnorm(nn.BatchNorm1d(4), process_group=groups[0 if rank < 2 else 1])
+    layer(_inputs((3, 2, 4), (4,))[rank])
+    return layer.running_mean
+
+
+def test_statistics_cover_the_layers_process_group_only(tmp_path):
+    means = run_ranks(_group_body, 3, tmp_path)
+    inputs = _inputs((3, 2, 4), (4,))
+    for ranks, mean in (((0, 1), means[0]), ((0, 1), means[1]), ((2,), means[2])):
+        reference = nn.BatchNorm1d(4)
+        reference(torch.cat([inputs[r] for r in ranks]))
+        assert torch.allclose(mean, reference.running_mean, atol=1e-6), ranks

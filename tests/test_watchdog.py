@@ -25,23 +25,23 @@ from torch import nn
 from fsdp_strategy.checkpoint import full_state_dict, load_folder, save_folder
 from fsdp_strategy.engine import CollectiveError, check_collective_timeout, diagnosis, shard_model, watchdog
 from fsdp_strategy.engine.channel import StoreChannel, StoreLost
-from fsdp_strategy.engine.collectives import CommGroup, CommLedger, all_gather, all_reduce, reduce_scatter
+from fsdp_strategy.engine.collectives import CommContext, CommGroup, all_gather, all_reduce, reduce_scatter
 from fsdp_strategy.engine.diagnosis import Peer, PeerState
 from fsdp_strategy.engine.flight import RING_SIZE, STAMP_SLOTS
+from fsdp_strategy.engine.watchdog import Watchdog
 
 
 def _mismatch_body(rank: int, world: int, kind: str) -> str:
-    watchdog.start(60.0)
-    comm, ledger = CommGroup.of(dist.group.WORLD), CommLedger()
+    comm, ctx = CommGroup.of(dist.group.WORLD), CommContext(watchdog=Watchdog.start(60.0))
     unit = "blocks.1" if rank == 1 else "blocks.0"  # rank 1 is on another unit of the same size
     data = torch.full((world * (8 + STAMP_SLOTS),), float(rank))
     try:
         if kind == "all_gather":
-            all_gather(data, data[: 8 + STAMP_SLOTS].clone(), comm, ledger, unit, stamped=True).wait()
+            all_gather(data, data[: 8 + STAMP_SLOTS].clone(), comm, ctx, unit, stamped=True).wait()
         elif kind == "reduce_scatter":
-            reduce_scatter(torch.empty(8 + STAMP_SLOTS), data, comm, ledger, unit, stamped=True).wait()
+            reduce_scatter(torch.empty(8 + STAMP_SLOTS), data, comm, ctx, unit, stamped=True).wait()
         else:
-            all_reduce(data, comm, ledger, unit, stamped=True).wait()
+            all_reduce(data, comm, ctx, unit, stamped=True).wait()
     except CollectiveError as error:
         return str(error)
     return "no error"
@@ -124,26 +124,26 @@ def test_bad_collective_timeouts_are_named(value, error, message):
 
 
 def _limits_body(rank: int, world: int) -> dict:
-    default = watchdog.start()
-    default_limits = default.limits
-    explicit = watchdog.start(1.5).limits  # the running watchdog takes the new limit
-    unlimited = watchdog.start(float("inf")).limits
-    default.stop()
-    return {"default": default_limits, "explicit": explicit, "unlimited": unlimited}
+    limits = {}
+    for name, timeout in (("default", None), ("explicit", 1.5), ("unlimited", float("inf"))):
+        dog = Watchdog.start(timeout)
+        limits[name] = dog.limits
+        dog.close()
+    return limits
 
 
 def test_the_default_collective_limit_is_the_process_groups_timeout(tmp_path):
     # dist_utils creates the group with a 90 s timeout; blocking calls get it plus a margin
     result = run_ranks(_limits_body, 2, tmp_path)[0]
     assert tuple(result["default"]) == (90.0, 90.0 + watchdog.CONTROL_MARGIN)
-    assert tuple(result["explicit"]) == (1.5, 90.0 + watchdog.CONTROL_MARGIN)  # barriers keep the group's
+    assert tuple(result["explicit"]) == (1.5, 90.0 + watchdog.CONTROL_MARGIN)  # blocking calls keep the group's
     assert result["unlimited"].collective == float("inf")
 
 
 def _outside_body(rank: int, world: int) -> dict:
-    dog = watchdog.start()  # the group's 90 s: nothing here may end a process
-    comm, ledger = CommGroup.of(dist.group.WORLD), CommLedger()
-    all_reduce(torch.ones(4), comm, ledger, "warm-up").wait()
+    dog = Watchdog.start()  # the group's 90 s: nothing here may end a process
+    comm, ctx = CommGroup.of(dist.group.WORLD), CommContext(watchdog=dog)
+    all_reduce(torch.ones(4), comm, ctx, "warm-up").wait()
     if rank == 1:
         dog.report_exception(ValueError("a failure of rank 1's own"))
         time.sleep(8)  # stays alive while rank 0 reads its report
@@ -151,7 +151,7 @@ def _outside_body(rank: int, world: int) -> dict:
     time.sleep(3)  # outside every collective while rank 1 reports: it must go on
     start = time.monotonic()
     try:
-        all_reduce(torch.ones(4), comm, ledger, "after").wait()
+        all_reduce(torch.ones(4), comm, ctx, "after").wait()
     except CollectiveError as error:
         return {"ended": False, "error": str(error), "seconds": time.monotonic() - start}
     return {"ended": False, "error": None}
@@ -165,15 +165,14 @@ def test_a_rank_outside_collectives_goes_on_and_its_next_collective_raises_at_on
 
 
 def _stopped_peer_body(rank: int, world: int) -> str:
-    watchdog.start(2.0)
-    comm, ledger = CommGroup.of(dist.group.WORLD), CommLedger()
+    comm, ctx = CommGroup.of(dist.group.WORLD), CommContext(watchdog=Watchdog.start(2.0))
     pids = [None] * world
     dist.all_gather_object(pids, os.getpid())
     if rank == 1:
         os.kill(os.getpid(), signal.SIGSTOP)  # alive but silent until rank 0 continues it
         return "continued"
     try:
-        all_reduce(torch.ones(4), comm, ledger, "waits").wait()
+        all_reduce(torch.ones(4), comm, ctx, "waits").wait()
     except CollectiveError as error:
         return str(error)
     finally:

@@ -19,59 +19,52 @@ from torch import nn
 from fsdp_strategy.checkpoint import layout, names, storage
 from fsdp_strategy.checkpoint.layout import CheckpointError
 from fsdp_strategy.checkpoint.storage import Location
-from fsdp_strategy.engine import collectives, get_scheduler
+from fsdp_strategy.engine import collectives
 from fsdp_strategy.engine.param import ShardedParam
-from fsdp_strategy.engine.unit import FSDPUnit
+from fsdp_strategy.engine.view import ShardsView
 
 
 def _is_rank0() -> bool:
     return collectives.process_rank()[0] == 0
 
 
-def _gather_unit(unit: FSDPUnit, shards: list[torch.Tensor], keep: bool) -> list[torch.Tensor]:
-    fulls = unit.gather_full(shards, keep=keep)  # fresh tensors (copied out of the gather buffer)
-    return [full.to("cpu") for full in fulls]
-
-
 @torch.no_grad()
-def full_state_dict(module: nn.Module, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+def full_state_dict(module: nn.Module | ShardsView, rank0_only: bool = True) -> dict[str, torch.Tensor]:
     """The model's state dict with full parameters on the CPU (in their master dtype).
 
     With ``rank0_only`` the other ranks take part in the gathers and return ``{}``.
     Costs: one all-gather per unit; device memory of one unit at a time.
     """
-    scheduler = get_scheduler(module)
+    view = ShardsView.of(module)
     keep = not rank0_only or _is_rank0()
     full: dict[int, torch.Tensor] = {}
-    for unit in scheduler.units:
-        tensors = _gather_unit(unit, [p.sharded for p in unit.params], keep)
-        full.update({id(p.sharded): tensor for p, tensor in zip(unit.params, tensors)})
+    for unit, params in view.unit_params():
+        tensors = view.gather(unit, [p.sharded for p in params], keep)
+        full.update({id(p.sharded): tensor for p, tensor in zip(params, tensors)})
     if not keep:
         return {}
-    dtypes = scheduler.saved_buffer_dtypes  # [Note: buffers keep their dtype in checkpoints]
+    dtypes = view.buffer_dtypes  # [Note: buffers keep their dtype in checkpoints]
     return {
         name: full[id(value)]
         if id(value) in full
         else value.detach().to("cpu", dtypes.get(name, value.dtype), copy=True)
-        for name, value in module.state_dict(keep_vars=True).items()
+        for name, value in view.module.state_dict(keep_vars=True).items()
     }
 
 
 @torch.no_grad()
 def load_full_state_dict(
-    module: nn.Module, state_dict: Mapping[str, Any], strict: bool = True, source: str = "state dict"
+    module: nn.Module | ShardsView, state_dict: Mapping[str, Any], strict: bool = True, source: str = "state dict"
 ) -> None:
     """Copy a full state dict into the shards (each rank takes its rows) and the buffers.
 
     Raises CheckpointError naming ``source`` and the missing/unexpected keys (with ``strict``)
     or a key whose shape does not match; nothing is copied then.
     """
-    scheduler = get_scheduler(module)
-    prefixes = {id(m): name for name, m in module.named_modules(remove_duplicate=False)}
-    by_name = {
-        f"{prefixes[id(use.module)]}.{use.name}".lstrip("."): p for p in scheduler.sharded_params() for use in p.uses
-    }
-    own = module.state_dict(keep_vars=True)
+    view = ShardsView.of(module)
+    prefixes = {id(m): name for name, m in view.module.named_modules(remove_duplicate=False)}
+    by_name = {f"{prefixes[id(use.module)]}.{use.name}".lstrip("."): p for p in view.params for use in p.uses}
+    own = view.module.state_dict(keep_vars=True)
     missing, unexpected = sorted(set(own) - set(state_dict)), sorted(set(state_dict) - set(own))
     if strict and (missing or unexpected):
         raise CheckpointError(
@@ -97,7 +90,7 @@ def load_full_state_dict(
 
 @torch.no_grad()
 def full_optimizer_state_dict(
-    module: nn.Module, optimizer: torch.optim.Optimizer, rank0_only: bool = True
+    module: nn.Module | ShardsView, optimizer: torch.optim.Optimizer, rank0_only: bool = True
 ) -> dict[str, Any]:
     """The optimizer's state with full tensors in torch's own layout (a collective).
 
@@ -106,27 +99,26 @@ def full_optimizer_state_dict(
     device and Lightning's FSDP load it unchanged. Shard-shaped state (Adam's moments) is
     gathered unit by unit like the parameters; other state (``step``) is taken as is.
     """
-    scheduler = get_scheduler(module)
+    view = ShardsView.of(module)
     keep = not rank0_only or _is_rank0()
-    owners = names.optimizer_owners(module)
+    owners = names.optimizer_owners(view)
     position = {
         id(p.sharded): i for i, p in enumerate(p for group in names.optimizer_params(optimizer, owners) for p in group)
     }
     per_param = {id(p): state for p, state in optimizer.state.items()}
     out_state: dict[int, dict[str, Any]] = {}
-    for unit in scheduler.units:
-        states = [per_param.get(id(p.sharded), {}) for p in unit.params]
-        keys = sorted({k for p, s in zip(unit.params, states) for k, v in s.items() if _shard_shaped(v, p)})
+    for unit, params in view.unit_params():
+        states = [per_param.get(id(p.sharded), {}) for p in params]
+        keys = sorted({k for p, s in zip(params, states) for k, v in s.items() if _shard_shaped(v, p)})
         for key in keys:  # a gather takes every parameter of the unit: zeros where one has no such state
             shards = [
-                s[key] if key in s else torch.zeros_like(p.sharded, dtype=torch.float32)
-                for p, s in zip(unit.params, states)
+                s[key] if key in s else torch.zeros_like(p.sharded, dtype=torch.float32) for p, s in zip(params, states)
             ]
-            for p, s, full in zip(unit.params, states, _gather_unit(unit, shards, keep)):
+            for p, s, full in zip(params, states, view.gather(unit, shards, keep)):
                 if key in s and id(p.sharded) in position:
                     out_state.setdefault(position[id(p.sharded)], {})[key] = full
         if keep:
-            for p, s in zip(unit.params, states):
+            for p, s in zip(params, states):
                 for key, value in s.items():
                     if key not in keys and id(p.sharded) in position:
                         entry = out_state.setdefault(position[id(p.sharded)], {})

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import zipfile
 from typing import Any
 
 import torch
@@ -121,3 +122,37 @@ def verify_files(folder: Location, checksums: dict[str, int], names: list[str]) 
         elif storage.crc32(path) != checksums[name]:
             problems.append(f"{path}: corrupted or truncated (CRC32 differs from key 'checksums.{name}')")
     return problems
+
+
+def refuse_to_replace(final: Location, state_dict_type: str) -> BaseException | None:
+    """The error a save to ``final`` must raise before writing anything, or None.
+
+    A save replaces only a checkpoint: a file torch wrote, or a folder holding a sharded
+    checkpoint (ours or Lightning FSDP's), or an empty folder (sharded only). A full save onto
+    another folder is Lightning's ``IsADirectoryError``; anything else is a ``FileExistsError``.
+    """
+    if not storage.exists(final):
+        return None
+    if storage.isdir(final):
+        if is_sharded_checkpoint(final):
+            return None
+        if state_dict_type == "full":
+            return IsADirectoryError(f"The checkpoint path exists and is a directory: {final}")
+        entries = storage.names(final)
+        if not entries:
+            return None
+        return FileExistsError(
+            f"{final} is a folder of other files ({entries[:5]}{' ...' if len(entries) > 5 else ''}), not a "
+            "checkpoint: a sharded save would mix with them. Save to another path"
+        )
+    if _is_torch_file(final):
+        return None
+    return FileExistsError(f"{final} exists and is not a checkpoint written by torch; it is not overwritten")
+
+
+def _is_torch_file(loc: Location) -> bool:
+    try:
+        with loc.fs.open(loc.path, "rb") as handle, zipfile.ZipFile(handle) as archive:
+            return any(name.endswith("data.pkl") for name in archive.namelist())
+    except (zipfile.BadZipFile, OSError):
+        return False

@@ -23,13 +23,8 @@ import torch
 from torch import nn
 
 from fsdp_strategy.checkpoint.layout import CheckpointError
-from fsdp_strategy.engine import get_scheduler
 from fsdp_strategy.engine.param import ShardedParam
-
-
-def shard_owners(module: nn.Module) -> dict[int, ShardedParam]:
-    """``id(sharded parameter) -> ShardedParam`` for every parameter of a sharded module."""
-    return {id(p.sharded): p for p in get_scheduler(module).sharded_params()}
+from fsdp_strategy.engine.view import ShardsView
 
 
 class WholeParam:
@@ -48,10 +43,12 @@ class WholeParam:
         return full
 
 
-def optimizer_owners(module: nn.Module) -> dict[int, ShardedParam | WholeParam]:
-    """``shard_owners`` plus the parameters of ignored modules, which optimizers hold too."""
-    owners: dict[int, ShardedParam | WholeParam] = dict(shard_owners(module))
-    owners.update({id(p): WholeParam(name, p) for name, p in get_scheduler(module).ignored_params.items()})
+def optimizer_owners(model: nn.Module | ShardsView) -> dict[int, ShardedParam | WholeParam]:
+    """``id(parameter) -> its ShardedParam`` for every sharded parameter, plus the parameters of
+    ignored modules (as ``WholeParam``), which optimizers hold too."""
+    view = ShardsView.of(model)
+    owners: dict[int, ShardedParam | WholeParam] = dict(view.by_id)
+    owners.update({id(p): WholeParam(name, p) for name, p in view.ignored_params.items()})
     return owners
 
 

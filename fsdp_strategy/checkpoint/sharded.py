@@ -36,28 +36,10 @@ from torch import nn
 from fsdp_strategy.checkpoint import layout, names, storage
 from fsdp_strategy.checkpoint.layout import CheckpointError
 from fsdp_strategy.checkpoint.storage import Location
-from fsdp_strategy.engine import Scheduler, collectives, get_scheduler
+from fsdp_strategy.engine import collectives
 from fsdp_strategy.engine.param import ShardedParam
-
-_MESH_ATTR = "_checkpoint_mesh"
-
-
-def shard_mesh(scheduler: Scheduler) -> tuple[Any, tuple] | None:
-    """The DeviceMesh and placements of the shards (None for a shard group of one)."""
-    if _MESH_ATTR not in scheduler.__dict__:
-        from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.tensor import Replicate, Shard
-
-        comm = scheduler.root_unit.shard_comm
-        device_type = scheduler.sharded_params()[0].sharded.device.type if scheduler.sharded_params() else "cpu"
-        if scheduler.device_mesh is not None:
-            info = (scheduler.device_mesh, (Replicate(), Shard(0)))
-        elif comm.size > 1:
-            info = (DeviceMesh.from_group(comm.group, device_type), (Shard(0),))
-        else:
-            info = None
-        scheduler.__dict__[_MESH_ATTR] = info
-    return scheduler.__dict__[_MESH_ATTR]
+from fsdp_strategy.engine.view import ShardsView
+from fsdp_strategy.engine.watchdog import Watchdog
 
 
 def checkpoint_view(
@@ -78,47 +60,44 @@ def checkpoint_view(
     return DTensor.from_local(rows[:real], mesh[0], mesh[1], run_check=False, shape=param.shape, stride=stride)
 
 
-def model_state(module: nn.Module) -> dict[str, torch.Tensor]:
+def model_state(model: nn.Module | ShardsView) -> dict[str, torch.Tensor]:
     """The model's state dict with every parameter as its shard's checkpoint view, and buffers in
     their saved dtype ([Note: buffers keep their dtype in checkpoints]: a copy where it differs)."""
-    scheduler = get_scheduler(module)
-    mesh = shard_mesh(scheduler)
-    by_id = {id(p.sharded): p for p in scheduler.sharded_params()}
-    dtypes = scheduler.saved_buffer_dtypes
+    view = ShardsView.of(model)
     state = {}
-    for name, value in module.state_dict(keep_vars=True).items():
-        param = by_id.get(id(value))
+    for name, value in view.module.state_dict(keep_vars=True).items():
+        param = view.by_id.get(id(value))
         if param is not None:
-            state[name] = checkpoint_view(param, param.sharded.detach(), mesh)
+            state[name] = checkpoint_view(param, param.sharded.detach(), view.mesh)
         else:
-            state[name] = value.detach().to(dtypes.get(name, value.dtype))
+            state[name] = value.detach().to(view.buffer_dtypes.get(name, value.dtype))
     return state
 
 
-def optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def optimizer_state(model: nn.Module | ShardsView, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """FSDP's sharded ``optim_state_dict`` layout: state keyed by name, shards as checkpoint views."""
-    owners, mesh = names.optimizer_owners(module), shard_mesh(get_scheduler(module))
+    view = ShardsView.of(model)
+    owners = names.optimizer_owners(view)
     state: dict[str, dict[str, Any]] = {}
     for group in names.optimizer_params(optimizer, owners):
         for param in group:
             for key, value in optimizer.state.get(param.sharded, {}).items():
                 shard_shaped = torch.is_tensor(value) and value.shape == param.sharded.shape
-                state.setdefault(param.fqn, {})[key] = checkpoint_view(param, value, mesh) if shard_shaped else value
+                local = checkpoint_view(param, value, view.mesh) if shard_shaped else value
+                state.setdefault(param.fqn, {})[key] = local
     return {"state": state, "param_groups": names.named_groups(optimizer, owners)}
 
 
-def plan(module: nn.Module) -> dict[str, Any]:
+def plan(model: nn.Module | ShardsView) -> dict[str, Any]:
     """Names, shapes, dtypes and units of the parameters, and the buffers: the sharding plan."""
-    scheduler = get_scheduler(module)
-    unit_of = {p.fqn: unit.name for unit in scheduler.units for p in unit.params}
-    by_id = names.shard_owners(module)
+    view = ShardsView.of(model)
     params, buffers = {}, {}
-    for name, value in module.state_dict(keep_vars=True).items():
-        param = by_id.get(id(value))
-        dtype = scheduler.saved_buffer_dtypes.get(name, value.dtype) if param is None else value.dtype
+    for name, value in view.module.state_dict(keep_vars=True).items():
+        param = view.by_id.get(id(value))
+        dtype = view.buffer_dtypes.get(name, value.dtype) if param is None else value.dtype
         entry = {"dtype": str(dtype).removeprefix("torch.")}
         if param is not None:
-            params[name] = {**entry, "shape": list(param.shape), "unit": unit_of[param.fqn], "fqn": param.fqn}
+            params[name] = {**entry, "shape": list(param.shape), "unit": view.unit_of[param.fqn], "fqn": param.fqn}
         else:
             buffers[name] = {**entry, "shape": list(value.shape)}
     return {"params": params, "buffers": buffers}
@@ -160,13 +139,16 @@ def write_dcp(folder: Location, state: dict, process_group: Any = None) -> None:
     dcp.save(state, storage_writer=dcp_writer(folder), planner=planner, process_group=process_group)
 
 
-def finish_folder(folder: Location, meta: dict, lightning_state: dict, process_group: Any = None) -> None:
-    """Checksum each rank's files, then rank 0 writes ``meta.pt`` and ``fsdp_meta.json``."""
+def finish_folder(
+    folder: Location, meta: dict, lightning_state: dict, process_group: Any = None, dog: Watchdog | None = None
+) -> None:
+    """Checksum each rank's files, then rank 0 writes ``meta.pt`` and ``fsdp_meta.json`` (the
+    gather of checksums watched by ``dog``)."""
     rank, _ = collectives.process_rank(process_group)
     mine = [n for n in storage.names(folder) if n.startswith(f"__{rank}_") and n.endswith(".distcp")]
     own = {name: storage.crc32(folder.child(name)) for name in mine}
     checksums = {}
-    for part in collectives.all_gather_objects(own, process_group):
+    for part in collectives.all_gather_objects(own, process_group, dog):
         checksums.update(part)
     if rank == 0:
         checksums[layout.DCP_METADATA] = storage.crc32(folder.child(layout.DCP_METADATA))
@@ -185,27 +167,27 @@ def _package_version() -> str:
         return "unknown"
 
 
-def build_meta(module: nn.Module) -> dict[str, Any]:
-    """The metadata of a checkpoint of ``module`` written now (see layout.py)."""
-    scheduler = get_scheduler(module)
-    unit = scheduler.root_unit
+def build_meta(model: nn.Module | ShardsView) -> dict[str, Any]:
+    """The metadata of a checkpoint of ``model`` written now (see layout.py)."""
+    view = ShardsView.of(model)
     return {
         "format_version": layout.FORMAT_VERSION,
         "package_version": _package_version(),
         "torch_version": torch.__version__,
         "world_size": collectives.process_rank()[1],
-        "shard_world_size": unit.shard_comm.size,
-        "replicate_world_size": unit.replicate_comm.size,
-        "sharding_strategy": scheduler.sharding_strategy.value,
-        "plan": plan(module),
+        "shard_world_size": view.shard_world,
+        "replicate_world_size": view.replicate_world,
+        "sharding_strategy": view.sharding_strategy.value,
+        "plan": plan(view),
     }
 
 
-def prepare_state(module: nn.Module, optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]:
+def prepare_state(model: nn.Module | ShardsView, optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]:
     """The tensors (and param groups) DCP writes ([Note: Lightning's sharded layout])."""
-    state: dict[str, Any] = {"model": model_state(module)}
+    view = ShardsView.of(model)
+    state: dict[str, Any] = {"model": model_state(view)}
     for index, optimizer in enumerate(optimizers):
-        state[f"optimizer_{index}"] = optimizer_state(module, optimizer)
+        state[f"optimizer_{index}"] = optimizer_state(view, optimizer)
     return state
 
 
@@ -219,14 +201,15 @@ def save_folder(
     """Write a complete sharded checkpoint into ``path`` (every rank writes only its shards);
     returns on every rank once the folder is complete (rank 0 writes its metadata last)."""
     folder = storage.locate(path)
-    write_dcp(folder, prepare_state(module, optimizers), process_group)
-    finish_folder(folder, build_meta(module), lightning_state, process_group)
-    collectives.barrier(process_group)
+    view = ShardsView.of(module)
+    write_dcp(folder, prepare_state(view, optimizers), process_group)
+    finish_folder(folder, build_meta(view), lightning_state, process_group, view.watchdog)
+    collectives.barrier(process_group, view.watchdog)
 
 
-def describe_resharding(meta: dict[str, Any] | None, module: nn.Module) -> str:
+def describe_resharding(meta: dict[str, Any] | None, model: nn.Module | ShardsView) -> str:
     """What differs between a checkpoint and the model it loads into, in one paragraph."""
-    now = build_meta(module)
+    now = build_meta(model)
     here = (
         f"loading at world size {now['world_size']} ({now['sharding_strategy']}, "
         f"{now['shard_world_size']} shards x {now['replicate_world_size']} replicas)."

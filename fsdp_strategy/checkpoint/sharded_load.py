@@ -15,12 +15,15 @@ from torch import nn
 
 from fsdp_strategy.checkpoint import layout, names, storage
 from fsdp_strategy.checkpoint.layout import CheckpointError
-from fsdp_strategy.checkpoint.sharded import checkpoint_view, dcp_reader, model_state, plan, shard_mesh, stored_tensors
+from fsdp_strategy.checkpoint.sharded import checkpoint_view, dcp_reader, model_state, plan, stored_tensors
 from fsdp_strategy.checkpoint.storage import Location
-from fsdp_strategy.engine import collectives, get_scheduler
+from fsdp_strategy.engine import collectives
+from fsdp_strategy.engine.view import ShardsView
 
 
-def check_compatible(folder: Location, saved: dict[str, tuple | None], module: nn.Module, strict: bool) -> None:
+def check_compatible(
+    folder: Location, saved: dict[str, tuple | None], module: nn.Module | ShardsView, strict: bool
+) -> None:
     """Missing or unexpected keys (with ``strict``) and shape mismatches, named with the folder and key.
 
     ``saved``: the checkpoint's model keys and their shapes (None for a non-tensor entry).
@@ -41,12 +44,13 @@ def check_compatible(folder: Location, saved: dict[str, tuple | None], module: n
             )
 
 
-def verify_folder(folder: Location, meta: dict, process_group: Any = None) -> None:
-    """Each rank checks a share of the files; any problem is raised on every rank."""
+def verify_folder(folder: Location, meta: dict, process_group: Any = None, dog: Any = None) -> None:
+    """Each rank checks a share of the files; any problem is raised on every rank (the gather of
+    problems watched by ``dog``)."""
     rank, world = collectives.process_rank(process_group)
     files = sorted(meta.get("checksums", {}))
     problems = layout.verify_files(folder, meta["checksums"], files[rank::world])
-    found = [p for part in collectives.all_gather_objects(problems, process_group) for p in part]
+    found = [p for part in collectives.all_gather_objects(problems, process_group, dog) for p in part]
     if found:
         raise CheckpointError("checkpoint is damaged: " + "; ".join(found))
 
@@ -102,14 +106,14 @@ def _nested(flat: dict[str, Any], paths: dict[str, tuple]) -> Any:
     return next(iter(rebuilt.values()))
 
 
-def _buffer_targets(module: nn.Module, state: dict[str, torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _buffer_targets(view: ShardsView, state: dict[str, torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(load target, buffer) for buffers saved in another dtype: copied back after the load."""
-    own = module.state_dict(keep_vars=True)
-    return [(state[name], own[name]) for name in get_scheduler(module).saved_buffer_dtypes if name in state]
+    own = view.module.state_dict(keep_vars=True)
+    return [(state[name], own[name]) for name in view.buffer_dtypes if name in state]
 
 
 def _optimizer_targets(
-    module: nn.Module,
+    view: ShardsView,
     optimizer: torch.optim.Optimizer,
     stored: _StoredKeys,
     state_keys: dict[tuple[str, str], str],
@@ -117,7 +121,7 @@ def _optimizer_targets(
 ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]]]:
     """(``flat key -> tensor DCP loads into``, ``name -> {state key -> this rank's tensor}``); a state
     for a parameter the optimizer does not hold is an error before anything is loaded."""
-    owners = names.optimizer_owners(module)
+    owners = names.optimizer_owners(view)
     by_fqn = {p.fqn: p for p in owners.values()}
     unknown = sorted({fqn for fqn, _ in state_keys} - set(by_fqn))
     if unknown:
@@ -126,7 +130,7 @@ def _optimizer_targets(
     unheld = sorted({fqn for fqn, _ in state_keys} - held)
     if unheld:
         raise CheckpointError(f"{where}: optimizer state for parameters the optimizer does not hold: {unheld}")
-    mesh = shard_mesh(get_scheduler(module))
+    mesh = view.mesh
     flat, local_state = {}, {}
     for (fqn, key), flat_key in state_keys.items():
         param, size, dtype = by_fqn[fqn], stored.sizes[flat_key], stored.dtypes[flat_key]
@@ -175,7 +179,7 @@ def read_rest(folder: Location, meta: dict[str, Any] | None, weights_only: bool 
 
 def load_tensors(
     folder: Location,
-    module: nn.Module,
+    module: nn.Module | ShardsView,
     optimizers: list[torch.optim.Optimizer],
     rest: dict[str, Any],
     strict: bool = True,
@@ -185,23 +189,24 @@ def load_tensors(
     """Load a folder's model (and optimizer) tensors into the shards (``rest``: its ``read_rest``;
     format 1 keeps the param groups there)."""
     version = meta["format_version"] if meta is not None else layout.FORMAT_VERSION
+    view = ShardsView.of(module)
     if meta is not None:
-        verify_folder(folder, meta, process_group)
+        verify_folder(folder, meta, process_group, view.watchdog)
     stored = _StoredKeys(folder)
     model_keys = stored.model()
-    check_compatible(folder, {name: stored.sizes[key] for name, key in model_keys.items()}, module, strict)
+    check_compatible(folder, {name: stored.sizes[key] for name, key in model_keys.items()}, view, strict)
     legacy_groups = rest.pop("optimizer_groups", [])
     rest.pop("optimizer_layouts", None)
     saved_count = len({path[0] for path in stored.paths.values() if path[0].startswith("optimizer_")})
     if optimizers and saved_count not in (0, len(optimizers)):
         raise CheckpointError(f"{folder}: holds {saved_count} optimizers, the model configures {len(optimizers)}")
-    model = model_state(module)
+    model = model_state(view)
     flat = {model_keys[name]: value for name, value in model.items() if name in model_keys}
-    buffers = _buffer_targets(module, {name: value for name, value in model.items() if name in model_keys})
+    buffers = _buffer_targets(view, {name: value for name, value in model.items() if name in model_keys})
     loaded = []
     for index in range(len(optimizers) if saved_count else 0):
         state_keys, group_paths = stored.optimizer(index, version)
-        targets, local_state = _optimizer_targets(module, optimizers[index], stored, state_keys, folder)
+        targets, local_state = _optimizer_targets(view, optimizers[index], stored, state_keys, folder)
         flat.update(targets)
         flat.update(_object_targets(stored, group_paths))
         loaded.append((local_state, state_keys, group_paths, targets))
@@ -212,8 +217,8 @@ def load_tensors(
         raise CheckpointError(f"{folder}: reading the shard files failed ({'; '.join(causes)})") from None
     for target, buffer in buffers:
         buffer.data.copy_(target)
-    _clear_scalar_padding(module)
-    owners = names.optimizer_owners(module)
+    _clear_scalar_padding(view)
+    owners = names.optimizer_owners(view)
     for index, (optimizer, (local_state, state_keys, group_paths, targets)) in enumerate(zip(optimizers, loaded)):
         for (fqn, key), flat_key in state_keys.items():
             if targets[flat_key] is None:
@@ -222,8 +227,8 @@ def load_tensors(
         names.load_state(optimizer, owners, {"state": local_state, "param_groups": groups}, folder, cut_rows=False)
 
 
-def _clear_scalar_padding(module: nn.Module) -> None:
+def _clear_scalar_padding(view: ShardsView) -> None:
     """A 0-dim parameter was loaded on every rank; only shard rank 0 keeps it."""
-    for param in get_scheduler(module).sharded_params():
+    for param in view.params:
         if param.shape == torch.Size([]) and param.shard_rank != 0:
             param.sharded.data.zero_()

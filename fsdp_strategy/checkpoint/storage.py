@@ -10,7 +10,7 @@ file is replaced by one atomic ``rename``, a folder is swapped with the new one 
 ``renameat2(RENAME_EXCHANGE)`` (Linux); elsewhere (other systems, object stores) the old one is
 first renamed to ``STEM.replaced-<id>SUFFIX`` (``last.replaced-1f2e.ckpt``: still found by
 ``ckpt_path="last"``, and older than the new one) and deleted once the new one is in place.
-A save never deletes what is not a checkpoint: see ``refuse_to_replace``. A save killed midway
+A save never deletes what is not a checkpoint: see ``layout.refuse_to_replace``. A save killed midway
 (a rank or the whole job) leaves only its hidden temporary, which the next commit of the same
 name removes.
 """
@@ -21,7 +21,6 @@ import ctypes
 import logging
 import os
 import uuid
-import zipfile
 import zlib
 from pathlib import PurePosixPath
 from typing import Any, NamedTuple
@@ -116,42 +115,6 @@ def crc32(loc: Location, chunk: int = 1 << 20) -> int:
 def temporary(final: Location) -> Location:
     """A fresh hidden name next to ``final`` for writing before the commit."""
     return final.sibling(f".{final.name}.tmp-{uuid.uuid4().hex[:12]}")
-
-
-def refuse_to_replace(final: Location, state_dict_type: str) -> BaseException | None:
-    """The error a save to ``final`` must raise before writing anything, or None.
-
-    A save replaces only a checkpoint: a file torch wrote, or a folder holding a sharded
-    checkpoint (ours or Lightning FSDP's), or an empty folder (sharded only). A full save onto
-    another folder is Lightning's ``IsADirectoryError``; anything else is a ``FileExistsError``.
-    """
-    from fsdp_strategy.checkpoint import layout
-
-    if not exists(final):
-        return None
-    if isdir(final):
-        if layout.is_sharded_checkpoint(final):
-            return None
-        if state_dict_type == "full":
-            return IsADirectoryError(f"The checkpoint path exists and is a directory: {final}")
-        entries = names(final)
-        if not entries:
-            return None
-        return FileExistsError(
-            f"{final} is a folder of other files ({entries[:5]}{' ...' if len(entries) > 5 else ''}), not a "
-            "checkpoint: a sharded save would mix with them. Save to another path"
-        )
-    if _is_torch_file(final):
-        return None
-    return FileExistsError(f"{final} exists and is not a checkpoint written by torch; it is not overwritten")
-
-
-def _is_torch_file(loc: Location) -> bool:
-    try:
-        with loc.fs.open(loc.path, "rb") as handle, zipfile.ZipFile(handle) as archive:
-            return any(name.endswith("data.pkl") for name in archive.namelist())
-    except (zipfile.BadZipFile, OSError):
-        return False
 
 
 def commit(temporary: Location, final: Location) -> None:

@@ -24,6 +24,7 @@ from fsdp_strategy.checkpoint import sharded, storage
 from fsdp_strategy.checkpoint.layout import CheckpointSaveError
 from fsdp_strategy.checkpoint.storage import Location
 from fsdp_strategy.engine import collectives
+from fsdp_strategy.engine.view import ShardsView
 
 log = logging.getLogger(__name__)
 Where = str | os.PathLike | Location
@@ -38,6 +39,7 @@ class CheckpointWriter:
 
     def __init__(self, async_save: bool = False) -> None:
         self.async_save = async_save
+        self.watchdog: Any = None  # the strategy's: watches the agreements of a save ([Note: watchdog])
         self._group: Any = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -68,8 +70,8 @@ class CheckpointWriter:
                     raise PermissionError(f"the checkpoint IO wrote nothing at {temporary} (a read-only directory?)")
             except Exception as caught:  # a full disk, a lost bucket: every rank must hear of it
                 error = caught
-        _agree(error, final, temporary)
-        _commit(temporary, final)
+        _agree(error, final, temporary, None, self.watchdog)
+        _commit(temporary, final, None, self.watchdog)
 
     def save_sharded(
         self,
@@ -88,20 +90,21 @@ class CheckpointWriter:
         error, state = None, None
         try:  # what one rank may fail at alone, agreed before DCP's collectives begin
             storage.makedirs(temporary)
-            state = {**sharded.prepare_state(module, optimizers), **(extra_tensors or {})}
+            view = ShardsView.of(module)  # read once for the whole save
+            state = {**sharded.prepare_state(view, optimizers), **(extra_tensors or {})}
         except Exception as caught:
             error = caught
-        _agree(error, final, temporary)
+        _agree(error, final, temporary, None, self.watchdog)
         if not self.async_save:
             try:
                 sharded.write_dcp(temporary, state)
-                sharded.finish_folder(temporary, sharded.build_meta(module), lightning_state)
+                sharded.finish_folder(temporary, sharded.build_meta(view), lightning_state, None, self.watchdog)
             except (Exception, dcp.CheckpointException) as caught:
                 error = caught
-            _agree(error, final, temporary)
-            _commit(temporary, final)
+            _agree(error, final, temporary, None, self.watchdog)
+            _commit(temporary, final, None, self.watchdog)
             return
-        meta = sharded.build_meta(module)
+        meta = sharded.build_meta(view)
         extra = copy.deepcopy(lightning_state)
         planner = dcp.DefaultSavePlanner(dedup_save_to_lowest_rank=True)
         future = dcp.async_save(
@@ -139,13 +142,15 @@ class CheckpointWriter:
         self._group = None
 
 
-def _agree(error: BaseException | None, final: Location, temporary: Location, group: Any = None) -> None:
+def _agree(
+    error: BaseException | None, final: Location, temporary: Location, group: Any = None, dog: Any = None
+) -> None:
     """Every rank learns whether any rank failed to write (one all-gather, so no rank is left
     waiting in a barrier); on a failure the partial checkpoint is removed and every rank raises
     ``CheckpointSaveError`` naming the ranks and causes. The previous checkpoint is untouched."""
     rank, _ = collectives.process_rank(group)
     causes: dict[int, str] = {}
-    for report in collectives.all_gather_objects(None if error is None else _causes(error, rank), group):
+    for report in collectives.all_gather_objects(None if error is None else _causes(error, rank), group, dog):
         causes.update(report or {})
     if not causes:
         return
@@ -158,7 +163,7 @@ def _agree(error: BaseException | None, final: Location, temporary: Location, gr
     ) from error
 
 
-def _commit(temporary: Location, final: Location, group: Any = None) -> None:
+def _commit(temporary: Location, final: Location, group: Any = None, dog: Any = None) -> None:
     """Rank 0 moves the checkpoint to its final name; every rank learns whether it could (a
     read-only directory fails here) and raises ``CheckpointSaveError`` if not."""
     error = None
@@ -167,7 +172,7 @@ def _commit(temporary: Location, final: Location, group: Any = None) -> None:
             storage.commit(temporary, final)
         except Exception as caught:
             error = caught
-    _agree(error, final, temporary, group)
+    _agree(error, final, temporary, group, dog)
 
 
 def _causes(error: BaseException, rank: int) -> dict[int, str]:

@@ -2,7 +2,8 @@
 
 [Note: flight recorder]
 Every collective the engine issues, and every barrier or broadcast the strategy runs for
-Lightning, appends a ``CollectiveRecord`` to one ring per process (like NCCL's flight recorder):
+Lightning, appends a ``CollectiveRecord`` to a ring (like NCCL's flight recorder), the
+watchdog's (one per job run, shared by the models it watches) or an engine's own without one:
 sequence number (from 1, per process), kind, unit, dtype, bytes, iteration, issue and end time.
 Ranks that run one program issue one sequence, so comparing the rings names where they parted;
 the watchdog (watchdog.py) does that when a wait fails, outlives ``collective_timeout``, or a
@@ -70,7 +71,7 @@ class CollectiveRecord:
 
 
 class FlightRecorder:
-    """The process-wide ring of ``CollectiveRecord`` ([Note: flight recorder])."""
+    """A ring of ``CollectiveRecord`` ([Note: flight recorder])."""
 
     def __init__(self, size: int = RING_SIZE) -> None:
         self.ring: deque[CollectiveRecord] = deque(maxlen=size)
@@ -106,9 +107,6 @@ class FlightRecorder:
         else:
             records = []
         return [record.as_dict() for record in records[-last if last else 0 :]]
-
-
-RECORDER = FlightRecorder()
 
 
 class Stamp:

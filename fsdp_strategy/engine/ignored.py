@@ -15,7 +15,6 @@ import warnings
 from collections.abc import Iterable
 from typing import NamedTuple
 
-import torch
 from torch import nn
 
 
@@ -63,12 +62,3 @@ def find_ignored(root: nn.Module, ignored_modules: Iterable[nn.Module] | None) -
             stacklevel=3,
         )
     return Ignored(roots, module_ids, params)
-
-
-def local_grad_norm(params: Iterable[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
-    """This rank's norm term of ignored parameters' gradients (``sum |g|^p``, or ``max |g|`` for inf)."""
-    grads = [p.grad.detach() for p in params if p.grad is not None]
-    if not grads:
-        return torch.zeros((), dtype=torch.float32, device=device)
-    norms = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float32).to(device) for g in grads])
-    return norms.max() if norm_type == float("inf") else norms.pow(norm_type).sum()

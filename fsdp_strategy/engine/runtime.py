@@ -63,14 +63,13 @@ from typing import Any
 import torch
 import torch._dynamo
 from torch import nn
+from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 from torch.utils._pytree import tree_map
 
 from fsdp_strategy.config import BackwardPrefetch, MixedPrecision, ShardingStrategy
 from fsdp_strategy.engine import collectives
 from fsdp_strategy.engine.accounting import MemoryAccount
-from fsdp_strategy.engine.collectives import CommLedger
-from fsdp_strategy.engine.flight import RECORDER
-from fsdp_strategy.engine.ignored import local_grad_norm
+from fsdp_strategy.engine.collectives import CommContext
 from fsdp_strategy.engine.iteration import BackwardPass, PostBackward, autograd_running
 from fsdp_strategy.engine.optimizer_steps import OptimizerSteps
 from fsdp_strategy.engine.order import ExecutionOrder, Prefetch
@@ -95,7 +94,7 @@ class Scheduler:
         units: list[FSDPUnit],
         sharding_strategy: ShardingStrategy,
         mixed_precision: MixedPrecision,
-        ledger: CommLedger,
+        comm: CommContext,
         memory: MemoryAccount,
         device: torch.device,
         device_mesh: Any = None,
@@ -107,10 +106,11 @@ class Scheduler:
         self.root_unit = units[0]
         self.sharding_strategy = sharding_strategy
         self.mixed_precision = mixed_precision
-        self.ledger = ledger
+        self.comm = comm  # [Note: flight recorder]: the engine counts iterations in comm.recorder
+        self.ledger = comm.ledger
+        self.owned_watchdog: Any = None  # a watchdog shard_model started for this model alone, closed with it
         self.memory = memory
         self.device = device
-        self.recorder = RECORDER  # [Note: flight recorder]: the engine counts iterations there
         # [Note: buffers keep their dtype in checkpoints] state-dict name -> dtype before buffer_dtype cast it
         self.saved_buffer_dtypes: dict[str, torch.dtype] = {}
         self.ignored_params: dict[str, nn.Parameter] = {}  # [Note: ignored modules] in ignored.py
@@ -285,7 +285,7 @@ class Scheduler:
             log.warning("fsdp_custom: the previous iteration did not finish (an exception in backward?); resetting")
             self.reset()
         self._backwards_in_iteration = 0
-        self.recorder.iteration += 1
+        self.comm.recorder.iteration += 1
         self._forward_phase = ("forward", torch.is_grad_enabled())
         self._order.start(self._forward_phase)
         dtype = self.mixed_precision.param_dtype
@@ -383,7 +383,7 @@ class Scheduler:
         Nothing is done after a ``CollectiveError``: the collectives cannot finish, and the
         process ends ([Note: watchdog]).
         """
-        if collectives.wedged():
+        if self.comm.wedged():
             return
         while self._pending_reduces:
             pending = self._pending_reduces.popleft()
@@ -399,6 +399,20 @@ class Scheduler:
         self._ran_forward.clear()
         self._forward_phase = None
         self._order.discard()
+
+    def close(self) -> None:
+        """Release what this engine instance holds outside the model: the optimizer-step hooks, the
+        exchange thread, and a watchdog ``shard_model`` started for it. The model stays sharded
+        and runs again after ``open``. Costs: joins the threads (bounded)."""
+        self.optimizer_steps.close()
+        self.comm.close()
+        if self.owned_watchdog is not None:
+            self.owned_watchdog.close()
+            self.owned_watchdog = None
+
+    def open(self) -> None:
+        """Install the optimizer-step hooks again after ``close`` (the strategy, at each setup)."""
+        self.optimizer_steps.open()
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -439,33 +453,28 @@ class Scheduler:
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, parameters: Iterable[torch.Tensor] | None = None
     ) -> torch.Tensor:
-        """Clip sharded gradients by their global norm over all ranks (one all-reduce).
+        """Clip sharded gradients by their global norm over all ranks: torch's ``get_total_norm`` on
+        this rank's shards, one all-reduce, torch's ``clip_grads_with_norm_``.
 
         ``parameters``: the sharded parameters to clip together (e.g. one optimizer's); default
         all. Replicas (NO_SHARD, HYBRID_SHARD) hold the same shard, so the norm is reduced over
         the shard group only. Returns the total norm before clipping, as ``clip_grad_norm_`` does.
         """
         chosen = None if parameters is None else {id(p) for p in parameters}
-        params = [p for p in self.sharded_params() if chosen is None or id(p.sharded) in chosen]
-        grads = [p.sharded.grad.detach() for p in params if p.sharded.grad is not None]
+        shards = [p.sharded for p in self.sharded_params() if chosen is None or id(p.sharded) in chosen]
         ignored = [p for p in self.ignored_params.values() if chosen is None or id(p) in chosen]
         norm_type = float(norm_type)
         infinite = norm_type == float("inf")
-        if grads:
-            norms = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads])
-            local = norms.max() if infinite else norms.pow(norm_type).sum()
-        else:
-            local = torch.zeros((), dtype=torch.float32)
-        total = local.to(self.device, copy=True)
-        op = "max" if infinite else "sum"
-        collectives.all_reduce(total, self.root_unit.shard_comm, self.ledger, "clip_grad_norm", op=op).wait()
-        if ignored:  # this rank's own, as FSDP1 counts parameters it does not manage
-            own = local_grad_norm(ignored, norm_type, total.device)
-            total = torch.maximum(total, own) if infinite else total + own
-            grads += [p.grad.detach() for p in ignored if p.grad is not None]
+        local = get_total_norm([p.grad for p in shards if p.grad is not None], norm_type)
+        total = (local if infinite else local.pow(norm_type)).to(self.device, torch.float32, copy=True)
+        collectives.all_reduce(
+            total, self.root_unit.shard_comm, self.comm, "clip_grad_norm", op="max" if infinite else "sum"
+        ).wait()
+        own = [p.grad for p in ignored if p.grad is not None]
+        if own:  # this rank's own, as FSDP1 counts parameters it does not manage
+            term = get_total_norm(own, norm_type).to(total)
+            total = torch.maximum(total, term) if infinite else total + term.pow(norm_type)
         if not infinite:
             total = total.pow(1.0 / norm_type)
-        clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for grad in grads:
-            grad.mul_(clip_coef.to(grad.device, grad.dtype))
+        clip_grads_with_norm_([*shards, *ignored], max_norm, total)
         return total

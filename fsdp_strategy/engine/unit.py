@@ -45,7 +45,7 @@ from torch import nn
 
 from fsdp_strategy.engine import collectives
 from fsdp_strategy.engine.accounting import MemoryAccount
-from fsdp_strategy.engine.collectives import CommGroup, CommLedger, Pending
+from fsdp_strategy.engine.collectives import CommContext, CommGroup, Pending
 from fsdp_strategy.engine.param import ShardedParam
 from fsdp_strategy.engine.trace import span
 
@@ -65,7 +65,7 @@ class UnitContext(NamedTuple):
     replicate_comm: CommGroup  # the group its shards are replicated over (HYBRID_SHARD, NO_SHARD)
     reduce_dtype: torch.dtype | None  # gradient reduction dtype; None: the shard's dtype
     device: torch.device  # where full parameters and collectives live
-    ledger: CommLedger  # counts every collective
+    comm: CommContext  # the engine's collectives' ledger, recorder, watchdog and exchange
     memory: MemoryAccount  # counts the buffers gathering and reducing allocate
     stamp_slots: int = 0  # elements per rank each collective carries for its order stamp ([Note: order stamps])
 
@@ -118,7 +118,8 @@ class FSDPUnit:
         self.shard_comm = context.shard_comm
         self.replicate_comm = context.replicate_comm
         self.device = context.device
-        self.ledger = context.ledger
+        self.comm = context.comm
+        self.ledger = context.comm.ledger
         self.memory = context.memory
         self.state = ShardedState.SHARDED
         self.exposed = False  # gathered where user code may change it ([Note: edits while gathered])
@@ -151,7 +152,7 @@ class FSDPUnit:
             torch._foreach_copy_(pieces, [s.detach().reshape(-1) for s in shards])
         self.ledger.record_copy("gather_copy_in", total * gathered.element_size())
         stamped = self._stamp_slots > 0
-        work = collectives.all_gather(gathered.view(-1), flat_shard, self.shard_comm, self.ledger, self.name, stamped)
+        work = collectives.all_gather(gathered.view(-1), flat_shard, self.shard_comm, self.comm, self.name, stamped)
         return GatherInFlight(work, gathered, gathered.numel() * gathered.element_size())
 
     def _columns(self, gathered: torch.Tensor) -> torch.Tensor:
@@ -320,12 +321,12 @@ class FSDPUnit:
                 flat[:, total + index].zero_()
         if world == 1:
             output = flat.view(-1)
-            work = collectives.all_reduce(output, self.replicate_comm, self.ledger, self.name, stamped=stamp > 0)
+            work = collectives.all_reduce(output, self.replicate_comm, self.comm, self.name, stamped=stamp > 0)
             nbytes = flat.numel() * flat.element_size()
         else:
             output = flat.new_empty(total + len(params) + stamp)
-            work = collectives.reduce_scatter(output, flat.view(-1), self.shard_comm, self.ledger, self.name, stamp > 0)
-            scratch = collectives.reduce_scatter_scratch_numel(output, self.shard_comm)
+            work = collectives.reduce_scatter(output, flat.view(-1), self.shard_comm, self.comm, self.name, stamp > 0)
+            scratch = collectives.reduce_scatter_scratch_numel(output, self.shard_comm, self.comm)
             nbytes = (flat.numel() + output.numel() + scratch) * flat.element_size()
         pending = PendingReduce(self, work, flat, output, params)
         pending.used, pending.nbytes = used, nbytes
@@ -337,7 +338,7 @@ class FSDPUnit:
         shards of the parameters this rank used; return the others for a later decision."""
         if self.shard_comm.size > 1:
             stamped = self._stamp_slots > 0
-            collectives.all_reduce(output, self.replicate_comm, self.ledger, self.name, stamped=stamped).wait()
+            collectives.all_reduce(output, self.replicate_comm, self.comm, self.name, stamped=stamped).wait()
         with span("reduce_apply"):
             total = output.numel() - len(params) - self._stamp_slots
             grads, flags = output[:total], output[total : total + len(params)]

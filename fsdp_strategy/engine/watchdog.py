@@ -58,7 +58,7 @@ import torch.distributed as dist
 from fsdp_strategy.engine import diagnosis
 from fsdp_strategy.engine.channel import StoreChannel, StoreLost
 from fsdp_strategy.engine.diagnosis import Peer, PeerState, first_line
-from fsdp_strategy.engine.flight import RECORDER, CollectiveRecord, FlightRecorder
+from fsdp_strategy.engine.flight import CollectiveRecord, FlightRecorder
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +148,7 @@ class Watchdog:
         self._watched: deque[CollectiveRecord] = deque()  # NCCL / blocking records the thread watches
         self._unverified: deque[tuple[CollectiveRecord, torch.Tensor, Any]] = deque()  # CUDA stamp checks
         self._stop = threading.Event()
+        self._previous_excepthook = sys.excepthook
         try:
             channel.set(f"peer/{rank}", json.dumps(self.identity))
         except StoreLost:
@@ -434,6 +435,53 @@ class Watchdog:
         )
         self._end_after(f"{self.abort}; this rank issued no collective for {limit:g} s after it", limit)
 
+    # ---- life ---------------------------------------------------------------------------
+
+    @classmethod
+    def start(
+        cls, collective_timeout: float | None = None, node: int | None = None, report_uncaught: bool = True
+    ) -> Watchdog | None:
+        """Start a watchdog of the default process group (None without a group of two ranks or
+        more). Every rank starts it at the same point; the caller owns it and ``close``s it.
+        ``collective_timeout``: None for the group's own timeout. ``report_uncaught``: publish an
+        uncaught exception of this process (``sys.excepthook``, until ``close``)."""
+        if not dist.is_initialized() or dist.get_world_size() < 2:
+            return None
+        store = dist.distributed_c10d._get_default_store()
+        rank = dist.get_rank()
+        count = store.add(f"fsdp_custom/watchdog/starts/{rank}", 1)  # the k-th start of every rank: k
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # an elastic restart keeps the agent's store
+        channel = StoreChannel.connect(store, f"fsdp_custom/watchdog/{restart}/{count}/")
+        if node is None:
+            node = int(os.environ.get("GROUP_RANK") or os.environ.get("NODE_RANK") or 0)
+        dog = cls(channel, rank, dist.get_world_size(), node, limits_for(collective_timeout), FlightRecorder())
+        if report_uncaught:
+            dog._previous_excepthook, sys.excepthook = sys.excepthook, dog._report_uncaught
+        atexit.register(dog._at_exit)
+        return dog
+
+    def close(self) -> None:
+        """Stop the thread and remove what ``start`` installed; after a failure the exit hook stays:
+        it ends the wedged process at interpreter exit ([Note: watchdog])."""
+        self.stop()
+        self._thread.join(timeout=10.0)
+        if sys.excepthook == self._report_uncaught:
+            sys.excepthook = self._previous_excepthook
+        if self.error is None:
+            atexit.unregister(self._at_exit)
+
+    def _at_exit(self) -> None:
+        """End a wedged process at once; otherwise stop the thread before the interpreter tears down
+        what its store calls use (a thread left running can abort the exit in C++)."""
+        if self.error is not None:
+            _flush_and_exit()
+        self.stop()
+        self._thread.join(timeout=10.0)
+
+    def _report_uncaught(self, kind: type, error: BaseException, traceback: Any) -> None:
+        self.report_exception(error)
+        self._previous_excepthook(kind, error, traceback)
+
     @staticmethod
     def _end(reason: Any) -> NoReturn:
         sys.stderr.write(f"fsdp_custom: ending this process: {reason}\n")
@@ -467,66 +515,3 @@ def enable_nccl_flight_recorder() -> None:
     Must run before the NCCL process group is created. Costs: torch's ring of 2,000 entries."""
     os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
     os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
-
-
-_ACTIVE: Watchdog | None = None
-_ACTIVE_GROUP: Any = None
-_STARTS = 0
-
-
-def active() -> Watchdog | None:
-    """The watchdog of the current default process group, if one runs."""
-    if _ACTIVE is not None and dist.is_initialized() and dist.group.WORLD is _ACTIVE_GROUP:
-        return _ACTIVE
-    return None
-
-
-def start(collective_timeout: float | None = None, node: int | None = None, fresh: bool = False) -> Watchdog | None:
-    """Start the watchdog of the default process group (once per group; later calls may only
-    change ``collective_timeout``, None meaning the group's own timeout). ``fresh``: start a new
-    one whatever runs (every rank must pass it at the same point: the Lightning strategy does at
-    each run's setup, so a failure that a script caught and went on from is not reported
-    again). Nothing without a group of two ranks or more."""
-    global _ACTIVE, _ACTIVE_GROUP, _STARTS, _previous_excepthook
-    running = active()
-    if running is not None and not (fresh and running.error is None):
-        running.limits = limits_for(collective_timeout)
-        return running
-    if not dist.is_initialized() or dist.get_world_size() < 2:
-        return None
-    if _ACTIVE is not None:
-        _ACTIVE.stop()
-    if _STARTS == 0:  # once per process: end a wedged process at exit, report uncaught exceptions
-        atexit.register(_at_exit)
-        _previous_excepthook, sys.excepthook = sys.excepthook, _report_uncaught
-    _STARTS += 1
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # an elastic restart keeps the agent's store
-    prefix = f"fsdp_custom/watchdog/{restart}/{_STARTS}/"
-    channel = StoreChannel.connect(dist.distributed_c10d._get_default_store(), prefix)
-    if node is None:
-        node = int(os.environ.get("GROUP_RANK") or os.environ.get("NODE_RANK") or 0)
-    limits = limits_for(collective_timeout)
-    _ACTIVE = Watchdog(channel, dist.get_rank(), dist.get_world_size(), node, limits, RECORDER)
-    _ACTIVE_GROUP = dist.group.WORLD
-    return _ACTIVE
-
-
-def _at_exit() -> None:
-    """End a wedged process at once; otherwise stop the thread before the interpreter tears down
-    what its store calls use (a thread left running can abort the exit in C++)."""
-    if _ACTIVE is None:
-        return
-    if _ACTIVE.error is not None:
-        _flush_and_exit()
-    _ACTIVE.stop()
-    _ACTIVE._thread.join(timeout=10.0)
-
-
-def _report_uncaught(kind: type, error: BaseException, traceback: Any) -> None:
-    watchdog = active()
-    if watchdog is not None:
-        watchdog.report_exception(error)
-    _previous_excepthook(kind, error, traceback)
-
-
-_previous_excepthook = sys.excepthook

@@ -1,0 +1,70 @@
+"""ShardsView: what checkpoints read of a sharded model, in one small read-only object.
+
+The checkpoint package never looks the Scheduler up or reads its internals: a save or a load
+takes one view (``ShardsView.of(module)``) and reads the shards through it: their names,
+layouts and this rank's rows, the buffers' saved dtypes, the parameters left whole, the device
+mesh a DTensor of a shard lives on, and the watchdog that watches the checkpoint's own
+agreements. ``gather`` is the one engine operation it offers (a collective per unit).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from fsdp_strategy.engine.param import ShardedParam
+from fsdp_strategy.engine.unit import FSDPUnit
+
+
+class ShardsView:
+    """A sharded model as checkpoints see it. Costs: building the id map and the mesh, once."""
+
+    def __init__(self, module: nn.Module, scheduler: Any) -> None:
+        self.module = module
+        self._units: tuple[FSDPUnit, ...] = tuple(scheduler.units)
+        self.unit_names: tuple[str, ...] = tuple(unit.name for unit in self._units)
+        self.params: tuple[ShardedParam, ...] = tuple(p for unit in self._units for p in unit.params)
+        self.by_id: dict[int, ShardedParam] = {id(p.sharded): p for p in self.params}
+        self.unit_of: dict[str, str] = {p.fqn: unit.name for unit in self._units for p in unit.params}
+        self.ignored_params: dict[str, nn.Parameter] = dict(scheduler.ignored_params)
+        self.buffer_dtypes: dict[str, torch.dtype] = dict(scheduler.saved_buffer_dtypes)
+        self.sharding_strategy = scheduler.sharding_strategy
+        root = self._units[0]
+        self.shard_world, self.replicate_world = root.shard_comm.size, root.replicate_comm.size
+        self.watchdog = scheduler.comm.watchdog
+        self.mesh = _mesh(root, self.params, scheduler.device_mesh)
+
+    @classmethod
+    def of(cls, model: nn.Module | ShardsView) -> ShardsView:
+        """The view of a model ``shard_model`` sharded (a view is returned as it is, so a save that
+        passes one down builds it once)."""
+        if isinstance(model, ShardsView):
+            return model
+        from fsdp_strategy.engine import get_scheduler
+
+        return cls(model, get_scheduler(model))
+
+    def unit_params(self) -> list[tuple[str, tuple[ShardedParam, ...]]]:
+        """``(unit name, its parameters)`` in unit order."""
+        return [(unit.name, tuple(unit.params)) for unit in self._units]
+
+    def gather(self, unit_name: str, shards: list[torch.Tensor], keep: bool = True) -> list[torch.Tensor]:
+        """All-gather one shard-shaped tensor per parameter of a unit into full tensors (on the CPU);
+        with ``keep=False`` this rank only contributes. A collective: every rank calls it."""
+        unit = self._units[self.unit_names.index(unit_name)]
+        return [full.to("cpu") for full in unit.gather_full(shards, keep=keep)]
+
+
+def _mesh(root: FSDPUnit, params: tuple[ShardedParam, ...], device_mesh: Any) -> tuple[Any, tuple] | None:
+    """The DeviceMesh and placements of the shards (None for a shard group of one)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Replicate, Shard
+
+    if device_mesh is not None:
+        return device_mesh, (Replicate(), Shard(0))
+    if root.shard_comm.size > 1:
+        device_type = params[0].sharded.device.type if params else "cpu"
+        return DeviceMesh.from_group(root.shard_comm.group, device_type), (Shard(0),)
+    return None
