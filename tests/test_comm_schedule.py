@@ -49,8 +49,7 @@ def _engine_bytes(scheduler) -> int:
     for unit in scheduler.units:
         if unit._gather is not None:
             tensors.append(unit._gather.gathered)
-    for pending in scheduler._pending_reduces:
-        tensors += [pending.output, pending.flat]
+    tensors += scheduler.reductions.buffers()
     return _storage_bytes(tensors)
 
 

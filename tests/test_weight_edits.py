@@ -167,7 +167,51 @@ class Toggle(Pattern):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-PATTERNS = {"gan": GAN, "two_steps": TwoSteps, "wgan_clip": WGANClip, "ema": EMA, "moco": MoCo, "toggle": Toggle}
+class ClampLinear(nn.Linear):
+    """A layer that clips its own weight in its forward, through ``.data`` (no trace left)."""
+
+    def forward(self, x):
+        self.weight.data.clamp_(-0.2, 0.2)
+        return super().forward(x)
+
+
+class ClampInForward(Pattern):
+    """The clipping happens inside the critic's own forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.critic[1] = ClampLinear(DIM, 1)
+
+    def training_step(self, batch, batch_idx):
+        noise, real = batch
+        loss = self.critic_loss(noise, real)
+        self.losses.append(loss.detach().reshape(1))
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+class EditThenCall(ClampInForward):
+    """A weight scaled in place (no grad) in training_step right before its module runs: a gather
+    issued ahead of the call (prefetch) must not hand the module the old values."""
+
+    def training_step(self, batch, batch_idx):
+        with torch.no_grad():
+            self.critic[1].weight.mul_(0.9)
+        return super().training_step(batch, batch_idx)
+
+
+PATTERNS = {
+    "gan": GAN,
+    "two_steps": TwoSteps,
+    "wgan_clip": WGANClip,
+    "ema": EMA,
+    "moco": MoCo,
+    "toggle": Toggle,
+    "clamp_in_forward": ClampInForward,
+    "edit_then_call": EditThenCall,
+}
 
 
 def _data(world: int) -> TensorDataset:
@@ -227,17 +271,53 @@ def test_weights_changed_in_the_step_match_one_device(tmp_path, world):
             )
 
 
-def _lossy_body(rank: int, world: int) -> str:
+class L2Penalty(Pattern):
+    """An L2 penalty over ``self.parameters()`` computed in training_step."""
+
+    def training_step(self, batch, batch_idx):
+        noise, real = batch
+        penalty = sum(p.pow(2).sum() for p in self.parameters())
+        return self.critic_loss(noise, real) + 1e-3 * penalty
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class WithLBFGS(Toggle):
+    def configure_optimizers(self):
+        return torch.optim.LBFGS(self.parameters())
+
+
+def _refused_body(rank: int, world: int) -> dict:
     mixed = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    try:
-        _fit("wgan_clip", world, world, FSDPCustomStrategy(mixed_precision=mixed))
-    except RuntimeError as error:
-        return str(error)
-    return "no error"
+    per_module = {MLPBlock, nn.Linear}
+    cases = {
+        "wgan_bf16": ("wgan_clip", FSDPCustomStrategy(mixed_precision=mixed)),
+        "forward_clamp_bf16": (
+            "clamp_in_forward",
+            FSDPCustomStrategy(auto_wrap_policy=per_module, mixed_precision=mixed),
+        ),
+        "l2_on_shards": ("l2", FSDPCustomStrategy(auto_wrap_policy=per_module)),
+        "lbfgs": ("lbfgs", FSDPCustomStrategy()),
+    }
+    PATTERNS.update(l2=L2Penalty, lbfgs=WithLBFGS)
+    messages = {}
+    for case, (name, strategy) in cases.items():
+        try:
+            _fit(name, world, world, strategy)
+            messages[case] = "no error"
+        except (RuntimeError, TypeError) as error:
+            messages[case] = str(error)
+    return messages
 
 
-def test_a_change_a_low_precision_copy_cannot_keep_is_an_error(tmp_path):
-    # the full parameters are bfloat16 copies of float32 shards: clipping them cannot be kept exactly
-    message = run_ranks(_lossy_body, 2, tmp_path, env=LIGHTNING_ENV, timeout=120)[0]
-    assert "of unit 'root' were changed while gathered in bfloat16" in message, message
-    assert "critic.0.norm.weight" in message and "float32 shards cannot keep the change exactly" in message
+def test_changes_and_computations_that_cannot_be_exact_are_errors(tmp_path):
+    messages = run_ranks(_refused_body, 2, tmp_path, env=LIGHTNING_ENV, timeout=240)[0]
+    # bfloat16 copies of float32 shards: a change to them cannot be kept exactly
+    assert "of unit 'root' were changed while gathered in bfloat16" in messages["wgan_bf16"], messages
+    assert "critic.0.norm.weight" in messages["wgan_bf16"]
+    assert "float32 shards cannot keep the change exactly" in messages["wgan_bf16"]
+    assert "parameters ['critic.1.weight'] of unit 'critic.1'" in messages["forward_clamp_bf16"], messages
+    # a loss over shards (per-module units: training_step sees this rank's rows) is refused
+    assert "was used in a computation that needs its gradient while it is this rank's shard" in messages["l2_on_shards"]
+    assert "LBFGS cannot step sharded parameters" in messages["lbfgs"], messages

@@ -1,4 +1,5 @@
-"""Optimizer steps taken while units are gathered ([Note: edits while gathered] in unit.py).
+"""Optimizer steps taken while units are gathered ([Note: edits while gathered] in unit.py), and
+optimizers that cannot step shards.
 
 Lightning's manual optimization steps inside ``training_step``, which runs inside the root's
 forward, so the root (and any unit kept gathered) is gathered while its shards change. The
@@ -12,9 +13,14 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
+import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from fsdp_strategy.engine.unit import FSDPUnit, ShardedState
+
+# torch optimizers whose update of a parameter is not a function of that element alone: on a shard
+# they compute something else than on the whole parameter
+NOT_ELEMENTWISE = tuple(getattr(torch.optim, name) for name in ("LBFGS", "Adafactor") if hasattr(torch.optim, name))
 
 
 class OptimizerSteps:
@@ -63,11 +69,23 @@ class OptimizerSteps:
         return [unit for unit in gathered if any(id(p.sharded) in stepped for p in unit.params)]
 
     def _before_step(self, optimizer: Any) -> None:
+        if isinstance(optimizer, NOT_ELEMENTWISE):
+            self._refuse(optimizer)
         units = self._gathered_units_of(optimizer)
         for unit in units:
             unit.keep_edits(every_param=True)
         if units:
             self._stepping[id(optimizer)] = units
+
+    def _refuse(self, optimizer: Any) -> None:
+        held = {id(p.sharded) for unit in self._units for p in unit.params}
+        if any(id(p) in held for group in optimizer.param_groups for p in group["params"]):
+            raise TypeError(
+                f"{type(optimizer).__name__} cannot step sharded parameters: it computes over whole tensors or the "
+                "whole parameter vector (norms, dot products, row and column statistics), and each rank holds only "
+                "its shard, so its steps would differ from DDP's. Use an elementwise optimizer (SGD, Adam, AdamW, "
+                "RMSprop, Adagrad, ...)"
+            )
 
     def _after_step(self, optimizer: Any) -> None:
         units = self._stepping.pop(id(optimizer), [])

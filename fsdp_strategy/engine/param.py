@@ -144,15 +144,16 @@ class ShardedParam:
             self._padded_full.untyped_storage().resize_(self.unsharded_nbytes)
         return self._padded_full.view(self.world, self.shard_numel)
 
-    def keep_full_edits(self) -> bool:
+    def keep_full_edits(self) -> torch.Tensor | None:
         """Copy this rank's rows of the full parameter into the shard, so that a change made to the
         full parameter while it was gathered persists ([Note: edits while gathered] in unit.py).
 
         A full parameter whose ``.data`` was replaced (``p.data = ...``) gives its new value and is
-        pointed back at the engine's storage. Returns False, changing nothing, where the rows
-        differ from the shard but cannot be kept exactly (gathered in a lower ``param_dtype``).
-        Costs: one copy of this rank's rows (1/N of the parameter); with a lower ``param_dtype``
-        a comparison instead, and a device sync.
+        pointed back at the engine's storage. Returns None once kept; where it is gathered in a
+        lower ``param_dtype`` it changes nothing and returns a 0-dim bool tensor on the device,
+        True where the rows differ from the shard (a change that cannot be kept exactly), for the
+        caller to read when it syncs anyway. Costs: one copy of this rank's rows (1/N of the
+        parameter); with a lower ``param_dtype`` a comparison instead.
         """
         value = self.unsharded.detach()
         if not self.unsharded.is_set_to(self._full):
@@ -165,11 +166,11 @@ class ShardedParam:
         rows = value.reshape(self.dim0, self.row_numel)[self.shard_rank * self.chunk_rows :][: self.chunk_rows]
         target = self.sharded.detach().view(self.chunk_rows, self.row_numel)[: rows.shape[0]]
         if self.param_dtype == self.sharded.dtype:
-            with torch.no_grad():
-                target.copy_(rows)
-            return True
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.sharded):
+                target.copy_(rows)  # mostly the same values: not a change autograd should see
+            return None
         kept = target.to(rows.device, rows.dtype)
-        return bool(((rows == kept) | (rows.isnan() & kept.isnan())).all())
+        return ~((rows == kept) | (rows.isnan() & kept.isnan())).all()
 
     def mark_filled(self) -> None:
         """Note that the full parameter now holds the gathered values (see ``visibly_edited``)."""

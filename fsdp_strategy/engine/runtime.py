@@ -1,5 +1,25 @@
 """Scheduler: decides *when* units gather, reshard and reduce; owns every hook of the engine.
 
+[Note: life of a gradient]
+The functions one weight gradient passes through, in order:
+1. ``Scheduler._pre_forward`` (here) -> ``FSDPUnit.wait_unshard`` (unit.py): the unit's flat
+   shard is all-gathered (``collectives.all_gather``; exchange.py on gloo) and copied out into
+   ``ShardedParam.unsharded`` (param.py); ``_arm_post_backward`` puts ``PostBackward``
+   (iteration.py) on the unit's inputs.
+2. Autograd accumulates the gradient into ``ShardedParam.unsharded.grad``.
+3. ``PostBackward.backward`` -> ``Scheduler._post_backward`` -> ``UnitState.post_backward_fired``
+   (state.py) says READY -> ``Scheduler._reduce`` -> ``Reductions.reduce`` (reductions.py) ->
+   ``FSDPUnit.reduce_grads``: ``ShardedParam.take_grad_rows`` copies it (and a ``no_sync``
+   stash) into a flat buffer with its usage flag, ``collectives.reduce_scatter`` sums it, and
+   the full gradient is freed.
+4. At the next reduction or the end of backward: ``PendingReduce.finish`` waits (watchdog.py),
+   ``FSDPUnit.apply_reduced`` all-reduces across replicas (HSDP), divides ([Note: SUM then
+   divide]) and ``ShardedParam.accumulate_sharded_grad`` adds it into ``sharded.grad``; a
+   parameter this rank did not use waits for ``Reductions.settle`` ([Note: usage flags]).
+5. ``Scheduler._end_of_backward`` settles every reduction and checks none is missing.
+6. ``Scheduler.clip_grad_norm_`` may scale it; the optimizer steps on ``sharded``
+   (optimizer_steps.py keeps a unit gathered at that moment right).
+
 One iteration:
 - the root's outermost forward pre-hook starts it (resetting a failed previous one);
 - a unit's forward pre-hook gathers it, prefetches the next unit ([Note: prefetch from the
@@ -74,10 +94,11 @@ from fsdp_strategy.engine.iteration import BackwardPass, PostBackward, autograd_
 from fsdp_strategy.engine.optimizer_steps import OptimizerSteps
 from fsdp_strategy.engine.order import ExecutionOrder, Prefetch
 from fsdp_strategy.engine.param import ShardedParam
+from fsdp_strategy.engine.reductions import Reductions, check_no_late_grads
 from fsdp_strategy.engine.state import AfterPostBackward, Frame, UnitState
 from fsdp_strategy.engine.trace import traced
 from fsdp_strategy.engine.traversal import grad_tensors, replace_grad_tensors
-from fsdp_strategy.engine.unit import FSDPUnit, PendingReduce, ShardedState, UndecidedGrad
+from fsdp_strategy.engine.unit import FSDPUnit, ShardedState
 
 log = logging.getLogger(__name__)
 
@@ -122,9 +143,7 @@ class Scheduler:
         self._backwards_in_iteration = 0
         self._backward: BackwardPass | None = None
         self._ran_forward: dict[int, FSDPUnit] = {}  # units that ran forward with grad since their last reduction
-        self._sync_grads = True
-        self._pending_reduces: deque[PendingReduce] = deque()
-        self._undecided: list[UndecidedGrad] = []
+        self.reductions = Reductions()  # the gradient reductions in flight (reductions.py)
         self.optimizer_steps = OptimizerSteps(units)  # [Note: edits while gathered]
         self.hook_handles: list[Any] = []  # every module hook the engine registered on the model
         self._register_hooks()
@@ -143,6 +162,10 @@ class Scheduler:
                 trainable = param.unsharded.requires_grad
                 param.unsharded.requires_grad_(True).register_post_accumulate_grad_hook(self._grad_accumulated)
                 param.unsharded.requires_grad_(trainable)
+                if not param.aliased:
+                    trainable = param.sharded.requires_grad
+                    param.sharded.requires_grad_(True).register_post_accumulate_grad_hook(_shard_used_by(param))
+                    param.sharded.requires_grad_(trainable)
 
     def state_of(self, unit: FSDPUnit) -> UnitState:
         """The iteration state of ``unit`` (state.py)."""
@@ -209,7 +232,7 @@ class Scheduler:
         if not state.on_stack:
             policy = self.sharding_strategy.reshard_after_forward
             if state.reshards_after_forward(hooked, self._root_depth, policy):
-                unit.reshard()
+                unit.reshard(keep_edits=True, defer_check=True)  # its own forward may have changed it
             else:  # gathered past its forward: user code may reach it ([Note: edits while gathered])
                 unit.exposed = True
         if unit is self.root_unit and self._root_depth == 0 and not in_backward:
@@ -263,8 +286,9 @@ class Scheduler:
                 if self._states[id(unit)].needs_reduction(unit.state is ShardedState.UNSHARDED):
                     self._reduce(unit)
             self._ran_forward.clear()
-            self._settle_reductions()
-            self._check_no_late_grads()
+            self.reductions.settle()
+            check_no_late_grads(self.units)
+            self._raise_for_lost_edits()
         finally:
             self._finish_backward(backward)
 
@@ -279,7 +303,13 @@ class Scheduler:
 
     # ---- schedule ----------------------------------------------------------------------
 
+    def _raise_for_lost_edits(self) -> None:
+        """Raise for changes made while gathered that could not be kept ([Note: edits while gathered])."""
+        for unit in self.units:
+            unit.raise_for_lost_edits()
+
     def _start_iteration(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        self._raise_for_lost_edits()  # of a forward without backward
         stale = self._backward is not None or any(state.on_stack for state in self._states.values())
         if stale:
             log.warning("fsdp_custom: the previous iteration did not finish (an exception in backward?); resetting")
@@ -336,40 +366,7 @@ class Scheduler:
 
     def _reduce(self, unit: FSDPUnit) -> None:
         self._states[id(unit)].reduced_now()
-        if not self._sync_grads:
-            unit.stash_grads()
-            return
-        pending = unit.reduce_grads()
-        while self._pending_reduces:  # [Note: bounded prefetch]
-            self._undecided.extend(self._pending_reduces.popleft().finish())
-        if pending is not None:
-            self._pending_reduces.append(pending)
-
-    def _settle_reductions(self) -> None:
-        """Finish every reduction in flight and apply the gradients of parameters this rank did
-        not use where another rank did ([Note: usage flags]: one device sync, only if any)."""
-        while self._pending_reduces:
-            self._undecided.extend(self._pending_reduces.popleft().finish())
-        undecided, self._undecided = self._undecided, []
-        if not undecided:
-            return
-        counts = torch.stack([entry.flag for entry in undecided]).tolist()
-        for entry, count in zip(undecided, counts):
-            if count > 0:
-                entry.param.accumulate_sharded_grad(entry.reduced)
-
-    def _check_no_late_grads(self) -> None:
-        for unit in self.units:
-            late = [p.fqn for p in unit.params if p.trainable and p.unsharded.grad is not None]
-            if late:
-                for param in unit.params:
-                    param.drop_grads()
-                raise RuntimeError(
-                    f"fsdp_custom: parameters {late} of unit {unit.name!r} received gradients that no reduction "
-                    "covers: they were used outside their unit's forward (a weight read directly from another "
-                    "module, or an output modified in place, which drops its backward hook). Call the module "
-                    "that owns them, or put both modules in one unit (auto_wrap_policy)"
-                )
+        self.reductions.reduce(unit)
 
     # ---- public ------------------------------------------------------------------------
 
@@ -385,11 +382,7 @@ class Scheduler:
         """
         if self.comm.wedged():
             return
-        while self._pending_reduces:
-            pending = self._pending_reduces.popleft()
-            pending.work.wait()
-            self.memory.freed(pending.unit.name, pending.nbytes, "reduce_buffer")
-        self._undecided = []
+        self.reductions.drop()
         for unit in self.units:
             self._states[id(unit)].reset()
             unit.drop_grads()
@@ -422,11 +415,11 @@ class Scheduler:
         parameter keeps a full-size gradient in ``reduce_dtype`` between micro-batches (see
         :meth:`unsharded_grad_bytes`), in exchange for no reduction.
         """
-        previous, self._sync_grads = self._sync_grads, False
+        previous, self.reductions.sync = self.reductions.sync, False
         try:
             yield
         finally:
-            self._sync_grads = previous
+            self.reductions.sync = previous
 
     @property
     def running(self) -> bool:
@@ -478,3 +471,22 @@ class Scheduler:
             total = total.pow(1.0 / norm_type)
         clip_grads_with_norm_([*shards, *ignored], max_norm, total)
         return total
+
+
+def _shard_used_by(param: ShardedParam) -> Any:
+    """The hook that makes a computation on a shard loud: outside its unit's forward a parameter is
+    this rank's rows only, so a loss computed from it (an L2 penalty over ``self.parameters()``)
+    would be silently wrong; the engine itself never differentiates through a shard."""
+
+    @torch._dynamo.disable
+    def hook(shard: torch.Tensor) -> None:
+        shard.grad = None
+        raise RuntimeError(
+            f"fsdp_custom: parameter {param.fqn!r} was used in a computation that needs its gradient while it is "
+            f"this rank's shard ({param.chunk_rows} of its {param.dim0} rows): outside the forward of its unit, a "
+            "value computed from it (a norm, a penalty) covers this rank's rows only. Compute it inside the model's "
+            "forward, or gather the model with summon_full_params, or keep the module in the unit whose forward "
+            "runs training_step (the default wrapping)"
+        )
+
+    return hook

@@ -123,6 +123,8 @@ class FSDPUnit:
         self.memory = context.memory
         self.state = ShardedState.SHARDED
         self.exposed = False  # gathered where user code may change it ([Note: edits while gathered])
+        self._lost_edit_checks: list[tuple[str, torch.Tensor]] = []  # deferred: ``raise_for_lost_edits``
+        self._gathered_versions: list[int] = []  # shard versions when a gather in flight copied them
         self._aliased = bool(params) and all(p.aliased for p in params)  # [Note: aliased shards]
         self._shard_sizes = [p.shard_numel for p in params]
         self._stamp_slots = context.stamp_slots
@@ -163,9 +165,16 @@ class FSDPUnit:
         """Start the all-gather of the unit's shards (no-op unless the unit is sharded)."""
         if self.state is not ShardedState.SHARDED or not self.params or self._aliased:
             return
+        self._gathered_versions = [p.sharded._version for p in self.params]
         self._gather = self._start_gather([p.sharded for p in self.params], self._param_dtype)
         self.memory.allocated(self.name, self._gather.nbytes, "gather_buffer")
         self.state = ShardedState.GATHERING
+
+    def _gather_is_stale(self) -> bool:
+        """Whether a shard changed in place after a prefetched gather copied it (an optimizer step,
+        ``with torch.no_grad(): p.mul_(...)`` between two units' calls): every rank changed its own
+        alike, so every rank finds it and gathers again. ``p.data.<op>_()`` leaves no trace."""
+        return [p.sharded._version for p in self.params] != self._gathered_versions
 
     def wait_unshard(self) -> None:
         """Make the full parameters usable: start the gather if needed, wait, copy out, register.
@@ -183,6 +192,9 @@ class FSDPUnit:
             self.state = ShardedState.UNSHARDED
             return
         self.unshard()
+        if self._gather is not None and self._gather_is_stale():
+            self.reshard(keep_edits=False)  # waits for the stale gather and frees its buffer
+            self.unshard()
         gather, self._gather = self._gather, None
         self._copy_out(gather)
         for param in self.params:
@@ -218,36 +230,54 @@ class FSDPUnit:
                 torch.autograd.graph.increment_version(param.unsharded)
                 param.mark_filled()
 
-    def keep_edits(self, every_param: bool) -> None:
+    def keep_edits(self, every_param: bool, defer: bool = False) -> None:
         """Write changes of the full parameters back into the shards ([Note: edits while gathered]):
-        of every parameter, or of those with a visible trace only. Raises for changes that cannot be
-        kept exactly, naming the parameters, before anything is freed."""
+        of every parameter, or of those with a visible trace only. A change that cannot be kept
+        exactly raises, naming the parameters, before anything is freed; with ``defer`` the check
+        (a device sync) waits for ``raise_for_lost_edits``."""
         if self.state is not ShardedState.UNSHARDED or self._aliased:
             return
-        lossy = [p.fqn for p in self.params if (every_param or p.visibly_edited()) and not p.keep_full_edits()]
+        checks = []
+        for param in self.params:
+            if every_param or param.visibly_edited():
+                lost = param.keep_full_edits()
+                if lost is not None:
+                    checks.append((param.fqn, lost))
+        self._lost_edit_checks += checks
+        if not defer:
+            self.raise_for_lost_edits()
+
+    def raise_for_lost_edits(self) -> None:
+        """Raise for the changes ``keep_edits`` found it could not keep (one device sync, if any)."""
+        checks, self._lost_edit_checks = self._lost_edit_checks, []
+        if not checks:
+            return
+        flags = torch.stack([flag for _, flag in checks]).tolist()
+        lossy = sorted({fqn for (fqn, _), lost in zip(checks, flags) if lost})
         if lossy:
             shard_dtype = str(self.params[0].sharded.dtype).removeprefix("torch.")
             raise RuntimeError(
                 f"fsdp_custom: parameters {lossy} of unit {self.name!r} were changed while gathered in "
-                f"{str(self._param_dtype).removeprefix('torch.')} (in training_step, or between a unit's forward and "
-                f"backward), and their {shard_dtype} shards cannot keep the change exactly. Change them where the "
-                "parameters are this rank's shards (in a callback's on_train_batch_end, outside the step), give the "
-                "changed modules a unit of their own (auto_wrap_policy), or train in full precision"
+                f"{str(self._param_dtype).removeprefix('torch.')} (in training_step, in a module's forward, or "
+                f"between a unit's forward and backward), and their {shard_dtype} shards cannot keep the change "
+                "exactly. Change them where the parameters are this rank's shards (in a callback's "
+                "on_train_batch_end, outside the step), give the changed modules a unit of their own "
+                "(auto_wrap_policy), or train in full precision"
             )
 
-    def reshard(self, keep_edits: bool | None = None) -> None:
+    def reshard(self, keep_edits: bool | None = None, defer_check: bool = False) -> None:
         """Register the shards again and free the full parameters (and any gather in flight).
 
         ``keep_edits``: write changes of the full parameters back first ([Note: edits while
         gathered]): True for every parameter, None (default) for every parameter of an exposed
         unit and the visibly changed ones of others, False for none (a failed iteration,
-        ``summon_full_params`` without writeback)."""
+        ``summon_full_params`` without writeback). ``defer_check``: see ``keep_edits``."""
         if self._gather is not None:
             gather, self._gather = self._gather, None
             gather.work.wait()
             self.memory.freed(self.name, gather.nbytes, "gather_buffer")
         if self.state is ShardedState.UNSHARDED and keep_edits is not False:
-            self.keep_edits(every_param=bool(keep_edits) or self.exposed)
+            self.keep_edits(every_param=bool(keep_edits) or self.exposed, defer=defer_check)
         self.exposed = False
         if self.state is ShardedState.UNSHARDED:
             for param in self.params:

@@ -5,7 +5,8 @@ rank that is alive and well is never ended for it.
 A failure on one rank shows on the others as a collective that never ends (a dead peer on
 NCCL, a peer stuck, or on another collective) or that ends in an error naming nothing of ours
 ("Connection closed by peer"). The watchdog turns each into a ``CollectiveError`` that names the
-rank at fault and where every rank was ([Note: flight recorder], diagnosis.py):
+rank at fault and where every rank was ([Note: flight recorder]; reports.py assembles the message
+from what the ranks published, with diagnosis.py's sentences):
 - Side channel (channel.py): each rank publishes its identity (rank, node, host, pid) once, a
   heartbeat every ``HEARTBEAT`` seconds from a daemon thread, and, when it fails or raises, a
   report and the job's ``abort`` key (the first report wins).
@@ -45,7 +46,6 @@ import math
 import os
 import socket
 import sys
-import tempfile
 import threading
 import time
 from collections import deque
@@ -55,16 +55,15 @@ from typing import Any, NamedTuple, NoReturn
 import torch
 import torch.distributed as dist
 
-from fsdp_strategy.engine import diagnosis
 from fsdp_strategy.engine.channel import StoreChannel, StoreLost
-from fsdp_strategy.engine.diagnosis import Peer, PeerState, first_line
+from fsdp_strategy.engine.diagnosis import first_line
 from fsdp_strategy.engine.flight import CollectiveRecord, FlightRecorder
+from fsdp_strategy.engine.reports import Reports
 
 log = logging.getLogger(__name__)
 
 POLL = timedelta(seconds=0.2)
 HEARTBEAT = 1.0  # seconds between heartbeats
-GRACE = 5.0  # seconds a failing rank waits for the other ranks' reports before it writes its message
 SILENCE = 60.0  # seconds without a heartbeat after which a rank on another host, waited on, is taken for dead
 PEER_CHECK_AFTER = 2.0  # a wait this old makes the thread look at the peers (then every as many seconds)
 CONTROL_MARGIN = 30.0  # seconds the thread gives a blocking call beyond the process group's timeout
@@ -102,17 +101,6 @@ def limits_for(collective_timeout: float | None) -> Limits:
     return Limits(collective, max(collective, group_timeout) + CONTROL_MARGIN)
 
 
-def _process_gone(pid: int) -> bool:
-    """Whether process ``pid`` of this host has exited (or is a zombie)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except FileNotFoundError:
-        return True
-    except (OSError, IndexError):
-        return False
-
-
 def _flush_and_exit() -> NoReturn:
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -136,9 +124,8 @@ class Watchdog:
         self.abort: str | None = None  # another rank's first report, seen by the thread
         self.peer_lost: str | None = None  # a rank this one waits on has died, seen by the thread
         self.reported_own = False  # this rank published an exception of its own
-        self.dump_path = ""  # this rank's ring, written when it reports
         self._channel = channel
-        self._identities: dict[int, dict[str, Any]] = {}  # filled by the thread until every rank is known
+        self.reports = Reports(channel, self.identity, world, recorder)
         self._beats = 0
         self._heard: dict[int, tuple[str, float]] = {}  # rank -> (last heartbeat seen, monotonic time it changed)
         self._next_beat_read = 0.0
@@ -215,12 +202,12 @@ class Watchdog:
         self.reported_own = True
         if self.error is None:  # alive and unwinding: no deadline from another rank's report stays
             self._end_at = None
-        self._publish(f"rank {self.rank} raised {first_line(error)}", None, "raised")
+        self.reports.publish(f"rank {self.rank} raised {first_line(error)}", None, "raised")
 
     def fail(self, record: CollectiveRecord | None, reason: str, cause: BaseException | None = None) -> NoReturn:
         """Publish, diagnose, and raise the ``CollectiveError`` of this rank's failure."""
         if self.error is None:
-            self.error = CollectiveError(self._diagnose(record, reason))
+            self.error = CollectiveError(self.reports.message(record, reason))
             self._end_after(self.error, self.limits.collective)
         raise self.error from cause
 
@@ -240,89 +227,6 @@ class Watchdog:
             self._end_at = time.monotonic() + seconds
             self._end_reason = str(reason)
 
-    # ---- diagnosis ---------------------------------------------------------------------
-
-    def _publish(self, reason: str, record: CollectiveRecord | None, kind: str = "failed") -> None:
-        """Write this rank's report (``kind``: "failed", "raised" or "outside") and, first wins, the abort key."""
-        report = {**self.identity, "reason": reason, "kind": kind, "waiting": record is not None}
-        latest = record or self.recorder.latest()
-        report["latest"] = latest.as_dict() if latest is not None else None
-        path = os.path.join(tempfile.gettempdir(), f"fsdp_custom_flight_rank{self.rank}_pid{os.getpid()}.json")
-        try:
-            with open(path, "w") as file:
-                json.dump({**report, "ring": self.recorder.snapshot()}, file, indent=1)
-        except OSError:
-            path = "(not written)"
-        report["dump"] = self.dump_path = path
-        try:
-            self._channel.set(f"report/{self.rank}", json.dumps(report))
-            if kind != "outside":
-                self._channel.set_first("abort", json.dumps({"rank": self.rank, "reason": reason}))
-        except StoreLost as error:  # the store's host is gone: the report stays local
-            log.debug("fsdp_custom watchdog: cannot publish: %s", error)
-
-    def _first_report(self, fallback: str) -> str:
-        try:
-            text = self._channel.read("abort")
-        except StoreLost:
-            text = None
-        return json.loads(text)["reason"] if text else (self.abort or fallback)
-
-    def _diagnose(self, record: CollectiveRecord | None, reason: str) -> str:
-        where = record.describe() if record is not None else "no collective"
-        headline = f"fsdp_custom: rank {self.rank} (node {self.node}) stopped at {where}: {reason}"
-        self._publish(headline, record)
-        first = self._first_report(headline)
-        gone = "".join(f"; rank {r} has exited" for r in sorted(self._gone_locally()))
-        earlier = f"; first report: {first}" if first != headline else ""
-        log.error("%s%s%s", headline, earlier, gone)  # at once: a launcher may kill this rank next
-        mine = record or self.recorder.latest()
-        try:
-            peers = self._peers_after_grace()
-            lines = [diagnosis.peer_line(peer, mine.as_dict() if mine else None, GRACE) for peer in peers]
-        except StoreLost as error:
-            lines = [diagnosis.store_unreachable_line(str(error), sorted(self._gone_locally()))]
-        every = os.path.join(tempfile.gettempdir(), "fsdp_custom_flight_rank*.json")
-        dumps = [f"Flight recorder rings: {every} (this rank: {self.dump_path})"]
-        nccl_dump = _nccl_dump_prefix()
-        if nccl_dump is not None:
-            dumps.append(f"torch's NCCL flight recorder, dumped on its own timeout: {nccl_dump}<rank>")
-        return diagnosis.failure_message(headline, first, lines, dumps)
-
-    def _peers_after_grace(self) -> list[Peer]:
-        """Every other rank's state, after waiting up to ``GRACE`` seconds for their reports."""
-        self._learn_identities()
-        beats_before = self._channel.read_ranks("beat", self.world)
-        deadline = time.monotonic() + GRACE
-        while True:
-            reports = {rank: json.loads(text) for rank, text in self._channel.read_ranks("report", self.world).items()}
-            gone = self._gone_locally()
-            missing = [r for r in range(self.world) if r != self.rank and r not in reports and r not in gone]
-            if not missing or time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
-        beats_after = self._channel.read_ranks("beat", self.world)
-        peers = []
-        for rank in range(self.world):
-            if rank == self.rank:
-                continue
-            identity = self._identities.get(rank)
-            if rank in reports:
-                peers.append(Peer(rank, identity, PeerState.REPORTED, reports[rank]))
-            elif rank in gone:
-                peers.append(Peer(rank, identity, PeerState.GONE))
-            elif beats_before.get(rank) == beats_after.get(rank):
-                local = identity is not None and identity["host"] == self.identity["host"]
-                peers.append(Peer(rank, identity, PeerState.SILENT_ALIVE if local else PeerState.SILENT))
-            else:
-                peers.append(Peer(rank, identity, PeerState.ALIVE))
-        return peers
-
-    def _gone_locally(self) -> set[int]:
-        """Ranks on this host whose process has exited."""
-        host = self.identity["host"]
-        return {r for r, who in self._identities.items() if who["host"] == host and _process_gone(who["pid"])}
-
     # ---- the thread --------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -331,21 +235,16 @@ class Watchdog:
                 self._tick()
             except Exception as error:  # never let the thread die with a trace; the next tick retries
                 log.debug("fsdp_custom watchdog: %s", first_line(error))
-            known = len(self._identities) == self.world or self._channel.lost is not None
+            known = len(self.reports.identities) == self.world or self._channel.lost is not None
             if self._stop.wait(HEARTBEAT if known else 0.05):
                 return
-
-    def _learn_identities(self) -> None:
-        if len(self._identities) < self.world:
-            found = self._channel.read_ranks("peer", self.world)
-            self._identities.update({rank: json.loads(text) for rank, text in found.items()})
 
     def _tick(self) -> None:
         if self._end_at is not None and time.monotonic() > self._end_at:  # first: the store may be gone
             self._end(self._end_reason)
         if self._channel.lost is None:
             try:
-                self._learn_identities()
+                self.reports.learn_identities()
                 self._beats += 1
                 self._channel.set(f"beat/{self.rank}", str(self._beats))
                 if self.abort is None:
@@ -363,7 +262,7 @@ class Watchdog:
         if text:
             first = json.loads(text)
             if first["rank"] != self.rank:
-                self.abort = first["reason"]
+                self.abort = self.reports.abort_seen = first["reason"]
 
     def _check_device(self) -> None:
         while self._unverified and self._unverified[0][2].query():
@@ -377,12 +276,12 @@ class Watchdog:
         if oldest is None or oldest.waited() < PEER_CHECK_AFTER or self.peer_lost is not None:
             self._heard.clear()
             return
-        gone = sorted(self._gone_locally())
+        gone = sorted(self.reports.gone_locally())
         if gone:
             self.peer_lost = f"rank {gone[0]} LOST, its process has exited"
             return
         now = time.monotonic()
-        if len(self._identities) < self.world or self._channel.lost is not None or now < self._next_beat_read:
+        if len(self.reports.identities) < self.world or self._channel.lost is not None or now < self._next_beat_read:
             return
         self._next_beat_read = now + PEER_CHECK_AFTER
         try:
@@ -393,7 +292,7 @@ class Watchdog:
             last = self._heard.get(rank)
             if last is None or last[0] != beat:
                 self._heard[rank] = (beat, now)
-            elif now - last[1] > SILENCE and self._identities[rank]["host"] != self.identity["host"]:
+            elif now - last[1] > SILENCE and self.reports.identities[rank]["host"] != self.identity["host"]:
                 self.peer_lost = f"rank {rank} sent no heartbeat for {SILENCE:.0f} s (its process or host is down?)"
                 return
 
@@ -426,7 +325,9 @@ class Watchdog:
         self._outside_published = True
         latest = self.recorder.latest()
         doing = f"its last collective: {latest.describe()}" if latest is not None else "no collective issued"
-        self._publish(f"rank {self.rank} was not waiting in a collective of the engine ({doing})", None, "outside")
+        self.reports.publish(
+            f"rank {self.rank} was not waiting in a collective of the engine ({doing})", None, "outside"
+        )
         limit = self.limits.collective
         log.warning(
             "fsdp_custom: %s; this rank goes on and stops at its next collective%s",
@@ -499,15 +400,6 @@ def _completed(record: CollectiveRecord) -> bool:
         return False
     record.ended, record.work = time.time(), None
     return True
-
-
-def _nccl_dump_prefix() -> str | None:
-    """Where torch's NCCL flight recorder dumps, if the default group uses NCCL."""
-    if not dist.is_initialized() or "nccl" not in dist.get_backend():
-        return None
-    return os.environ.get("TORCH_FR_DUMP_TEMP_FILE") or os.environ.get(
-        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "/tmp/nccl_trace_rank_"
-    )
 
 
 def enable_nccl_flight_recorder() -> None:

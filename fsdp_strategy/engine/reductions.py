@@ -1,0 +1,77 @@
+"""Reductions: the gradient reductions of one backward, issued in the Scheduler's order and settled.
+
+The Scheduler decides which unit reduces when ([Note: post-backward every rank agrees on] in
+runtime.py); this keeps what is in flight: at most one reduction beyond the one just issued
+([Note: bounded prefetch]), the gradients of parameters this rank did not use until every rank's
+usage flag is known ([Note: usage flags] in unit.py), and whether ``no_sync`` accumulation holds
+the reductions back.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from fsdp_strategy.engine.unit import FSDPUnit, PendingReduce, UndecidedGrad
+
+
+class Reductions:
+    """The reductions in flight for one model. Costs: a deque and a list."""
+
+    def __init__(self) -> None:
+        self.sync = True  # False inside ``no_sync``: gradients are stashed, not reduced
+        self._in_flight: deque[PendingReduce] = deque()
+        self._undecided: list[UndecidedGrad] = []
+
+    def reduce(self, unit: FSDPUnit) -> None:
+        """Issue ``unit``'s reduction (or stash its gradients inside ``no_sync``), finishing the
+        one before it first."""
+        if not self.sync:
+            unit.stash_grads()
+            return
+        pending = unit.reduce_grads()
+        while self._in_flight:  # [Note: bounded prefetch]
+            self._undecided.extend(self._in_flight.popleft().finish())
+        if pending is not None:
+            self._in_flight.append(pending)
+
+    def settle(self) -> None:
+        """Finish every reduction in flight and apply the gradients of parameters this rank did
+        not use where another rank did ([Note: usage flags]: one device sync, only if any)."""
+        while self._in_flight:
+            self._undecided.extend(self._in_flight.popleft().finish())
+        undecided, self._undecided = self._undecided, []
+        if not undecided:
+            return
+        counts = torch.stack([entry.flag for entry in undecided]).tolist()
+        for entry, count in zip(undecided, counts):
+            if count > 0:
+                entry.param.accumulate_sharded_grad(entry.reduced)
+
+    def buffers(self) -> list[torch.Tensor]:
+        """The buffers of the reductions in flight (the reduce buffer and its output each)."""
+        return [tensor for pending in self._in_flight for tensor in (pending.flat, pending.output)]
+
+    def drop(self) -> None:
+        """A failed iteration: wait for what is in flight and forget every result."""
+        while self._in_flight:
+            pending = self._in_flight.popleft()
+            pending.work.wait()
+            pending.unit.memory.freed(pending.unit.name, pending.nbytes, "reduce_buffer")
+        self._undecided = []
+
+
+def check_no_late_grads(units: list[FSDPUnit]) -> None:
+    """Raise if a full parameter holds a gradient after every reduction (a use outside its unit)."""
+    for unit in units:
+        late = [p.fqn for p in unit.params if p.trainable and p.unsharded.grad is not None]
+        if late:
+            for param in unit.params:
+                param.drop_grads()
+            raise RuntimeError(
+                f"fsdp_custom: parameters {late} of unit {unit.name!r} received gradients that no reduction "
+                "covers: they were used outside their unit's forward (a weight read directly from another "
+                "module, or an output modified in place, which drops its backward hook). Call the module "
+                "that owns them, or put both modules in one unit (auto_wrap_policy)"
+            )

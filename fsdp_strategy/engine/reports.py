@@ -1,0 +1,146 @@
+"""Reports: this rank's side of the job's failure reports ([Note: watchdog] in watchdog.py).
+
+It publishes this rank's report (and, first wins, the job's ``abort`` key) with its flight
+recorder ring dumped to a file, reads the other ranks' reports, identities and heartbeats, and
+writes the message of a failure from them with diagnosis.py's sentences. Called by the watchdog
+on a failure (main thread) and when it hears of another rank's (its thread).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import time
+from typing import Any
+
+import torch.distributed as dist
+
+from fsdp_strategy.engine import diagnosis
+from fsdp_strategy.engine.channel import StoreChannel, StoreLost
+from fsdp_strategy.engine.diagnosis import Peer, PeerState
+from fsdp_strategy.engine.flight import CollectiveRecord, FlightRecorder
+
+log = logging.getLogger(__name__)
+
+GRACE = 5.0  # seconds a failing rank waits for the other ranks' reports before it writes its message
+
+
+class Reports:
+    """Reports of one watchdog. Costs: store calls only on a failure (and learning identities)."""
+
+    def __init__(self, channel: StoreChannel, identity: dict[str, Any], world: int, recorder: FlightRecorder) -> None:
+        self.channel = channel
+        self.identity = identity
+        self.rank, self.node, self.world = identity["rank"], identity["node"], world
+        self.recorder = recorder
+        self.identities: dict[int, dict[str, Any]] = {}  # every rank's, filled until all are known
+        self.dump_path = ""  # this rank's ring, written when it reports
+        self.abort_seen: str | None = None  # another rank's first report, as the watchdog's thread read it
+
+    def publish(self, reason: str, record: CollectiveRecord | None, kind: str = "failed") -> None:
+        """Write this rank's report (``kind``: "failed", "raised" or "outside") and, first wins, the abort key."""
+        report = {**self.identity, "reason": reason, "kind": kind, "waiting": record is not None}
+        latest = record or self.recorder.latest()
+        report["latest"] = latest.as_dict() if latest is not None else None
+        path = os.path.join(tempfile.gettempdir(), f"fsdp_custom_flight_rank{self.rank}_pid{os.getpid()}.json")
+        try:
+            with open(path, "w") as file:
+                json.dump({**report, "ring": self.recorder.snapshot()}, file, indent=1)
+        except OSError:
+            path = "(not written)"
+        report["dump"] = self.dump_path = path
+        try:
+            self.channel.set(f"report/{self.rank}", json.dumps(report))
+            if kind != "outside":
+                self.channel.set_first("abort", json.dumps({"rank": self.rank, "reason": reason}))
+        except StoreLost as error:  # the store's host is gone: the report stays local
+            log.debug("fsdp_custom watchdog: cannot publish: %s", error)
+
+    def first(self, fallback: str) -> str:
+        try:
+            text = self.channel.read("abort")
+        except StoreLost:
+            text = None
+        return json.loads(text)["reason"] if text else (self.abort_seen or fallback)
+
+    def message(self, record: CollectiveRecord | None, reason: str) -> str:
+        where = record.describe() if record is not None else "no collective"
+        headline = f"fsdp_custom: rank {self.rank} (node {self.node}) stopped at {where}: {reason}"
+        self.publish(headline, record)
+        first = self.first(headline)
+        gone = "".join(f"; rank {r} has exited" for r in sorted(self.gone_locally()))
+        earlier = f"; first report: {first}" if first != headline else ""
+        log.error("%s%s%s", headline, earlier, gone)  # at once: a launcher may kill this rank next
+        mine = record or self.recorder.latest()
+        try:
+            peers = self.peers_after_grace()
+            lines = [diagnosis.peer_line(peer, mine.as_dict() if mine else None, GRACE) for peer in peers]
+        except StoreLost as error:
+            lines = [diagnosis.store_unreachable_line(str(error), sorted(self.gone_locally()))]
+        every = os.path.join(tempfile.gettempdir(), "fsdp_custom_flight_rank*.json")
+        dumps = [f"Flight recorder rings: {every} (this rank: {self.dump_path})"]
+        nccl_dump = _nccl_dump_prefix()
+        if nccl_dump is not None:
+            dumps.append(f"torch's NCCL flight recorder, dumped on its own timeout: {nccl_dump}<rank>")
+        return diagnosis.failure_message(headline, first, lines, dumps)
+
+    def peers_after_grace(self) -> list[Peer]:
+        """Every other rank's state, after waiting up to ``GRACE`` seconds for their reports."""
+        self.learn_identities()
+        beats_before = self.channel.read_ranks("beat", self.world)
+        deadline = time.monotonic() + GRACE
+        while True:
+            reports = {rank: json.loads(text) for rank, text in self.channel.read_ranks("report", self.world).items()}
+            gone = self.gone_locally()
+            missing = [r for r in range(self.world) if r != self.rank and r not in reports and r not in gone]
+            if not missing or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        beats_after = self.channel.read_ranks("beat", self.world)
+        peers = []
+        for rank in range(self.world):
+            if rank == self.rank:
+                continue
+            identity = self.identities.get(rank)
+            if rank in reports:
+                peers.append(Peer(rank, identity, PeerState.REPORTED, reports[rank]))
+            elif rank in gone:
+                peers.append(Peer(rank, identity, PeerState.GONE))
+            elif beats_before.get(rank) == beats_after.get(rank):
+                local = identity is not None and identity["host"] == self.identity["host"]
+                peers.append(Peer(rank, identity, PeerState.SILENT_ALIVE if local else PeerState.SILENT))
+            else:
+                peers.append(Peer(rank, identity, PeerState.ALIVE))
+        return peers
+
+    def gone_locally(self) -> set[int]:
+        """Ranks on this host whose process has exited."""
+        host = self.identity["host"]
+        return {r for r, who in self.identities.items() if who["host"] == host and process_gone(who["pid"])}
+
+    def learn_identities(self) -> None:
+        if len(self.identities) < self.world:
+            found = self.channel.read_ranks("peer", self.world)
+            self.identities.update({rank: json.loads(text) for rank, text in found.items()})
+
+
+def process_gone(pid: int) -> bool:
+    """Whether process ``pid`` of this host has exited (or is a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+    except (OSError, IndexError):
+        return False
+
+
+def _nccl_dump_prefix() -> str | None:
+    """Where torch's NCCL flight recorder dumps, if the default group uses NCCL."""
+    if not dist.is_initialized() or "nccl" not in dist.get_backend():
+        return None
+    return os.environ.get("TORCH_FR_DUMP_TEMP_FILE") or os.environ.get(
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "/tmp/nccl_trace_rank_"
+    )
