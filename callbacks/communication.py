@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
-from fsdp_strategy.callbacks.ranks import MIB, OptimizerStepWindow, due, log_to_loggers, stats_over_ranks
+from fsdp_strategy.callbacks.ranks import MIB, OptimizerStepWindow, check_every, due, log_to_loggers, stats_over_ranks
 from lightning.pytorch.callbacks import Callback
 
 
@@ -25,10 +25,8 @@ class CommunicationMonitor(Callback):
     Costs: reading the ledger and one all-gather of one float per logged step.
     """
 
-    def __init__(self, log_every_n_steps: int = 50, per_unit: bool = False, prefix: str = "comm") -> None:
-        if log_every_n_steps < 1:
-            raise ValueError(f"log_every_n_steps={log_every_n_steps} must be >= 1")
-        self.log_every_n_steps = log_every_n_steps
+    def __init__(self, log_every_n_steps: int | None = None, per_unit: bool = False, prefix: str = "comm") -> None:
+        self.log_every_n_steps = check_every(log_every_n_steps)
         self.per_unit = per_unit
         self.prefix = prefix
         self._logging = False

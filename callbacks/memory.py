@@ -1,4 +1,4 @@
-"""MemoryMonitor: per-rank memory, aggregated over ranks, every ``log_every_n_steps`` steps."""
+"""MemoryMonitor: per-rank memory, aggregated over ranks, every ``log_every_n_steps`` steps (default: the Trainer's)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 import lightning.pytorch as pl
 import psutil
 import torch
-from fsdp_strategy.callbacks.ranks import MIB, OptimizerStepWindow, due, log_to_loggers, stats_over_ranks
+from fsdp_strategy.callbacks.ranks import MIB, OptimizerStepWindow, check_every, due, log_to_loggers, stats_over_ranks
 from lightning.pytorch.callbacks import Callback
 
 from fsdp_strategy.engine import get_scheduler, is_sharded
@@ -28,10 +28,8 @@ class MemoryMonitor(Callback):
     Costs: one all-gather of about ten floats per logged step; nothing on other steps.
     """
 
-    def __init__(self, log_every_n_steps: int = 50, prefix: str = "memory") -> None:
-        if log_every_n_steps < 1:
-            raise ValueError(f"log_every_n_steps={log_every_n_steps} must be >= 1")
-        self.log_every_n_steps = log_every_n_steps
+    def __init__(self, log_every_n_steps: int | None = None, prefix: str = "memory") -> None:
+        self.log_every_n_steps = check_every(log_every_n_steps)
         self.prefix = prefix
         self._logging = False
         self._window = OptimizerStepWindow()

@@ -18,10 +18,20 @@ def lightning_step(trainer: pl.Trainer) -> int:
     return trainer.fit_loop.epoch_loop._batches_that_stepped
 
 
-def due(trainer: pl.Trainer, every_n_steps: int) -> bool:
+def due(trainer: pl.Trainer, every_n_steps: int | None) -> bool:
     """Whether Lightning logs training metrics at this step (its ``log_every_n_steps`` rule:
-    W&B steps n-1, 2n-1, ...), applied to the monitor's own ``every_n_steps``."""
-    return (lightning_step(trainer) + 1) % every_n_steps == 0
+    W&B steps n-1, 2n-1, ...), with the monitor's own ``every_n_steps`` or, None, the Trainer's."""
+    every = trainer.log_every_n_steps if every_n_steps is None else every_n_steps
+    return (lightning_step(trainer) + 1) % every == 0
+
+
+def check_every(log_every_n_steps: int | None) -> int | None:
+    """A monitor's ``log_every_n_steps``: None (the Trainer's) or a positive int."""
+    if log_every_n_steps is not None and (
+        isinstance(log_every_n_steps, bool) or not isinstance(log_every_n_steps, int) or log_every_n_steps < 1
+    ):
+        raise ValueError(f"log_every_n_steps={log_every_n_steps!r} must be a positive int, or None for the Trainer's")
+    return log_every_n_steps
 
 
 class OptimizerStepWindow:

@@ -8,7 +8,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from fsdp_strategy.callbacks.ranks import OptimizerStepWindow, due, log_to_loggers
+from fsdp_strategy.callbacks.ranks import OptimizerStepWindow, check_every, due, log_to_loggers
 from lightning.fabric.utilities.throughput import Throughput, get_available_flops
 from lightning.pytorch.callbacks import Callback
 
@@ -46,22 +46,23 @@ class ThroughputMonitor(Callback):
     forward and backward, e.g. from Lightning's ``measure_flops``), ``flops_per_sec`` and
     ``device/mfu`` (MFU needs the device's peak: known for CUDA GPUs, or pass ``available_flops``).
 
-    Rates are averaged over the last ``window_size`` steps and logged every ``log_every_n_steps``.
+    Rates are averaged over the last ``window_size`` steps and logged every ``log_every_n_steps``
+    (default: the Trainer's).
     Costs: a clock read per step (plus a CUDA synchronize, so that step times are true).
     """
 
     def __init__(
         self,
-        log_every_n_steps: int = 50,
+        log_every_n_steps: int | None = None,
         window_size: int = 20,
         batch_size_fn: Callable[[Any], int] = batch_size,
         length_fn: Callable[[Any], int | None] = token_count,
         available_flops: float | None = None,
         prefix: str = "throughput",
     ) -> None:
-        if log_every_n_steps < 1 or window_size < 2:
-            raise ValueError(f"log_every_n_steps={log_every_n_steps} must be >= 1, window_size={window_size} >= 2")
-        self.log_every_n_steps = log_every_n_steps
+        if window_size < 2:
+            raise ValueError(f"window_size={window_size} must be >= 2")
+        self.log_every_n_steps = check_every(log_every_n_steps)
         self.window_size = window_size
         self.batch_size_fn = batch_size_fn
         self.length_fn = length_fn

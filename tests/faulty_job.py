@@ -82,7 +82,7 @@ class FaultyLM(L.LightningModule):
 
     def on_train_start(self):
         print(f"STARTED rank {self.global_rank} at step {self.global_step}", flush=True)
-        dog = self.trainer.strategy._watchdog
+        dog = getattr(self.trainer.strategy, "_watchdog", None)
         if dog is not None:
             collective, control = dog.limits
             print(f"LIMITS rank {self.global_rank}: collective {collective:g} s, blocking calls {control:g} s")

@@ -113,7 +113,7 @@ def _fit_accumulating(rank: int, world: int, root: str) -> None:
         accumulate_grad_batches=2,
         log_every_n_steps=2,
         logger=logger,
-        callbacks=[MemoryMonitor(log_every_n_steps=2), CommunicationMonitor(log_every_n_steps=2)],
+        callbacks=[MemoryMonitor(), CommunicationMonitor()],  # the Trainer's log_every_n_steps
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -126,7 +126,8 @@ def _fit_accumulating(rank: int, world: int, root: str) -> None:
 
 def test_monitors_report_per_optimizer_step_in_lightning_rows(tmp_path):
     """With accumulate_grad_batches=2 the monitors log once per optimizer step, micro-batches
-    summed, in the same W&B rows as Lightning's own ``self.log`` metrics."""
+    summed, in the same W&B rows as Lightning's own ``self.log`` metrics, at the Trainer's
+    ``log_every_n_steps`` when given none of their own."""
     run_ranks(_fit_accumulating, 2, tmp_path, str(tmp_path), env=LIGHTNING_ENV, timeout=300)
     rows = history(tmp_path / "wandb")
 

@@ -175,16 +175,18 @@ def test_a_rank0_save_longer_than_a_short_collective_timeout_is_not_a_failure(tm
 
 
 def _sigterm_every_rank(strategy: str, checkpoints: Path) -> tuple[int, str]:
-    """Run under torchrun, send SIGTERM to both ranks at once after the first step; return the end."""
+    """Run under torchrun, send SIGTERM to both ranks at once while they sleep in a step; return the
+    end. (Lightning's SIGTERM handler runs a broadcast: a signal landing while one rank is inside a
+    collective can hang DDP as well as any strategy, so the signal is sent inside a 2 s step.)"""
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29595", JOB]
-    command += ["--fault", "none", "--step-seconds", "0.5", "--strategy", strategy]
+    command += ["--fault", "none", "--step-seconds", "2", "--strategy", strategy]  # both ranks asleep in a step
     command += ["--checkpoints", str(checkpoints), "--on-exception-seconds", "6"]
     job = subprocess.Popen(command, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        lines = []
-        for line in job.stdout:
+        lines: list[str] = []
+        for line in job.stdout:  # both ranks in training (their SIGTERM handlers installed)
             lines.append(line)
-            if "STARTED rank 0" in line:
+            if all(any(f"STARTED rank {rank}" in seen for seen in lines) for rank in (0, 1)):
                 break
         time.sleep(1.0)
         for rank in psutil.Process(job.pid).children():
