@@ -7,6 +7,7 @@ switching strategies brings those along; ``FSDP_KEYWORDS`` says what each does h
 
 from __future__ import annotations
 
+import difflib
 import math
 import numbers
 from collections.abc import Iterable
@@ -41,20 +42,19 @@ FSDP_KEYWORDS: dict[str, tuple[Any, str]] = {
 }
 
 
-def check_fsdp_keywords(kwargs: dict[str, Any]) -> None:
-    """Raise for an FSDP keyword this strategy cannot honour (saying why) or an unknown one."""
-    unknown = sorted(set(kwargs) - set(FSDP_KEYWORDS))
-    if unknown:
+def check_fsdp_keywords(kwargs: dict[str, Any], accepted: list[str]) -> None:
+    """Raise for an FSDP keyword this strategy cannot honour (saying why) or an unknown one (with
+    the closest accepted name; ``accepted``: the strategy's own argument names)."""
+    everything = sorted({*accepted, *FSDP_KEYWORDS})
+    for name in sorted(set(kwargs) - set(FSDP_KEYWORDS)):
+        close = difflib.get_close_matches(name, everything, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
         raise TypeError(
-            f"FSDPCustomStrategy got unexpected arguments {unknown}; accepted: sharding_strategy, auto_wrap_policy, "
-            "mixed_precision, cpu_offload, activation_checkpointing_policy, state_dict_type, device_mesh, async_save, "
-            "param_init_fn, forward_prefetch, backward_prefetch, sync_module_states, ignored_modules, "
-            "process_group_backend, timeout, "
-            f"and FSDP's {sorted(FSDP_KEYWORDS)}"
+            f"FSDPCustomStrategy got an unexpected argument {name!r}{hint} Accepted: {', '.join(everything)}"
         )
     for name, value in kwargs.items():
-        accepted, why = FSDP_KEYWORDS[name]
-        if accepted is None or value != accepted:
+        accepted_value, why = FSDP_KEYWORDS[name]
+        if accepted_value is None or value != accepted_value:
             raise ValueError(f"{name}={value!r} has no meaning for fsdp_custom: {why}")
 
 
@@ -73,6 +73,20 @@ def checkpointing_policy(activation_checkpointing: Any, policy: Any) -> Any:
         policy = set(classes)
     as_policy_fn(policy, argument="activation_checkpointing_policy")
     return policy
+
+
+STATE_DICT_TYPES = ("full", "sharded")
+
+
+def check_checkpoint_options(state_dict_type: Any, async_save: Any) -> str:
+    """``state_dict_type`` ("full" or "sharded"), checked with ``async_save`` (sharded only)."""
+    if state_dict_type not in STATE_DICT_TYPES:
+        raise ValueError(f"state_dict_type={state_dict_type!r} is not supported; accepted: {STATE_DICT_TYPES}")
+    if not isinstance(async_save, bool):
+        raise TypeError(f"async_save must be a bool, got {async_save!r}")
+    if async_save and state_dict_type != "sharded":
+        raise ValueError("async_save=True needs state_dict_type='sharded' (a full checkpoint is gathered to rank 0)")
+    return state_dict_type
 
 
 def check_backend(backend: Any) -> str | None:
@@ -200,9 +214,10 @@ def check_ignored_modules(value: Any) -> tuple[torch.nn.Module, ...] | None:
     if value is None:
         return None
     listed = not isinstance(value, torch.nn.Module) and isinstance(value, Iterable)
-    if not listed or not all(isinstance(m, torch.nn.Module) for m in value):
+    modules = tuple(value) if listed else ()  # once: a generator is read here only
+    if not listed or not all(isinstance(m, torch.nn.Module) for m in modules):
         raise TypeError(f"ignored_modules must be a list of modules of the model, got {value!r}")
-    return tuple(value)
+    return modules
 
 
 def check_collective_timeout(value: Any) -> float | None:

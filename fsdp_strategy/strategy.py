@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import inspect
 import logging
 import math
 from collections.abc import Generator
@@ -27,17 +28,12 @@ from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
-    _sync_ddp_if_available,
 )
-from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
-from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
@@ -46,6 +42,7 @@ from fsdp_strategy import averaging
 from fsdp_strategy.arguments import (
     ShardingOptions,
     check_backend,
+    check_checkpoint_options,
     check_fsdp_keywords,
     check_timeout,
     checkpointing_policy,
@@ -55,25 +52,29 @@ from fsdp_strategy.arguments import (
 from fsdp_strategy.checkpoint.writer import CheckpointWriter
 from fsdp_strategy.config import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy, validate_device_mesh
 from fsdp_strategy.engine import Scheduler, get_scheduler, is_sharded, shard_with_options, watchdog
-from fsdp_strategy.engine.collectives import watched
 from fsdp_strategy.engine.ledger import CommLedger
 from fsdp_strategy.engine.watchdog import Watchdog
 from fsdp_strategy.precision import FSDPCustomPrecision
 from fsdp_strategy.strategy_checkpoints import CheckpointHooks
-from fsdp_strategy.sync_batchnorm import SyncBatchNorm, convert_sync_batchnorm
+from fsdp_strategy.strategy_watchdog import WatchdogHooks
+from fsdp_strategy.sync_batchnorm import convert_sync_batchnorm
 from fsdp_strategy.wrap import apply_activation_checkpointing
 
 log = logging.getLogger(__name__)
 
-_STATE_DICT_TYPES = ("full", "sharded")
 _OPTION_ATTRIBUTES = tuple(field.name for field in dataclasses.fields(ShardingOptions))
+
+
+def _plural(count: int, noun: str) -> str:
+    """``1 rank``, ``2 ranks``."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
 def _count(count: int) -> str:
     return f"{count / 1e6:.1f} M" if count >= 100_000 else f"{count:,}"
 
 
-class FSDPCustomStrategy(CheckpointHooks, ParallelStrategy):
+class FSDPCustomStrategy(WatchdogHooks, CheckpointHooks, ParallelStrategy):
     """Fully Sharded Data Parallel with this project's own engine.
 
     Arguments (names and meanings as Lightning's ``FSDPStrategy``):
@@ -150,7 +151,7 @@ class FSDPCustomStrategy(CheckpointHooks, ParallelStrategy):
         check_collective_order: bool = True,
         **fsdp_kwargs: Any,
     ) -> None:
-        check_fsdp_keywords(fsdp_kwargs)
+        check_fsdp_keywords(fsdp_kwargs, list(inspect.signature(FSDPCustomStrategy.__init__).parameters)[1:-1])
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -177,15 +178,7 @@ class FSDPCustomStrategy(CheckpointHooks, ParallelStrategy):
         self.activation_checkpointing_policy = checkpointing_policy(
             activation_checkpointing, activation_checkpointing_policy
         )
-        if state_dict_type not in _STATE_DICT_TYPES:
-            raise ValueError(f"state_dict_type={state_dict_type!r} is not supported; accepted: {_STATE_DICT_TYPES}")
-        self._state_dict_type = state_dict_type
-        if not isinstance(async_save, bool):
-            raise TypeError(f"async_save must be a bool, got {async_save!r}")
-        if async_save and state_dict_type != "sharded":
-            raise ValueError(
-                "async_save=True needs state_dict_type='sharded' (a full checkpoint is gathered to rank 0)"
-            )
+        self._state_dict_type = check_checkpoint_options(state_dict_type, async_save)
         self._writer = CheckpointWriter(async_save=async_save)
         self._device_mesh = validate_device_mesh(device_mesh, self.sharding_strategy)
         self._process_group_backend = check_backend(process_group_backend)
@@ -277,10 +270,7 @@ class FSDPCustomStrategy(CheckpointHooks, ParallelStrategy):
             # Lightning registers this for NCCL only; a gloo group left to interpreter shutdown can
             # abort the process ("terminate called without an active exception") after a good run.
             atexit.register(_destroy_dist_connection)
-        if self._watchdog is not None:  # one per run: a failure a script caught is not reported again
-            self._watchdog.close()
-        self._watchdog = Watchdog.start(self.collective_timeout, node=self.node_rank, report_uncaught=False)
-        self._writer.watchdog = self._watchdog
+        self._start_watchdog()
         self._writer.setup()
         if isinstance(self._device_mesh, tuple):
             from torch.distributed.device_mesh import init_device_mesh
@@ -319,10 +309,7 @@ class FSDPCustomStrategy(CheckpointHooks, ParallelStrategy):
                 self.model = self._sync_layers(self.model)
             self._shard(self.model)
         self.scheduler.open()  # closed at teardown ([Note: edits while gathered])
-        self.scheduler.comm.attach(self._watchdog)  # this run's (validate/test after fit reuse the model)
-        for layer in self.model.modules():
-            if isinstance(layer, SyncBatchNorm):
-                layer.watchdog = self._watchdog
+        self._attach_watchdog(self._watchdog)  # this run's (validate/test after fit reuse the model)
         self.precision_plugin.attach(self.root_device.type, self.scheduler.clip_grad_norm_)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -355,7 +342,8 @@ class FSDPCustomStrategy(CheckpointHooks, ParallelStrategy):
         trainable = sum(math.prod(p.shape) for p in params if p.sharded.requires_grad)
         local = sum(p.sharded.numel() for p in params)
         rank_zero_info(
-            f"fsdp_custom: {self.sharding_strategy.value} over {self.world_size} ranks, {len(units)} units "
+            f"fsdp_custom: {self.sharding_strategy.value} over {_plural(self.world_size, 'rank')}, "
+            f"{_plural(len(units), 'unit')} "
             f"({', '.join(unit.name for unit in units[:8])}{', ...' if len(units) > 8 else ''}); "
             f"{_count(full_count)} parameters ({_count(trainable)} trainable), {_count(local)} in this rank's "
             "shards (what Lightning's model summary counts)"
@@ -375,21 +363,6 @@ class FSDPCustomStrategy(CheckpointHooks, ParallelStrategy):
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         with self._reported():
             return super().backward(closure_loss, optimizer, *args, **kwargs)
-
-    @contextmanager
-    def _reported(self) -> Generator[None, None, None]:
-        """Report an exception of a step or a backward at once ([Note: watchdog]): Lightning's
-        ``on_exception`` callbacks run before the strategy's, and may wait in a collective (a
-        checkpoint on exception) that the other ranks, not told, would never join."""
-        try:
-            yield
-        except BaseException as error:
-            self._report_exception(error)
-            raise
-
-    def _report_exception(self, error: BaseException) -> None:
-        if self._watchdog is not None and not isinstance(error, SIGTERMException):  # raised on every rank in step
-            self._watchdog.report_exception(error)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.train_step_context():
@@ -434,41 +407,11 @@ class FSDPCustomStrategy(CheckpointHooks, ParallelStrategy):
             self._ledger_global_step = global_step
         super().on_train_batch_start(batch, batch_idx)
 
-    # ---- collectives for Lightning --------------------------------------------------------
-
-    def barrier(self, name: str | None = None) -> None:
-        """Wait for every rank (device-aware on NCCL)."""
-        if not _distributed_is_initialized():
-            return
-        with watched("barrier", name or "Lightning", self._watchdog):
-            if torch.distributed.get_backend() == "nccl":
-                torch.distributed.barrier(device_ids=[self.root_device.index])
-            else:
-                torch.distributed.barrier()
-
-    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not _distributed_is_initialized():
-            return obj
-        container = [obj]
-        with watched("broadcast", "Lightning", self._watchdog):
-            torch.distributed.broadcast_object_list(container, src, group=_group.WORLD)
-        return container[0]
-
-    def reduce(self, tensor: Tensor | Any, group: Any = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:
-        if isinstance(tensor, Tensor):
-            with watched("all_reduce", "Lightning", self._watchdog):
-                return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
-
     def teardown(self) -> None:
         """Finish any checkpoint in flight, close the engine's hooks and threads and the watchdog,
         then tear down as Lightning does."""
         self._writer.teardown()
-        if self.model is not None and is_sharded(self.model):
-            self.scheduler.close()  # nothing of the engine stays installed after the run
-        if self._watchdog is not None:
-            self._watchdog.close()
-            self._watchdog = self._writer.watchdog = None
+        self._close_watchdog()
         if self.lightning_module is not None and self.lightning_module._trainer is not None:
             averaging.restore(averaging.averaging_callbacks(self.lightning_module.trainer))
         assert self.cluster_environment is not None and self.accelerator is not None

@@ -131,7 +131,8 @@ class CheckpointHooks:
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         """Read a checkpoint before setup: a sharded folder (ours or Lightning FSDP's, any world size)
         or a full file (memory-mapped); ``setup`` copies its tensors into the shards. Returns
-        Lightning's state. ``weights_only`` as ``torch.load``'s."""
+        Lightning's state. ``weights_only`` as ``torch.load``'s, not given meaning False (as
+        Lightning's FSDP: callbacks' and hyperparameters' objects load)."""
         self._writer.wait()
         path = storage.locate(self.broadcast(os.fspath(checkpoint_path)))
         is_folder = storage.isdir(path)

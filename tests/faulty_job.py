@@ -22,6 +22,7 @@ import argparse
 import os
 import signal
 import sys
+import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -168,6 +169,7 @@ def build_trainer(args: argparse.Namespace) -> L.Trainer:
         devices=args.devices,
         num_nodes=args.num_nodes,
         max_steps=8,
+        default_root_dir=os.path.join(tempfile.gettempdir(), "fsdp_faulty_job"),  # failing ranks' rings go here
         logger=False,
         enable_checkpointing=args.checkpoints is not None,
         enable_progress_bar=False,

@@ -161,9 +161,11 @@ def _loading_body(rank: int, world: int, root: str, state_dict_type: str) -> dic
         )
     except CheckpointError as error:
         result["weights_only_error"] = str(error)
-    callback = _OpaqueState()
-    _run(world, root / "c", _fsdp(state_dict_type), 4, ckpt_path=ckpt, callbacks=[callback], weights_only=False)
-    result["callback_loaded"] = callback.loaded
+    for weights_only in (None, False):  # None (not given): False, as Lightning's FSDP loads its own
+        callback = _OpaqueState()
+        folder = root / f"c{weights_only}"
+        _run(world, folder, _fsdp(state_dict_type), 4, ckpt_path=ckpt, callbacks=[callback], weights_only=weights_only)
+        result[f"callback_loaded_{weights_only}"] = callback.loaded
 
     loaded = _validate(world, _ExtendedLM(), state_dict_type, ckpt)  # optimizers differ: as with DDP, weights only
     result["shared_equal"] = rank != 0 or all(torch.equal(loaded[k], v) for k, v in saved.items())
@@ -187,6 +189,6 @@ def _validate(world: int, module: ScheduledLM, state_dict_type: str, ckpt: str) 
 def test_weights_only_and_strict_loading_are_honoured(tmp_path, state_dict_type):
     result = run_ranks(_loading_body, 2, tmp_path, str(tmp_path), state_dict_type, env=LIGHTNING_ENV, timeout=300)[0]
     assert "weights_only" in result["weights_only_error"] and "_Opaque" in result["weights_only_error"]
-    assert result["callback_loaded"] == 3
+    assert result["callback_loaded_None"] == result["callback_loaded_False"] == 3
     assert result["shared_equal"]
     assert "keys missing from it ['extra.bias', 'extra.weight']" in result["strict_error"]

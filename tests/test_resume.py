@@ -188,8 +188,9 @@ def test_rank_killed_mid_save_leaves_previous_checkpoint_loadable(tmp_path):
     results = run_ranks(_crashing_save, 2, tmp_path, str(root), env=LIGHTNING_ENV, timeout=300, allow_failure=True)
     assert isinstance(results[1], RankFailure) and "exit code 17" in results[1].error
     assert isinstance(results[0], RankFailure)  # the survivor fails instead of hanging
-    finals = sorted(p.name for p in root.iterdir() if not p.name.startswith("."))
+    finals = sorted(p.name for p in root.iterdir() if p.suffix == ".ckpt" and not p.name.startswith("."))
     assert finals == ["epoch=0-step=3.ckpt", "last.ckpt"]
+    assert sorted(p.name for p in root.iterdir() if p.suffix == ".json") == ["fsdp_custom_flight_rank0.json"]
     assert all(layout.is_sharded_checkpoint(root / name) for name in finals)
     assert layout.read_meta(root / "last.ckpt")["checksums"]  # last still points to the complete step-3 save
     resumed = run_ranks(

@@ -232,7 +232,12 @@ def test_registered_names_and_variants():
         ({"device_mesh": (2, 2)}, ValueError, "only used with sharding_strategy='HYBRID_SHARD'"),
         ({"sharding_strategy": "HYBRID_SHARD", "device_mesh": (2, 0)}, ValueError, "two positive ints"),
         ({"cpu_offload": "yes"}, TypeError, "cpu_offload must be"),
-        ({"limit_al_gathers": True}, TypeError, "unexpected arguments \\['limit_al_gathers'\\]"),
+        (
+            {"limit_al_gathers": True},
+            TypeError,
+            "unexpected argument 'limit_al_gathers'; did you mean 'limit_all_gathers'",
+        ),
+        ({"colective_timeout": 5}, TypeError, "did you mean 'collective_timeout'.*check_collective_order"),
         ({"limit_all_gathers": False}, ValueError, "limit_all_gathers=False has no meaning.*one all-gather ahead"),
         ({"use_orig_params": False}, ValueError, "use_orig_params=False has no meaning.*flat parameters"),
         ({"process_group": "group"}, ValueError, "process_group='group' has no meaning.*device_mesh"),

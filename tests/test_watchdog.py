@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -31,8 +30,8 @@ from fsdp_strategy.engine.flight import RING_SIZE, STAMP_SLOTS
 from fsdp_strategy.engine.watchdog import Watchdog
 
 
-def _mismatch_body(rank: int, world: int, kind: str) -> str:
-    comm, ctx = CommGroup.of(dist.group.WORLD), CommContext(watchdog=Watchdog.start(60.0))
+def _mismatch_body(rank: int, world: int, kind: str, folder: str) -> str:
+    comm, ctx = CommGroup.of(dist.group.WORLD), CommContext(watchdog=Watchdog.start(60.0, dump_dir=folder))
     unit = "blocks.1" if rank == 1 else "blocks.0"  # rank 1 is on another unit of the same size
     data = torch.full((world * (8 + STAMP_SLOTS),), float(rank))
     try:
@@ -43,13 +42,26 @@ def _mismatch_body(rank: int, world: int, kind: str) -> str:
         else:
             all_reduce(data, comm, ctx, unit, stamped=True).wait()
     except CollectiveError as error:
-        return str(error)
-    return "no error"
+        message = str(error)
+    else:
+        message = "no error"
+    _stay_until_all_reported(rank, world, folder)
+    return message
+
+
+def _stay_until_all_reported(rank: int, world: int, folder: str) -> None:
+    """Keep rank 0 (the store's host) alive until every rank has read its peers' states from the store."""
+    open(os.path.join(folder, f"reported{rank}"), "w").close()
+    deadline = time.monotonic() + 30
+    while rank == 0 and time.monotonic() < deadline:
+        if all(os.path.exists(os.path.join(folder, f"reported{peer}")) for peer in range(world)):
+            return
+        time.sleep(0.05)
 
 
 @pytest.mark.parametrize("kind", ["all_gather", "reduce_scatter", "all_reduce"])
 def test_ranks_on_different_collectives_of_one_size_stop_at_the_first(tmp_path, kind):
-    messages = run_ranks(_mismatch_body, 3, tmp_path, kind, timeout=60)
+    messages = run_ranks(_mismatch_body, 3, tmp_path, kind, str(tmp_path), timeout=60)
     for rank, message in enumerate(messages):  # every rank stops, naming both units and where each rank was
         assert f"rank {rank} (node 0) stopped at {kind} #1 of unit" in message, message
         assert "different collective" in message
@@ -59,7 +71,8 @@ def test_ranks_on_different_collectives_of_one_size_stop_at_the_first(tmp_path, 
         assert "ranks [0, 2] issued a different collective here" in messages[1]
 
 
-def _timeout_body(rank: int, world: int) -> dict:
+def _timeout_body(rank: int, world: int, folder: str) -> dict:
+    os.chdir(folder)  # the working folder: where shard_model's own watchdog writes a failing rank's ring
     model = shard_model(TiedLM(), auto_wrap_policy={Block}, collective_timeout=1.5)
     tokens = torch.randint(0, 37, (2, 6))
     model(tokens).sum().backward()  # one good step
@@ -69,19 +82,19 @@ def _timeout_body(rank: int, world: int) -> dict:
     try:
         model(tokens)
     except CollectiveError as error:
-        dump = Path(tempfile.gettempdir()) / f"fsdp_custom_flight_rank0_pid{os.getpid()}.json"
+        dump = Path(folder) / "fsdp_custom_flight_rank0.json"
         return {"error": str(error), "seconds": time.monotonic() - start, "dump": json.loads(dump.read_text())}
     return {"error": None}
 
 
 def test_a_collective_no_peer_joins_ends_at_collective_timeout(tmp_path):
-    results = run_ranks(_timeout_body, 2, tmp_path, timeout=60, allow_failure=True)
+    results = run_ranks(_timeout_body, 2, tmp_path, str(tmp_path), timeout=60, allow_failure=True)
     first = results[0]
     assert first["error"] is not None and 1.4 < first["seconds"] < 10
     assert "rank 0 (node 0) stopped at all_gather #" in first["error"]
     assert "collective_timeout=1.5 s" in first["error"]
     assert "rank 1 was not waiting in a collective of the engine" in first["error"]
-    assert f"this rank: {tempfile.gettempdir()}/fsdp_custom_flight_rank0_pid" in first["error"]
+    assert f"this rank: {tmp_path}/fsdp_custom_flight_rank0.json" in first["error"]
     ring = first["dump"]["ring"]  # the whole ring, bounded, the last collective still in flight
     assert 0 < len(ring) <= RING_SIZE and ring[-1]["kind"] == "all_gather" and ring[-1]["ended"] is None
     assert [r["seq"] for r in ring] == list(range(ring[0]["seq"], ring[-1]["seq"] + 1))

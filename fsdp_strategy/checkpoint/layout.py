@@ -64,7 +64,10 @@ def folder_meta(path: str | os.PathLike | Location) -> dict[str, Any] | None:
 
 def load_object(path: str | os.PathLike | Location, weights_only: bool | None, mmap: bool = False) -> Any:
     """``torch.load`` a checkpoint file on the CPU (memory-mapped with ``mmap`` on a local disk);
-    errors name the file (``weights_only``: as ``torch.load``'s, None being torch's default)."""
+    errors name the file. ``weights_only``: as ``torch.load``'s, None meaning False, as Lightning's
+    FSDP reads its checkpoints (their metadata holds callbacks' and hyperparameters' objects);
+    True refuses anything but tensors and plain values."""
+    weights_only = False if weights_only is None else weights_only
     where = storage.locate(path)
     if not storage.isfile(where):
         raise CheckpointError(f"{where}: missing")

@@ -118,7 +118,12 @@ def shard_model(
     owned = None
     if watchdog is None:
         watchdog = owned = Watchdog.start(options.collective_timeout)
-    scheduler = shard_with_options(module, options, device, process_group, device_mesh, watchdog)
+    try:
+        scheduler = shard_with_options(module, options, device, process_group, device_mesh, watchdog)
+    except BaseException:
+        if owned is not None:
+            owned.close()
+        raise
     scheduler.owned_watchdog = owned
     return module
 
@@ -138,7 +143,7 @@ def shard_with_options(
     compute = torch.device(device) if device is not None else build.default_device(module)
     storage = torch.device("cpu") if options.cpu_offload.offload_params else compute
     where = build.Where(shard_comm, replicate_comm, compute, storage, device_mesh)
-    comm = CommContext(watchdog=watchdog, tag=agree_on_tag())
+    comm = CommContext(watchdog=watchdog, tag=agree_on_tag(shard_comm.group))
     sharding = build.plan(module, options)
     units = build.build(module, sharding, options, where, comm)
     scheduler = build.schedule(module, units, sharding, options, where, comm)

@@ -101,10 +101,10 @@ class CommContext:
         return self._stamps[key]
 
     def attach(self, watchdog: Watchdog | None) -> None:
-        """Let ``watchdog`` (a new run's) watch these collectives, recording into its ring."""
+        """Let ``watchdog`` (a new run's) watch these collectives, recording into its ring; None:
+        unwatched (a closed watchdog's heartbeat has stopped), recording into a ring of its own."""
         self.watchdog = watchdog
-        if watchdog is not None:
-            self.recorder = watchdog.recorder
+        self.recorder = watchdog.recorder if watchdog is not None else FlightRecorder()
 
     def wedged(self) -> bool:
         """Whether a collective failed ([Note: watchdog]): none can be waited for."""

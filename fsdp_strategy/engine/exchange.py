@@ -19,8 +19,8 @@ each other. NCCL and CUDA tensors keep the collectives (NCCL's are the fast path
 from __future__ import annotations
 
 import queue
-import secrets
 import threading
+import zlib
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -109,17 +109,17 @@ class ExchangeThread:
             thread.join(timeout=1.0)
 
 
-def agree_on_tag() -> int:
-    """A message tag every rank of the default group shares (global rank 0 draws it; a collective).
-    Costs: one broadcast of one integer, once per sharded model."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+def agree_on_tag(group: Any) -> int:
+    """The message tag of an engine that shards over ``group``, the same on every rank of it: the
+    k-th model each rank shards over that group takes the k-th tag of the group. Each rank counts
+    its own in the default store, so it costs one store call and no collective, and draws from no
+    random generator. Without a group (a group of one) the default tag."""
+    if group is None or not dist.is_initialized():
         return DEFAULT_TAG
-    value = (1 << 20) + secrets.randbelow(1 << 29) if dist.get_rank() == 0 else 0  # leaves torch's RNG alone
-    drawn = torch.tensor(value, dtype=torch.int64)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    drawn = drawn.to(device)
-    dist.broadcast(drawn, src=0)
-    return int(drawn.item())
+    members = ",".join(map(str, dist.get_process_group_ranks(group)))
+    store = dist.distributed_c10d._get_default_store()
+    count = store.add(f"fsdp_custom/exchange_tags/{members}/{dist.get_rank()}", 1)
+    return (1 << 20) + (zlib.crc32(members.encode()) % (1 << 20)) * 512 + count % 512
 
 
 Peers = tuple[tuple[int, int], ...]  # (group rank, global rank) of every other rank, in group-rank order

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 from collections import defaultdict
+from typing import Any
 
 import torch
 from torch import nn
@@ -58,3 +59,22 @@ def install_guards(root: nn.Module, units: list[FSDPUnit]) -> list[RemovableHand
         hook = functools.partial(_check_gathered, names[module_id], list(by_unit.values()))
         handles.append(modules[module_id].register_forward_pre_hook(hook))
     return handles
+
+
+def shard_used_by(param: ShardedParam) -> Any:
+    """The hook that makes a computation on a shard loud: outside its unit's forward a parameter is
+    this rank's rows only, so a loss computed from it (an L2 penalty over ``self.parameters()``)
+    would be silently wrong; the engine itself never differentiates through a shard."""
+
+    @torch._dynamo.disable
+    def hook(shard: torch.Tensor) -> None:
+        shard.grad = None
+        raise RuntimeError(
+            f"fsdp_custom: parameter {param.fqn!r} was used in a computation that needs its gradient while it is "
+            f"this rank's shard ({param.chunk_rows} of its {param.dim0} rows): outside the forward of its unit, a "
+            "value computed from it (a norm, a penalty) covers this rank's rows only. Compute it inside the model's "
+            "forward, or gather the model with summon_full_params, or keep the module in the unit whose forward "
+            "runs training_step (the default wrapping)"
+        )
+
+    return hook

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import tempfile
 import time
 from typing import Any
 
@@ -30,13 +29,16 @@ GRACE = 5.0  # seconds a failing rank waits for the other ranks' reports before 
 class Reports:
     """Reports of one watchdog. Costs: store calls only on a failure (and learning identities)."""
 
-    def __init__(self, channel: StoreChannel, identity: dict[str, Any], world: int, recorder: FlightRecorder) -> None:
+    def __init__(
+        self, channel: StoreChannel, identity: dict[str, Any], world: int, recorder: FlightRecorder, dump_dir: str
+    ) -> None:
         self.channel = channel
         self.identity = identity
         self.rank, self.node, self.world = identity["rank"], identity["node"], world
         self.recorder = recorder
         self.identities: dict[int, dict[str, Any]] = {}  # every rank's, filled until all are known
-        self.dump_path = ""  # this rank's ring, written when it reports
+        self.dump_dir = dump_dir  # where a failing rank writes its ring
+        self.dump_path = ""  # this rank's ring, written when it fails
         self.abort_seen: str | None = None  # another rank's first report, as the watchdog's thread read it
 
     def publish(self, reason: str, record: CollectiveRecord | None, kind: str = "failed") -> None:
@@ -44,19 +46,24 @@ class Reports:
         report = {**self.identity, "reason": reason, "kind": kind, "waiting": record is not None}
         latest = record or self.recorder.latest()
         report["latest"] = latest.as_dict() if latest is not None else None
-        path = os.path.join(tempfile.gettempdir(), f"fsdp_custom_flight_rank{self.rank}_pid{os.getpid()}.json")
-        try:
-            with open(path, "w") as file:
-                json.dump({**report, "ring": self.recorder.snapshot()}, file, indent=1)
-        except OSError:
-            path = "(not written)"
-        report["dump"] = self.dump_path = path
+        if kind == "failed":  # a real failure: this rank's ring goes to a file the message names
+            report["dump"] = self.dump_path = self._dump(report)
         try:
             self.channel.set(f"report/{self.rank}", json.dumps(report))
             if kind != "outside":
                 self.channel.set_first("abort", json.dumps({"rank": self.rank, "reason": reason}))
         except StoreLost as error:  # the store's host is gone: the report stays local
             log.debug("fsdp_custom watchdog: cannot publish: %s", error)
+
+    def _dump(self, report: dict[str, Any]) -> str:
+        """Write this rank's ring into ``dump_dir`` (one file per rank: bounded); its path."""
+        path = os.path.join(self.dump_dir, f"fsdp_custom_flight_rank{self.rank}.json")
+        try:
+            with open(path, "w") as file:
+                json.dump({**report, "ring": self.recorder.snapshot()}, file, indent=1)
+        except OSError as error:
+            return f"(not written: {error})"
+        return path
 
     def first(self, fallback: str) -> str:
         try:
@@ -68,6 +75,7 @@ class Reports:
     def message(self, record: CollectiveRecord | None, reason: str) -> str:
         where = record.describe() if record is not None else "no collective"
         headline = f"fsdp_custom: rank {self.rank} (node {self.node}) stopped at {where}: {reason}"
+        self.check_store_host()
         self.publish(headline, record)
         first = self.first(headline)
         gone = "".join(f"; rank {r} has exited" for r in sorted(self.gone_locally()))
@@ -79,7 +87,7 @@ class Reports:
             lines = [diagnosis.peer_line(peer, mine.as_dict() if mine else None, GRACE) for peer in peers]
         except StoreLost as error:
             lines = [diagnosis.store_unreachable_line(str(error), sorted(self.gone_locally()))]
-        every = os.path.join(tempfile.gettempdir(), "fsdp_custom_flight_rank*.json")
+        every = os.path.join(self.dump_dir, "fsdp_custom_flight_rank*.json")
         dumps = [f"Flight recorder rings: {every} (this rank: {self.dump_path})"]
         nccl_dump = _nccl_dump_prefix()
         if nccl_dump is not None:
@@ -114,6 +122,17 @@ class Reports:
             else:
                 peers.append(Peer(rank, identity, PeerState.ALIVE))
         return peers
+
+    def check_store_host(self) -> None:
+        """Declare the store lost, without calling it, once its host is known to have exited: global
+        rank 0's process on this host when no torchrun agent hosts the store (Lightning's launcher,
+        env://). A call to a store whose host is gone makes torch print a C++ trace per call, in
+        front of the report that explains it."""
+        if self.channel.lost is not None or os.environ.get("TORCHELASTIC_RUN_ID") or self.rank == 0:
+            return
+        host = self.identities.get(0)
+        if host is not None and host["host"] == self.identity["host"] and process_gone(host["pid"]):
+            self.channel.lost = "global rank 0, which hosts the store, has exited"
 
     def gone_locally(self) -> set[int]:
         """Ranks on this host whose process has exited."""

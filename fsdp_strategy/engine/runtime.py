@@ -83,13 +83,13 @@ from typing import Any
 import torch
 import torch._dynamo
 from torch import nn
-from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 from torch.utils._pytree import tree_map
 
 from fsdp_strategy.config import BackwardPrefetch, MixedPrecision, ShardingStrategy
-from fsdp_strategy.engine import collectives
 from fsdp_strategy.engine.accounting import MemoryAccount
+from fsdp_strategy.engine.clipping import clip_grad_norm
 from fsdp_strategy.engine.collectives import CommContext
+from fsdp_strategy.engine.guard import shard_used_by
 from fsdp_strategy.engine.iteration import BackwardPass, PostBackward, autograd_running
 from fsdp_strategy.engine.optimizer_steps import OptimizerSteps
 from fsdp_strategy.engine.order import ExecutionOrder, Prefetch
@@ -98,7 +98,7 @@ from fsdp_strategy.engine.reductions import Reductions, check_no_late_grads
 from fsdp_strategy.engine.state import AfterPostBackward, Frame, UnitState
 from fsdp_strategy.engine.trace import traced
 from fsdp_strategy.engine.traversal import grad_tensors, replace_grad_tensors
-from fsdp_strategy.engine.unit import FSDPUnit, ShardedState
+from fsdp_strategy.engine.unit import FSDPUnit, ShardedState, raise_for_lost_edits
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +164,7 @@ class Scheduler:
                 param.unsharded.requires_grad_(trainable)
                 if not param.aliased:
                     trainable = param.sharded.requires_grad
-                    param.sharded.requires_grad_(True).register_post_accumulate_grad_hook(_shard_used_by(param))
+                    param.sharded.requires_grad_(True).register_post_accumulate_grad_hook(shard_used_by(param))
                     param.sharded.requires_grad_(trainable)
 
     def state_of(self, unit: FSDPUnit) -> UnitState:
@@ -304,9 +304,9 @@ class Scheduler:
     # ---- schedule ----------------------------------------------------------------------
 
     def _raise_for_lost_edits(self) -> None:
-        """Raise for changes made while gathered that could not be kept ([Note: edits while gathered])."""
-        for unit in self.units:
-            unit.raise_for_lost_edits()
+        """Raise for changes made while gathered that could not be kept ([Note: edits while gathered]):
+        one device sync for every unit's checks, only where a unit is gathered in a lower dtype."""
+        raise_for_lost_edits([check for unit in self.units for check in unit.take_lost_edit_checks()])
 
     def _start_iteration(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         self._raise_for_lost_edits()  # of a forward without backward
@@ -402,6 +402,7 @@ class Scheduler:
         if self.owned_watchdog is not None:
             self.owned_watchdog.close()
             self.owned_watchdog = None
+            self.comm.attach(None)
 
     def open(self) -> None:
         """Install the optimizer-step hooks again after ``close`` (the strategy, at each setup)."""
@@ -453,40 +454,4 @@ class Scheduler:
         all. Replicas (NO_SHARD, HYBRID_SHARD) hold the same shard, so the norm is reduced over
         the shard group only. Returns the total norm before clipping, as ``clip_grad_norm_`` does.
         """
-        chosen = None if parameters is None else {id(p) for p in parameters}
-        shards = [p.sharded for p in self.sharded_params() if chosen is None or id(p.sharded) in chosen]
-        ignored = [p for p in self.ignored_params.values() if chosen is None or id(p) in chosen]
-        norm_type = float(norm_type)
-        infinite = norm_type == float("inf")
-        local = get_total_norm([p.grad for p in shards if p.grad is not None], norm_type)
-        total = (local if infinite else local.pow(norm_type)).to(self.device, torch.float32, copy=True)
-        collectives.all_reduce(
-            total, self.root_unit.shard_comm, self.comm, "clip_grad_norm", op="max" if infinite else "sum"
-        ).wait()
-        own = [p.grad for p in ignored if p.grad is not None]
-        if own:  # this rank's own, as FSDP1 counts parameters it does not manage
-            term = get_total_norm(own, norm_type).to(total)
-            total = torch.maximum(total, term) if infinite else total + term.pow(norm_type)
-        if not infinite:
-            total = total.pow(1.0 / norm_type)
-        clip_grads_with_norm_([*shards, *ignored], max_norm, total)
-        return total
-
-
-def _shard_used_by(param: ShardedParam) -> Any:
-    """The hook that makes a computation on a shard loud: outside its unit's forward a parameter is
-    this rank's rows only, so a loss computed from it (an L2 penalty over ``self.parameters()``)
-    would be silently wrong; the engine itself never differentiates through a shard."""
-
-    @torch._dynamo.disable
-    def hook(shard: torch.Tensor) -> None:
-        shard.grad = None
-        raise RuntimeError(
-            f"fsdp_custom: parameter {param.fqn!r} was used in a computation that needs its gradient while it is "
-            f"this rank's shard ({param.chunk_rows} of its {param.dim0} rows): outside the forward of its unit, a "
-            "value computed from it (a norm, a penalty) covers this rank's rows only. Compute it inside the model's "
-            "forward, or gather the model with summon_full_params, or keep the module in the unit whose forward "
-            "runs training_step (the default wrapping)"
-        )
-
-    return hook
+        return clip_grad_norm(self, max_norm, norm_type, parameters)

@@ -78,6 +78,37 @@ class GatherInFlight(NamedTuple):
     nbytes: int  # the buffer's bytes ([Note: what gathering allocates])
 
 
+class LostEditCheck(NamedTuple):
+    """A change of a full parameter in a lower dtype than its shard, maybe lost ([Note: edits while gathered])."""
+
+    unit: str
+    fqn: str
+    param_dtype: torch.dtype  # the gathered copy's dtype
+    shard_dtype: torch.dtype
+    lost: torch.Tensor  # 0-dim bool on the device: the change cannot be kept exactly
+
+
+def raise_for_lost_edits(checks: list[LostEditCheck]) -> None:
+    """Raise for the changes that could not be kept (one device sync for all of them, if any)."""
+    if not checks:
+        return
+    flags = torch.stack([check.lost for check in checks]).tolist()
+    lossy = [check for check, lost in zip(checks, flags) if lost]
+    if not lossy:
+        return
+    first = lossy[0]
+    names = sorted({check.fqn for check in lossy})
+    dtypes = f"{str(first.param_dtype).removeprefix('torch.')}"
+    shards = f"{str(first.shard_dtype).removeprefix('torch.')}"
+    raise RuntimeError(
+        f"fsdp_custom: parameters {names} of unit {first.unit!r} were changed while gathered in {dtypes} (in "
+        "training_step, in a module's forward, or between a unit's forward and backward), and their "
+        f"{shards} shards cannot keep the change exactly. Change them where the parameters are this rank's "
+        "shards (in a callback's on_train_batch_end, outside the step), give the changed modules a unit of "
+        "their own (auto_wrap_policy), or train in full precision"
+    )
+
+
 class UndecidedGrad(NamedTuple):
     """A reduced gradient for a parameter this rank did not use: applied if any rank used it."""
 
@@ -123,7 +154,7 @@ class FSDPUnit:
         self.memory = context.memory
         self.state = ShardedState.SHARDED
         self.exposed = False  # gathered where user code may change it ([Note: edits while gathered])
-        self._lost_edit_checks: list[tuple[str, torch.Tensor]] = []  # deferred: ``raise_for_lost_edits``
+        self._lost_edit_checks: list[LostEditCheck] = []  # deferred: ``take_lost_edit_checks``
         self._gathered_versions: list[int] = []  # shard versions when a gather in flight copied them
         self._aliased = bool(params) and all(p.aliased for p in params)  # [Note: aliased shards]
         self._shard_sizes = [p.shard_numel for p in params]
@@ -234,36 +265,23 @@ class FSDPUnit:
         """Write changes of the full parameters back into the shards ([Note: edits while gathered]):
         of every parameter, or of those with a visible trace only. A change that cannot be kept
         exactly raises, naming the parameters, before anything is freed; with ``defer`` the check
-        (a device sync) waits for ``raise_for_lost_edits``."""
+        (a device sync) waits for ``take_lost_edit_checks``."""
         if self.state is not ShardedState.UNSHARDED or self._aliased:
             return
-        checks = []
         for param in self.params:
             if every_param or param.visibly_edited():
                 lost = param.keep_full_edits()
                 if lost is not None:
-                    checks.append((param.fqn, lost))
-        self._lost_edit_checks += checks
+                    self._lost_edit_checks.append(
+                        LostEditCheck(self.name, param.fqn, self._param_dtype, param.sharded.dtype, lost)
+                    )
         if not defer:
-            self.raise_for_lost_edits()
+            raise_for_lost_edits(self.take_lost_edit_checks())
 
-    def raise_for_lost_edits(self) -> None:
-        """Raise for the changes ``keep_edits`` found it could not keep (one device sync, if any)."""
+    def take_lost_edit_checks(self) -> list[LostEditCheck]:
+        """The deferred checks of ``keep_edits``, handed over (for ``raise_for_lost_edits``)."""
         checks, self._lost_edit_checks = self._lost_edit_checks, []
-        if not checks:
-            return
-        flags = torch.stack([flag for _, flag in checks]).tolist()
-        lossy = sorted({fqn for (fqn, _), lost in zip(checks, flags) if lost})
-        if lossy:
-            shard_dtype = str(self.params[0].sharded.dtype).removeprefix("torch.")
-            raise RuntimeError(
-                f"fsdp_custom: parameters {lossy} of unit {self.name!r} were changed while gathered in "
-                f"{str(self._param_dtype).removeprefix('torch.')} (in training_step, in a module's forward, or "
-                f"between a unit's forward and backward), and their {shard_dtype} shards cannot keep the change "
-                "exactly. Change them where the parameters are this rank's shards (in a callback's "
-                "on_train_batch_end, outside the step), give the changed modules a unit of their own "
-                "(auto_wrap_policy), or train in full precision"
-            )
+        return checks
 
     def reshard(self, keep_edits: bool | None = None, defer_check: bool = False) -> None:
         """Register the shards again and free the full parameters (and any gather in flight).
@@ -382,7 +400,9 @@ class FSDPUnit:
         return undecided
 
     def drop_grads(self) -> None:
-        """Discard every full and stashed gradient of the unit (a failed iteration)."""
+        """Discard every full and stashed gradient of the unit, and the edit checks not yet read
+        (a failed iteration)."""
+        self._lost_edit_checks = []
         stashed = sum(p.stashed_nbytes for p in self.params)
         for param in self.params:
             param.drop_grads()

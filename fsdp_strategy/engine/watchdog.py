@@ -114,7 +114,14 @@ class Watchdog:
     """Heartbeats, reports and timed waits for the default process group ([Note: watchdog])."""
 
     def __init__(
-        self, channel: StoreChannel, rank: int, world: int, node: int, limits: Limits, recorder: FlightRecorder
+        self,
+        channel: StoreChannel,
+        rank: int,
+        world: int,
+        node: int,
+        limits: Limits,
+        recorder: FlightRecorder,
+        dump_dir: str = ".",
     ) -> None:
         self.rank, self.world, self.node = rank, world, node
         self.limits = limits
@@ -125,7 +132,7 @@ class Watchdog:
         self.peer_lost: str | None = None  # a rank this one waits on has died, seen by the thread
         self.reported_own = False  # this rank published an exception of its own
         self._channel = channel
-        self.reports = Reports(channel, self.identity, world, recorder)
+        self.reports = Reports(channel, self.identity, world, recorder, dump_dir)
         self._beats = 0
         self._heard: dict[int, tuple[str, float]] = {}  # rank -> (last heartbeat seen, monotonic time it changed)
         self._next_beat_read = 0.0
@@ -136,6 +143,7 @@ class Watchdog:
         self._unverified: deque[tuple[CollectiveRecord, torch.Tensor, Any]] = deque()  # CUDA stamp checks
         self._stop = threading.Event()
         self._previous_excepthook = sys.excepthook
+        self._closed = False
         try:
             channel.set(f"peer/{rank}", json.dumps(self.identity))
         except StoreLost:
@@ -200,6 +208,7 @@ class Watchdog:
         if self.error is not None or isinstance(error, CollectiveError) or self.reported_own:
             return
         self.reported_own = True
+        self.reports.check_store_host()
         if self.error is None:  # alive and unwinding: no deadline from another rank's report stays
             self._end_at = None
         self.reports.publish(f"rank {self.rank} raised {first_line(error)}", None, "raised")
@@ -242,6 +251,7 @@ class Watchdog:
     def _tick(self) -> None:
         if self._end_at is not None and time.monotonic() > self._end_at:  # first: the store may be gone
             self._end(self._end_reason)
+        self.reports.check_store_host()
         if self._channel.lost is None:
             try:
                 self.reports.learn_identities()
@@ -340,12 +350,18 @@ class Watchdog:
 
     @classmethod
     def start(
-        cls, collective_timeout: float | None = None, node: int | None = None, report_uncaught: bool = True
+        cls,
+        collective_timeout: float | None = None,
+        node: int | None = None,
+        report_uncaught: bool = True,
+        dump_dir: str | os.PathLike | None = None,
     ) -> Watchdog | None:
         """Start a watchdog of the default process group (None without a group of two ranks or
         more). Every rank starts it at the same point; the caller owns it and ``close``s it.
         ``collective_timeout``: None for the group's own timeout. ``report_uncaught``: publish an
-        uncaught exception of this process (``sys.excepthook``, until ``close``)."""
+        uncaught exception of this process (``sys.excepthook``, until ``close``). ``dump_dir``:
+        where a rank whose collective failed writes its flight recorder ring (default: the working
+        folder; one file per rank)."""
         if not dist.is_initialized() or dist.get_world_size() < 2:
             return None
         store = dist.distributed_c10d._get_default_store()
@@ -355,21 +371,25 @@ class Watchdog:
         channel = StoreChannel.connect(store, f"fsdp_custom/watchdog/{restart}/{count}/")
         if node is None:
             node = int(os.environ.get("GROUP_RANK") or os.environ.get("NODE_RANK") or 0)
-        dog = cls(channel, rank, dist.get_world_size(), node, limits_for(collective_timeout), FlightRecorder())
+        limits, folder = limits_for(collective_timeout), os.fspath(dump_dir or os.getcwd())
+        dog = cls(channel, rank, dist.get_world_size(), node, limits, FlightRecorder(), folder)
         if report_uncaught:
             dog._previous_excepthook, sys.excepthook = sys.excepthook, dog._report_uncaught
         atexit.register(dog._at_exit)
         return dog
 
     def close(self) -> None:
-        """Stop the thread and remove what ``start`` installed; after a failure the exit hook stays:
-        it ends the wedged process at interpreter exit ([Note: watchdog])."""
-        self.stop()
-        self._thread.join(timeout=10.0)
+        """Remove what ``start`` installed and stop the thread. After a failure of this rank the
+        thread and the exit hook stay: they end the wedged process ``collective_timeout`` later or
+        at interpreter exit ([Note: watchdog])."""
+        self._closed = True  # an exception hook still chained through this one passes through
         if sys.excepthook == self._report_uncaught:
             sys.excepthook = self._previous_excepthook
-        if self.error is None:
-            atexit.unregister(self._at_exit)
+        if self.error is not None:
+            return
+        self.stop()
+        self._thread.join(timeout=10.0)
+        atexit.unregister(self._at_exit)
 
     def _at_exit(self) -> None:
         """End a wedged process at once; otherwise stop the thread before the interpreter tears down
@@ -380,7 +400,8 @@ class Watchdog:
         self._thread.join(timeout=10.0)
 
     def _report_uncaught(self, kind: type, error: BaseException, traceback: Any) -> None:
-        self.report_exception(error)
+        if not self._closed:
+            self.report_exception(error)
         self._previous_excepthook(kind, error, traceback)
 
     @staticmethod

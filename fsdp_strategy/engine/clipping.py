@@ -1,0 +1,45 @@
+"""Gradient clipping of a sharded model by the global norm: torch's utilities on this rank's
+shards, and one all-reduce."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+
+from fsdp_strategy.engine import collectives
+
+
+@torch.no_grad()
+def clip_grad_norm(
+    scheduler: Any, max_norm: float, norm_type: float = 2.0, parameters: Iterable[torch.Tensor] | None = None
+) -> torch.Tensor:
+    """Clip the sharded gradients of ``scheduler``'s model by their global norm over all ranks
+    (see ``Scheduler.clip_grad_norm_``). Costs: a norm per gradient and one all-reduce of a scalar."""
+    chosen = None if parameters is None else {id(p) for p in parameters}
+    shards = [p.sharded for p in scheduler.sharded_params() if chosen is None or id(p.sharded) in chosen]
+    ignored = [p for p in scheduler.ignored_params.values() if chosen is None or id(p) in chosen]
+    norm_type = float(norm_type)
+    infinite = norm_type == float("inf")
+    local = _total_norm([p.grad for p in shards if p.grad is not None], norm_type)
+    total = (local if infinite else local.pow(norm_type)).to(scheduler.device, copy=True)
+    collectives.all_reduce(
+        total, scheduler.root_unit.shard_comm, scheduler.comm, "clip_grad_norm", op="max" if infinite else "sum"
+    ).wait()
+    own = [p.grad for p in ignored if p.grad is not None]
+    if own:  # this rank's own, as FSDP1 counts parameters it does not manage
+        term = _total_norm(own, norm_type).to(total)
+        total = torch.maximum(total, term) if infinite else total + term.pow(norm_type)
+    if not infinite:
+        total = total.pow(1.0 / norm_type)
+    clip_grads_with_norm_([*shards, *ignored], max_norm, total)
+    return total
+
+
+def _total_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """The ``norm_type``-norm of ``grads`` together, in float32 (the gradients of a 16-bit model
+    overflow float16 otherwise): torch's ``get_total_norm`` over each gradient's float32 norm."""
+    norms = [torch.linalg.vector_norm(grad, norm_type, dtype=torch.float32) for grad in grads]
+    return get_total_norm(norms, norm_type) if norms else torch.zeros((), dtype=torch.float32)
