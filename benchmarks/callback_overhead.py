@@ -26,8 +26,8 @@ from lightning.pytorch.loggers import CSVLogger
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from fsdp_strategy.callbacks import CommunicationMonitor, MemoryMonitor, ThroughputMonitor  # noqa: E402
-from gpt import Block  # noqa: E402
-from lit_gpt import ByteDataModule, GPTModule  # noqa: E402
+from gpt import Block, GPTConfig  # noqa: E402
+from lit_gpt import ByteDataModule, GPTModule, OptimizerSettings  # noqa: E402
 
 import fsdp_strategy  # noqa: E402
 
@@ -74,8 +74,8 @@ def run(config: str, args: argparse.Namespace, root: Path) -> tuple[list[float],
     L.seed_everything(0)
     timer = StepTimer()
     spent = [0.0]
-    model = {"vocab_size": 256, "d_model": 128, "n_layers": 4, "n_heads": 4, "seq_len": 128}
-    optimizer = {"lr": 1e-3, "weight_decay": 0.1, "warmup_steps": 5}
+    model = GPTConfig(vocab_size=256, d_model=128, n_layers=4, n_heads=4, seq_len=128)
+    optimizer = OptimizerSettings(lr=1e-3, weight_decay=0.1, warmup_steps=5)
     trainer = L.Trainer(
         strategy=fsdp_strategy.FSDPCustomStrategy(auto_wrap_policy={Block}),
         accelerator="cpu",

@@ -35,8 +35,8 @@ from omegaconf import OmegaConf
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import noise  # noqa: E402
 from fsdp_strategy.callbacks import CommunicationMonitor, MemoryMonitor, ThroughputMonitor  # noqa: E402
-from gpt import Block  # noqa: E402
-from lit_gpt import ByteDataModule, GPTModule  # noqa: E402
+from gpt import Block, GPTConfig  # noqa: E402
+from lit_gpt import ByteDataModule, GPTModule, OptimizerSettings  # noqa: E402
 
 from fsdp_strategy import FSDPCustomStrategy  # noqa: E402
 from fsdp_strategy.engine import get_scheduler, summon_full_params  # noqa: E402
@@ -108,7 +108,7 @@ def fit(steps: int, stop: int, root: Path, callbacks: list, logger=False, resume
         default_root_dir=str(root),
         callbacks=[*callbacks, weights],
     )
-    module = GPTModule(OmegaConf.to_container(CONFIG.model), OmegaConf.to_container(CONFIG.optimizer), steps, 8)
+    module = GPTModule(GPTConfig(**CONFIG.model), OptimizerSettings(**CONFIG.optimizer), steps, 8)
     data = ByteDataModule(seq_len=CONFIG.model.seq_len, **OmegaConf.to_container(CONFIG.data))
     trainer.fit(module, datamodule=data, ckpt_path=resume)
     return weights

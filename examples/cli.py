@@ -11,6 +11,8 @@ checkpoint type included): change one argument with ``--trainer.strategy.init_ar
 batch its FLOP count is measured for, so each is given once.
 """
 
+import sys
+
 import noise
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lit_gpt import ByteDataModule, GPTModule
@@ -24,6 +26,23 @@ class GPTCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("trainer.max_steps", "model.max_steps")
         parser.link_arguments("data.batch_size", "model.batch_size")
+
+    def instantiate_classes(self) -> None:
+        """Lightning's, but a class that refuses its arguments (a typo in a wrap-policy class path)
+        ends the script with that reason first and alone, not under jsonargparse's traceback."""
+        try:
+            super().instantiate_classes()
+        except ValueError as error:
+            reasons = [_reason(line) for line in str(error).splitlines() if _reason(line)]
+            if not reasons:
+                raise
+            sys.exit(f"cli.py: error: {'; '.join(reasons)}")
+
+
+def _reason(line: str) -> str:
+    """A reason jsonargparse lists under "Errors:" ("  - ..."), other than its own type mismatches."""
+    text = line.strip()
+    return text[2:] if text.startswith("- ") and not text.startswith("- Expected a ") else ""
 
 
 def main() -> None:

@@ -2,7 +2,8 @@
 ``--key value``) overrides, every key checked before anything starts.
 
 Keys of ``trainer`` and ``strategy`` are checked against ``lightning.Trainer`` and
-``FSDPCustomStrategy`` (any of their arguments may be set); every other key must be in the YAML
+``FSDPCustomStrategy`` (any of their arguments may be set, with a value of the argument's type,
+checked by jsonargparse as LightningCLI checks it); every other key must be in the YAML
 file, and a value replacing an int, float or bool there must be one. A mistake ends the
 script with a message naming the key and what is accepted.
 """
@@ -14,6 +15,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from jsonargparse import ArgumentError, ArgumentParser
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -57,6 +59,23 @@ def _check_open_section(name: str, values: DictConfig, target: Callable, reserve
             f"unknown key(s) {', '.join(f'{name}.{key}' for key in unknown)}: {name} takes the arguments of "
             f"{target.__qualname__}: {', '.join(sorted(parameters))}"
         )
+    _check_argument_types(name, OmegaConf.to_container(values), target)
+
+
+def _check_argument_types(name: str, values: dict, target: Callable) -> None:
+    """Each value against the type hint of ``target``'s argument (jsonargparse, as LightningCLI)."""
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_class_arguments(target, skip={"self"}, fail_untyped=False)
+    signature = inspect.signature(target).parameters
+    for key, value in values.items():
+        try:
+            parser.parse_object({key: value}, defaults=False)
+        except ArgumentError:
+            hint = signature[key].annotation
+            expected = hint if isinstance(hint, str) else inspect.formatannotation(hint)
+            raise ConfigError(
+                f"{name}.{key}={value!r}: expected {expected} (the type of {target.__qualname__}'s {key})"
+            ) from None
 
 
 def _check_type(key: str, default: object, value: object) -> None:

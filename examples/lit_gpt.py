@@ -6,6 +6,7 @@ Used by ``train_gpt.py`` (omegaconf config) and ``cli.py`` (LightningCLI).
 from __future__ import annotations
 
 import math
+from dataclasses import asdict, dataclass
 
 import lightning as L
 import torch
@@ -17,16 +18,30 @@ from torchmetrics.classification import MulticlassAccuracy
 from torchmetrics.text import Perplexity
 
 
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """AdamW with a linear warmup and a cosine decay to a tenth of ``lr`` at ``max_steps``."""
+
+    lr: float = 3.0e-3
+    weight_decay: float = 0.1  # not on biases, norms and embeddings
+    warmup_steps: int = 20
+
+
 class GPTModule(L.LightningModule):
     """Next-byte prediction; AdamW with parameter groups chosen by name; warmup + cosine LR.
 
-    ``flops_per_batch`` (for the ThroughputMonitor) is measured once on the meta device.
+    ``model`` and ``optimizer`` are typed settings (LightningCLI checks every key); checkpoints keep
+    them as plain dicts, so reading one needs none of this code (``load_from_checkpoint`` passes
+    those dicts back, which are accepted too). ``flops_per_batch`` (for the ThroughputMonitor) is
+    measured once on the meta device.
     """
 
-    def __init__(self, model: dict, optimizer: dict, max_steps: int, batch_size: int = 8) -> None:
+    def __init__(self, model: GPTConfig, optimizer: OptimizerSettings, max_steps: int, batch_size: int = 8) -> None:
         super().__init__()
-        self.save_hyperparameters()
-        config = GPTConfig(**model)
+        config = model if isinstance(model, GPTConfig) else GPTConfig(**model)
+        self.settings = optimizer if isinstance(optimizer, OptimizerSettings) else OptimizerSettings(**optimizer)
+        settings = {"model": asdict(config), "optimizer": asdict(self.settings)}
+        self.save_hyperparameters({**settings, "max_steps": max_steps, "batch_size": batch_size})
         self.model = GPT(config)
         self.val_perplexity = Perplexity()
         self.val_accuracy = MulticlassAccuracy(num_classes=config.vocab_size, average="micro")
@@ -54,7 +69,7 @@ class GPTModule(L.LightningModule):
         self.log("val_accuracy", self.val_accuracy)
 
     def configure_optimizers(self):
-        settings = self.hparams.optimizer
+        settings = self.settings
         named = [(name, p) for name, p in self.named_parameters() if p.requires_grad]
 
         def no_decay(name: str) -> bool:
@@ -62,12 +77,12 @@ class GPTModule(L.LightningModule):
 
         optimizer = torch.optim.AdamW(
             [
-                {"params": [p for n, p in named if not no_decay(n)], "weight_decay": settings["weight_decay"]},
+                {"params": [p for n, p in named if not no_decay(n)], "weight_decay": settings.weight_decay},
                 {"params": [p for n, p in named if no_decay(n)], "weight_decay": 0.0},
             ],
-            lr=settings["lr"],
+            lr=settings.lr,
         )
-        warmup, total = settings["warmup_steps"], max(self.hparams.max_steps, 1)
+        warmup, total = settings.warmup_steps, max(self.hparams.max_steps, 1)
 
         def schedule(step: int) -> float:
             if step < warmup:

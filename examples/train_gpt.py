@@ -14,19 +14,19 @@ with the memory, throughput and communication monitors; checkpoints are sharded 
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 import example_config
 import lightning as L
 import noise
+import progress
 import torch
 from fsdp_strategy.callbacks import CommunicationMonitor, MemoryMonitor, ThroughputMonitor
-from gpt import Block
+from gpt import Block, GPTConfig
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import WandbLogger
-from lit_gpt import ByteDataModule, GPTModule
+from lit_gpt import ByteDataModule, GPTModule, OptimizerSettings
 from omegaconf import DictConfig, OmegaConf
 
 import fsdp_strategy
@@ -112,19 +112,20 @@ def main(argv: list[str]) -> None:
             MemoryMonitor(log_every_n_steps=every),
             ThroughputMonitor(log_every_n_steps=every),
             CommunicationMonitor(log_every_n_steps=every),
+            *([progress.ResumedEpochProgressBar()] if config.trainer.get("enable_progress_bar", True) else []),
         ],
         **OmegaConf.to_container(config.trainer),
     )
     logger.log_hyperparams(OmegaConf.to_container(config))
-    model_config = OmegaConf.to_container(config.model)
-    module = GPTModule(
-        model_config, OmegaConf.to_container(config.optimizer), config.trainer.max_steps, config.data.batch_size
-    )
-    data = ByteDataModule(seq_len=model_config["seq_len"], **OmegaConf.to_container(config.data))
+    model_config = GPTConfig(**config.model)
+    optimizer = OptimizerSettings(**config.optimizer)
+    module = GPTModule(model_config, optimizer, config.trainer.max_steps, config.data.batch_size)
+    data = ByteDataModule(seq_len=model_config.seq_len, **OmegaConf.to_container(config.data))
     trainer.fit(module, datamodule=data, ckpt_path=resume)
     if trainer.is_global_zero:
         metrics = {k: round(float(v), 4) for k, v in trainer.callback_metrics.items()}
-        run_dir = Path(os.path.relpath(Path(logger.experiment.dir).parent))
+        run_dir = Path(logger.experiment.dir).parent
+        run_dir = run_dir.relative_to(Path.cwd()) if run_dir.is_relative_to(Path.cwd()) else run_dir
         logger.experiment.finish()
         steps = trainer.global_step
         print(f"done: {steps} steps, metrics {metrics}")

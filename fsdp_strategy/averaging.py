@@ -78,7 +78,7 @@ def _without_engine(module: nn.Module) -> nn.Module:
     scheduler = get_scheduler(module)
     hooks = scheduler.hook_handles
     memo: dict[int, Any] = {id(scheduler): None}
-    for layer in module.modules():  # a SyncBatchNorm's watchdog stays the strategy's, uncopied
+    for layer in module.modules():  # the watchdog is not copied: the copy's SyncBatchNorm layers hold None
         if getattr(layer, "watchdog", None) is not None:
             memo[id(layer.watchdog)] = None
     for handle in hooks:

@@ -17,10 +17,13 @@ first ``k * B * W`` positions. The rest is dealt round-robin to the ranks of the
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch.utils.data import DataLoader, DistributedSampler
 
 
@@ -99,3 +102,34 @@ def make_resumable(dataloader: Any, consumed_batches: Callable[[], int]) -> tupl
     resumable.epoch = sampler.epoch
     loader = _update_dataloader(dataloader, resumable)
     return loader, DataPosition(resumable, loader.batch_size or 1, consumed_batches)
+
+
+class ExactResumeNotice:
+    """Lightning warns on a mid-epoch resume that "your dataloader is not resumable" (it knows only
+    stateful dataloaders). With a DataPosition loaded the resume is exact, so the warning would
+    contradict it: while installed (from the dataloader's setup until the first batch, when the
+    epoch loop has made its check) a filter hides that one warning, and one line says where the
+    epoch resumes. Costs: one entry in ``warnings.filters``, for those moments.
+    """
+
+    MESSAGE = "You're resuming from a checkpoint that ended before the epoch ended and your dataloader is not resumable"
+
+    def __init__(self) -> None:
+        self._filter: tuple | None = None
+
+    def install(self, position: dict[str, int]) -> None:
+        """Hide the warning for the resume at ``position`` (a DataPosition's state) and say where it is."""
+        self.remove()
+        warnings.filterwarnings("ignore", message=self.MESSAGE, category=PossibleUserWarning)
+        self._filter = warnings.filters[0]
+        rank_zero_info(
+            f"fsdp_custom: resuming epoch {position['epoch']} after its first {position['consumed_samples']} "
+            "samples, exactly where the checkpoint left it (Lightning's warning that the dataloader is not "
+            "resumable does not apply and is hidden)"
+        )
+
+    def remove(self) -> None:
+        """Show the warning again (idempotent)."""
+        if self._filter is not None and self._filter in warnings.filters:
+            warnings.filters.remove(self._filter)
+        self._filter = None

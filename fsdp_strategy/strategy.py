@@ -399,7 +399,8 @@ class FSDPCustomStrategy(WatchdogHooks, CheckpointHooks, ParallelStrategy):
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """Start the ledger's count at the first batch of each optimizer step (under gradient
-        accumulation a step's micro-batches are counted together)."""
+        accumulation a step's micro-batches are counted together); a resume's hidden warning shows again."""
+        self._resume_notice.remove()  # the epoch loop has checked the dataloader by now
         global_step = self.lightning_module.trainer.global_step
         self.scheduler.comm.recorder.step = global_step  # the flight recorder names steps as the trainer does
         if global_step != self._ledger_global_step:
@@ -411,6 +412,7 @@ class FSDPCustomStrategy(WatchdogHooks, CheckpointHooks, ParallelStrategy):
         """Finish any checkpoint in flight, close the engine's hooks and threads and the watchdog,
         then tear down as Lightning does."""
         self._writer.teardown()
+        self._resume_notice.remove()
         self._close_watchdog()
         if self.lightning_module is not None and self.lightning_module._trainer is not None:
             averaging.restore(averaging.averaging_callbacks(self.lightning_module.trainer))

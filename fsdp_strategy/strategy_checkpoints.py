@@ -22,7 +22,7 @@ from fsdp_strategy import averaging
 from fsdp_strategy import checkpoint as ckpt
 from fsdp_strategy.checkpoint import full, layout, sharded, sharded_load, storage
 from fsdp_strategy.checkpoint.storage import Location
-from fsdp_strategy.data import DATA_POSITION_KEY, DataPosition, make_resumable
+from fsdp_strategy.data import DATA_POSITION_KEY, DataPosition, ExactResumeNotice, make_resumable
 
 
 class _CheckpointToLoad(NamedTuple):
@@ -40,6 +40,7 @@ class CheckpointHooks:
     def _init_checkpoint_hooks(self) -> None:
         self._data_position: DataPosition | None = None  # the training dataloader's, once built
         self._data_position_to_load: dict | None = None  # from the checkpoint being resumed
+        self._resume_notice = ExactResumeNotice()  # removed at the first batch and at teardown
         self._checkpoint_to_load: _CheckpointToLoad | None = None  # read by load_checkpoint, applied in setup
 
     @property
@@ -192,6 +193,8 @@ class CheckpointHooks:
         loader, self._data_position = make_resumable(dataloader, lambda: progress.current.processed)
         if self._data_position is not None and self._data_position_to_load is not None:
             self._data_position.load_state_dict(self._data_position_to_load)
+            if self._data_position_to_load["consumed_samples"]:
+                self._resume_notice.install(self._data_position_to_load)
         self._data_position_to_load = None
         return loader
 

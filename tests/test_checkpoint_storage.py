@@ -1,4 +1,4 @@
-"""Where checkpoints go (issue 8): fsspec URLs as Lightning resolves them (``memory://``,
+"""Where checkpoints go: fsspec URLs as Lightning resolves them (``memory://``,
 ``file://``), saves that never delete what is not a checkpoint, and replacement with no moment
 where ``ckpt_path="last"`` finds no complete checkpoint."""
 

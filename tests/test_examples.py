@@ -63,8 +63,12 @@ def test_python_script_launch_repeat_and_resume(tmp_path):
     assert (tmp_path / "checkpoints" / "last.ckpt" / "fsdp_meta.json").is_file()  # a sharded folder
     # the checkpoint names its W&B run, so even an interrupted run's checkpoint resumes into its run
     saved_by = torch.load(tmp_path / "checkpoints" / "last.ckpt" / "meta.pt", weights_only=False)
-    resumed = _run([sys.executable, str(EXAMPLE), "trainer.max_steps=6", "resume=last", *args])
+    with_bar = [arg for arg in args if not arg.startswith("trainer.enable_progress_bar")]
+    resumed = _run([sys.executable, str(EXAMPLE), "trainer.max_steps=6", "resume=last", *with_bar])
     assert "Restored all states" in resumed and "done: 6 steps" in resumed
+    assert "not resumable" not in resumed.replace("the dataloader is not resumable does not apply", "")
+    bar = [part.split("|")[2].split()[0] for part in resumed.replace("\r", "\n").splitlines() if "Epoch 0:" in part]
+    assert bar and set(bar) <= {"4/6", "5/6", "6/6"} and "6/6" in bar, bar  # resumed at batch 4, ends at 6
     ids = _run_ids(tmp_path / "wandb")
     assert len(ids) == 3 and ids[2] == ids[1] != ids[0] and saved_by["wandb_run_id"] == ids[1]
     finished = _run([sys.executable, str(EXAMPLE), "trainer.max_steps=6", "resume=last", *args], expect=1)
@@ -118,6 +122,11 @@ def test_example_config_accepts_every_documented_form():
             "model.d_model=abc": r"model.d_model='abc': expected int",
             "optimizer.lr=abc": r"optimizer.lr='abc': expected float",
             "logger.offline=maybe": r"logger.offline='maybe': expected bool",
+            "trainer.max_steps=abc": r"trainer.max_steps='abc': expected int \(the type of Trainer's max_steps\)",
+            "trainer.gradient_clip_val=x": r"trainer.gradient_clip_val='x': expected Union\[int, float, NoneType\]",
+            "strategy.state_dict_type=shardd": (
+                r"strategy.state_dict_type='shardd': expected Literal\['full', 'sharded'\]"
+            ),
         }
         for arg, message in mistakes.items():
             with pytest.raises(example_config.ConfigError, match=message):
@@ -149,6 +158,19 @@ def test_lightning_cli_example(tmp_path):
     assert "FULL_SHARD over 2 ranks, 5 units" in output  # strategy and wrap policy built from the YAML
     changed = _run([*command, *overrides, "--trainer.strategy.init_args.sharding_strategy=SHARD_GRAD_OP"])
     assert "SHARD_GRAD_OP over 2 ranks, 5 units" in changed  # README's form keeps the YAML's wrap policy
+
+
+def test_lightning_cli_mistakes_come_first_and_alone(tmp_path):
+    command = [sys.executable, str(ROOT / "examples" / "cli.py"), "fit", "--config", "examples/configs/cli.yaml"]
+    where = [f"--trainer.default_root_dir={tmp_path}", f"--trainer.logger.init_args.save_dir={tmp_path}"]
+    typo = _run([*command, *where, "--trainer.strategy.init_args.auto_wrap_policy=[gpt.Blok]"], expect=1)
+    lines = [line for line in typo.splitlines() if line.strip() and not line.startswith("Seed set")]
+    assert lines == [
+        "cli.py: error: auto_wrap_policy='gpt.Blok': cannot import it (module 'gpt' has no attribute 'Blok'); "
+        "give a dotted path like 'mypackage.model.Block'"
+    ], typo
+    typo_inside = _run([*command, *where, "--model.model={d_modle: 3}"], expect=2)
+    assert "does not accept option 'model.model.d_modle'" in typo_inside
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""``ignored_modules`` (FSDP1's meaning, issue 8): left whole on every rank, not reduced, in
+"""``ignored_modules`` (FSDP1's meaning): left whole on every rank, not reduced, in
 checkpoints and clipping; a frozen ignored encoder trains exactly like the oracle."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Checkpoints a Lightning user switching strategies relies on (issue 8): DDP / single-device /
+"""Checkpoints a Lightning user switching strategies relies on: DDP / single-device /
 Lightning-FSDP checkpoints resume here with their optimizer state; our full files resume under
 DDP; Lightning's own consolidation of our sharded folders resumes under DDP; strict_loading=False
 and weights_only are honoured. The oracle is Lightning's "ddp" run on the same data."""

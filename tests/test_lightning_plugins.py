@@ -1,4 +1,4 @@
-"""Trainer flags and plugins a Lightning user brings along (issue 8): sync_batchnorm synchronizes
+"""Trainer flags and plugins a Lightning user brings along: sync_batchnorm synchronizes
 through the engine (oracle: BatchNorm on the global batch in one process), bf16-mixed buffers are
 checkpointed in fp32, precision plugins are converted where their meaning is kept and refused
 otherwise, whole-model averaging is refused."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from pathlib import Path
 
 import lightning as L
@@ -76,8 +77,22 @@ def _fit(rank, world, root, max_steps, ckpt_path=None, state_dict_type="sharded"
 
 def _resume_body(rank: int, world: int, root: str, state_dict_type: str) -> dict:
     uninterrupted = _fit(rank, world, f"{root}/a", 8, state_dict_type=state_dict_type)
-    resumed = _fit(rank, world, f"{root}/b", 8, f"{root}/a/epoch=1-step=6.ckpt", state_dict_type)
-    return {"uninterrupted": uninterrupted, "resumed": resumed, "files": sorted(os.listdir(f"{root}/a"))}
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addHandler(handler)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed = _fit(rank, world, f"{root}/b", 8, f"{root}/a/epoch=1-step=6.ckpt", state_dict_type)
+        hidden_after = [f for f in warnings.filters if f[1] is not None and "not resumable" in f[1].pattern]
+    return {
+        "uninterrupted": uninterrupted,
+        "resumed": resumed,
+        "files": sorted(os.listdir(f"{root}/a")),
+        "warnings": [str(w.message) for w in caught],
+        "log": records,
+        "filters_left": len(hidden_after),
+    }
 
 
 @pytest.mark.parametrize("state_dict_type", ["sharded", "full"])
@@ -87,6 +102,10 @@ def test_resume_is_exact_at_the_same_world_size(tmp_path, state_dict_type):
     full, resumed = result["uninterrupted"], result["resumed"]
     assert resumed["losses"] == pytest.approx(full["losses"][6:], rel=1e-6, abs=1e-6)  # mid-epoch 1, step 6
     assert (resumed["lr"], resumed["epoch"], resumed["step"]) == (full["lr"], full["epoch"], full["step"])
+    # an exact resume: Lightning's "dataloader is not resumable" warning would contradict it
+    assert not [w for w in result["warnings"] if "not resumable" in w], result["warnings"]
+    assert any("resuming epoch 1 after its first 8 samples, exactly where" in line for line in result["log"])
+    assert result["filters_left"] == 0  # the warning shows again for later fits
 
 
 def _validate(rank, world, root, ckpt, state_dict_type="sharded", log_records=None) -> float:

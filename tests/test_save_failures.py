@@ -1,5 +1,5 @@
 """A save that fails on one rank (a full disk) ends on every rank with an error naming it, leaves
-the previous checkpoint under that name loadable and no partial one behind (issue 9's catalogue).
+the previous checkpoint under that name loadable and no partial one behind.
 The full disk is the local disk behind an fsspec protocol whose writes fail after a byte budget."""
 
 from __future__ import annotations

@@ -250,7 +250,7 @@ class Scheduler:
         if target is not None and self.prefetch.backward is BackwardPrefetch.BACKWARD_PRE:
             target.unshard()  # [Note: bounded prefetch]
         elif target is not None and self.prefetch.backward is BackwardPrefetch.BACKWARD_POST:
-            state.prefetch_after_backward = target
+            state.prefetch_when_computed(target)
 
     @traced("post_backward")
     def _post_backward(self, unit: FSDPUnit, state: UnitState, counted: bool) -> None:

@@ -115,6 +115,10 @@ class UnitState:
         """Its gradients were reduced (or stashed) in this backward."""
         self.reduced = True
 
+    def prefetch_when_computed(self, target: Any) -> None:
+        """Gather ``target`` once this unit's gradients are computed (BACKWARD_POST)."""
+        self.prefetch_after_backward = target
+
     def take_prefetch(self) -> Any:
         """The unit to gather now that its gradients are computed (BACKWARD_POST), once."""
         target, self.prefetch_after_backward = self.prefetch_after_backward, None

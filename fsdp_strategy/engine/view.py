@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fsdp_strategy.engine import get_scheduler
 from fsdp_strategy.engine.param import ShardedParam
 from fsdp_strategy.engine.unit import FSDPUnit
 
@@ -42,8 +43,6 @@ class ShardsView:
         passes one down builds it once)."""
         if isinstance(model, ShardsView):
             return model
-        from fsdp_strategy.engine import get_scheduler
-
         return cls(model, get_scheduler(model))
 
     def unit_params(self) -> list[tuple[str, tuple[ShardedParam, ...]]]:
