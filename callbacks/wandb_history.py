@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import struct
 import sys
 from collections.abc import Iterator
@@ -47,14 +48,21 @@ def _payloads(data: bytes) -> Iterator[bytes]:
             yield pending + payload
 
 
-def history(run_dir: str | Path) -> list[dict]:
-    """Every ``log()`` row of the offline run under ``run_dir`` (a ``wandb`` folder: its latest run;
-    or a run folder). Costs: reads the whole run file."""
-    files = sorted(Path(run_dir).rglob("run-*.wandb"))
+def _run_files(run_dir: Path) -> list[Path]:
+    """A run folder: its own file. A ``wandb`` folder: the files of its latest run, oldest first (a
+    resumed run writes a new ``offline-run-*`` folder under the same run id each time)."""
+    own = sorted(run_dir.glob("run-*.wandb"))
+    if own:
+        return own[-1:]
+    files = sorted(run_dir.rglob("run-*.wandb"))
     if not files:
         raise FileNotFoundError(f"no offline W&B run under {run_dir}")
+    return [file for file in files if file.name == files[-1].name]
+
+
+def _rows(run_file: Path) -> list[dict]:
     rows = []
-    for payload in _payloads(files[-1].read_bytes()):
+    for payload in _payloads(run_file.read_bytes()):
         record = wandb_internal_pb2.Record()
         record.ParseFromString(payload)
         if record.WhichOneof("record_type") == "history":
@@ -64,13 +72,30 @@ def history(run_dir: str | Path) -> list[dict]:
     return rows
 
 
+def history(run_dir: str | Path) -> list[dict]:
+    """Every ``log()`` row of an offline run. ``run_dir`` is a run folder (``offline-run-*``: that
+    folder only) or a ``wandb`` folder: then its latest run, with every folder it was resumed into,
+    in order; where a resumed part starts at an earlier ``trainer/global_step`` than the previous
+    part reached (it resumed from an older checkpoint), the resumed part's rows replace those from
+    that step on. Costs: reads the run files whole."""
+    rows: list[dict] = []
+    for run_file in _run_files(Path(run_dir)):
+        part = _rows(run_file)
+        steps = [row["trainer/global_step"] for row in part if "trainer/global_step" in row]
+        if steps:
+            rows = [row for row in rows if row.get("trainer/global_step", -math.inf) < steps[0]]
+        rows += part
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     """Print the history of an offline run as CSV; returns the exit status."""
     parser = argparse.ArgumentParser(
         prog="python -m fsdp_strategy.callbacks.wandb_history",
         description="Print an offline W&B run's logged rows as CSV (no account or network needed).",
     )
-    parser.add_argument("run_dir", help="a run folder (offline-run-*) or a wandb folder (its latest run)")
+    where = "a run folder (offline-run-*) or a wandb folder (its latest run, with the parts it was resumed into)"
+    parser.add_argument("run_dir", help=where)
     parser.add_argument("keys", nargs="*", help="metrics to print, e.g. train_loss memory/gathered_peak/max")
     args = parser.parse_args(argv)
     try:

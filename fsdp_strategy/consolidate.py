@@ -8,10 +8,25 @@ python -m fsdp_strategy.consolidate runs/ckpt/last.ckpt out --format safetensors
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
 from fsdp_strategy import __version__
 from fsdp_strategy.checkpoint.consolidation import FORMATS, consolidate
+
+_SWITCHES = {"weights_only=True": "--weights-only", "overwrite=True": "--overwrite"}
+_OPTIONS = {"output_format": "--format", "max_shard_size": "--max-shard-size", "strip_prefix": "--strip-prefix"}
+
+
+def in_flags(message: str) -> str:
+    """``consolidate()``'s message with its Python arguments named as this command's flags
+    (``overwrite=True`` -> ``--overwrite``, ``max_shard_size='2'`` -> ``--max-shard-size='2'``)."""
+    for argument, flag in _SWITCHES.items():
+        message = message.replace(argument, flag)
+    message = message.replace("output_format='safetensors'", "--format=safetensors")
+    names = "|".join([*_OPTIONS, "dtype"])
+    named = rf"(?:^|(?<=\s))({names})(?==|\s)"  # an argument given a value, or a message's subject
+    return re.sub(named, lambda found: _OPTIONS.get(found[1], "--" + found[1]), message)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
             strip_prefix=args.strip_prefix,
         )
     except (OSError, ValueError) as error:
-        print(f"fsdp-consolidate: error: {error}", file=sys.stderr)
+        print(f"fsdp-consolidate: error: {in_flags(str(error))}", file=sys.stderr)
         return 2
     print(f"wrote {out}")
     return 0

@@ -140,3 +140,19 @@ def test_monitors_report_per_optimizer_step_in_lightning_rows(tmp_path):
     # two micro-batches of (3 gathers in forward + 2 in backward); one reduction of the 3 units
     assert [row["comm/all_gather/calls"] for row in comm] == [10, 10]
     assert [row["comm/reduce_scatter/calls"] for row in comm] == [3, 3]
+
+
+def test_wandb_history_reads_a_resumed_run_as_one(tmp_path):
+    """A run resumed from an older checkpoint (step 2 after reaching step 4) is read as W&B shows it:
+    the first part's rows up to the resume step, then the resumed part's."""
+    import wandb
+
+    os.environ.update({"WANDB_SILENT": "true"})
+    for steps in (range(5), range(2, 4)):
+        run = wandb.init(mode="offline", dir=tmp_path, project="fsdp-test", id="resumed1", resume="allow")
+        for step in steps:
+            run.log({"trainer/global_step": step, "loss": 10.0 * step + len(steps)})
+        run.finish()
+    assert len(list((tmp_path / "wandb").glob("offline-run-*"))) == 2
+    rows = [(row["trainer/global_step"], row["loss"]) for row in history(tmp_path / "wandb")]
+    assert rows == [(0, 5.0), (1, 15.0), (2, 22.0), (3, 32.0)], rows

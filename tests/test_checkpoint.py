@@ -115,7 +115,7 @@ def test_consolidate_torch_format_loads_into_plain_module(saved_world2, tmp_path
     assert optimizer.state_dict()["param_groups"] == saved["optim"]["param_groups"]
 
 
-def test_consolidate_options_and_cli(saved_world2, tmp_path):
+def test_consolidate_options_and_cli(saved_world2, tmp_path, capsys):
     folder, saved = saved_world2
     weights = torch.load(consolidate(folder, tmp_path / "w.pt", weights_only=True, dtype="bf16"))
     assert set(weights) == set(saved["model"])
@@ -150,6 +150,14 @@ def test_consolidate_options_and_cli(saved_world2, tmp_path):
 
     assert cli_status(str(tmp_path / "no" / "such" / "dir" / "x.pt")) == 2  # a missing output folder: a message
     assert cli_status(str(tmp_path / "st2"), "--format", "safetensors", "--max-shard-size", "2") == 2  # no unit
+    assert "error: --max-shard-size='2' has no unit" in capsys.readouterr().err  # the command's flags
+    assert cli_status(str(tmp_path / "cli.pt"), "--strip-prefix", "net.") == 2
+    told = capsys.readouterr().err
+    assert "--strip-prefix='net.' writes a plain module state dict: use it with --weights-only or --format=" in told
+    assert cli_status(str(tmp_path / "cli.pt"), "--weights-only") == 2
+    assert "exists; pass --overwrite to replace it" in capsys.readouterr().err
+    assert cli_status(str(tmp_path / "st2"), "--max-shard-size", "2GB") == 2
+    assert "error: --max-shard-size needs --format=safetensors" in capsys.readouterr().err
     assert not (tmp_path / "st2").exists() and not (tmp_path / "no").exists()
     with pytest.raises(ValueError, match="has no unit"):
         consolidate(folder, tmp_path / "st3", output_format="safetensors", max_shard_size="2")

@@ -71,6 +71,11 @@ def test_python_script_launch_repeat_and_resume(tmp_path):
     assert bar and set(bar) <= {"4/6", "5/6", "6/6"} and "6/6" in bar, bar  # resumed at batch 4, ends at 6
     ids = _run_ids(tmp_path / "wandb")
     assert len(ids) == 3 and ids[2] == ids[1] != ids[0] and saved_by["wandb_run_id"] == ids[1]
+    # the W&B folder reads as the resumed run's two parts in order; a run folder reads as itself
+    steps = [row["trainer/global_step"] for row in history(tmp_path / "wandb") if "comm/all_gather/calls" in row]
+    newest = sorted((tmp_path / "wandb").glob("offline-run-*"))[-1]
+    assert steps == [0, 1, 2, 3, 4, 5] and [row["trainer/global_step"] for row in history(newest)][-1] == 5, steps
+    assert all(row["trainer/global_step"] >= 4 for row in history(newest))
     finished = _run([sys.executable, str(EXAMPLE), "trainer.max_steps=6", "resume=last", *args], expect=1)
     assert "is at step 6 and trainer.max_steps=6: nothing to train" in finished
     assert "resume=last trainer.max_steps=12" in finished

@@ -120,7 +120,7 @@ def consolidate(
     if strip_prefix is not None and output_format == "torch" and not weights_only:
         raise ValueError(
             f"strip_prefix={strip_prefix!r} writes a plain module state dict: use it with weights_only=True "
-            "(--weights-only) or the safetensors format; a Lightning checkpoint keeps the LightningModule's keys"
+            "or output_format='safetensors'; a Lightning checkpoint keeps the LightningModule's keys"
         )
     if not dst.parent.is_dir():
         raise FileNotFoundError(f"the output's folder {str(dst.parent)!r} does not exist; create it first")
@@ -129,7 +129,7 @@ def consolidate(
     if problems:
         raise CheckpointError("checkpoint is damaged: " + "; ".join(problems))
     if (dst.exists() or dst.is_symlink()) and not overwrite:
-        raise FileExistsError(f"{str(dst)!r} exists; pass overwrite=True (--overwrite) to replace it")
+        raise FileExistsError(f"{str(dst)!r} exists; pass overwrite=True to replace it")
     temporary = storage.temporary(storage.locate(dst))
     try:
         stored = stored_tensors(src)  # the DCP metadata, read once

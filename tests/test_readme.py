@@ -1,0 +1,77 @@
+"""README's quick start shows what the example prints and what its W&B run holds: run the example
+exactly as README says (150 steps, about 40 s on 2 CPU cores) and compare every figure README
+quotes from it, to within one unit of its last quoted digit (the sums of another machine's thread
+count may move a last digit). When the example's numbers change, this test names each figure to
+update."""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from fsdp_strategy.callbacks.wandb_history import history
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _quick_start() -> str:
+    readme = (ROOT / "README.md").read_text()
+    return readme[readme.index("## Quick start") : readme.index("## User guide")]
+
+
+def _at(rows: list[dict], key: str, step: int) -> float:
+    values = [row[key] for row in rows if key in row and row.get("trainer/global_step") == step]
+    assert values, f"the run logged no {key} at step {step}"
+    return values[-1]
+
+
+@pytest.mark.slow
+def test_readme_quick_start_figures_are_what_the_example_prints(tmp_path):
+    env = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"}  # as in a shell
+    command = [sys.executable, "examples/train_gpt.py", f"trainer.default_root_dir={tmp_path}"]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    printed = re.search(r"^done: .*$", done.stdout, re.MULTILINE).group(0)
+    text = _quick_start()
+    quoted = re.search(r"^done: .*$", text, re.MULTILINE).group(0)
+    pairs = [  # (figure, as README quotes it, as the run logged it)
+        (f"final {name}", f"{value}", ast.literal_eval(printed.split("metrics ")[1])[name])
+        for name, value in ast.literal_eval(quoted.split("metrics ")[1]).items()
+    ]
+    figures = " ".join(text[text.index("The loss falls visibly") : text.index("Read them without")].split())
+    rows = history(tmp_path / "wandb")
+    losses = re.search(
+        r"train loss (\S+) at step (\d+), (\S+) at step (\d+), (\S+) at step (\d+); "
+        r"validation loss (\S+) at step (\d+), (\S+) at step (\d+)\.",
+        figures,
+    ).groups()
+    for name, values in (("train_loss", losses[:6]), ("val_loss", losses[6:])):
+        pairs += [
+            (f"{name} at step {step}", value, _at(rows, name, int(step))) for value, step in zip(*[iter(values)] * 2)
+        ]
+    monitors = re.search(
+        r"per rank (\S+) MiB of sharded parameters .*?, (\S+) MiB of optimizer state, (\S+) MiB of gathered "
+        r".* per step (\d+) all-gathers \((\S+) MiB sent per rank\) and (\d+) reduce-scatters",
+        figures,
+    ).groups()
+    last = max(row["trainer/global_step"] for row in rows if "memory/sharded_params/max" in row)
+    names = (
+        "memory/sharded_params/max",
+        "memory/optimizer_state/max",
+        "memory/gathered_peak/max",
+        "comm/all_gather/calls",
+        "comm/all_gather/wire_mib",
+        "comm/reduce_scatter/calls",
+    )
+    pairs += [(name, value, _at(rows, name, last)) for name, value in zip(names, monitors)]
+    wrong = [
+        f"{name}: README {value}, run {run:.4g}"
+        for name, value, run in pairs
+        if abs(float(value) - run) > max(10.0 ** -len(value.partition(".")[2]), 1e-3)
+    ]
+    assert not wrong, f"update README's quick start to the run's figures: {wrong}; the run printed {printed!r}"
