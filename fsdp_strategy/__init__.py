@@ -19,6 +19,6 @@ __all__ = [
     "ShardingStrategy",
     "summon_full_params",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 FSDPCustomStrategy.register_strategies(StrategyRegistry)

@@ -75,3 +75,23 @@ def test_readme_quick_start_figures_are_what_the_example_prints(tmp_path):
         if abs(float(value) - run) > max(10.0 ** -len(value.partition(".")[2]), 1e-3)
     ]
     assert not wrong, f"update README's quick start to the run's figures: {wrong}; the run printed {printed!r}"
+
+
+@pytest.mark.slow
+def test_readme_quiet_console_snippet_hides_lightnings_tips_on_every_rank(tmp_path):
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("**A quiet console in your own script.**") :]
+    snippet = section[section.index("```python\n") + len("```python\n") : section.index("```\n", 10)]
+    script = tmp_path / "train.py"
+    script.write_text(
+        snippet
+        + "import lightning as L\n"
+        + "from lightning.pytorch.demos.boring_classes import BoringModel\n\n"
+        + "import fsdp_strategy  # noqa: F401\n\n"
+        + "L.Trainer(strategy='fsdp_custom', accelerator='cpu', devices=2, max_steps=2, enable_progress_bar=False,\n"
+        + f"          default_root_dir={str(tmp_path)!r}).fit(BoringModel())\n"
+    )
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0 and "FULL_SHARD over 2 ranks" in output, output[-4000:]
+    assert "litlogger" not in output and "LeafSpec" not in output, output
