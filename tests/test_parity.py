@@ -40,7 +40,7 @@ def _trainable(model: nn.Module) -> list[nn.Parameter]:
 def _train_pair(rank: int, world: int, config: dict, accumulate: int = 1) -> dict:
     """Train sharded and reference models side by side; return per-step losses and norms."""
     torch.manual_seed(0)
-    model = TiedLM()
+    model = TiedLM(n_blocks=config.get("blocks", 2))
     reference = copy.deepcopy(model)
     mesh = None
     if config.get("mesh"):
@@ -92,6 +92,7 @@ def _train_pair(rank: int, world: int, config: dict, accumulate: int = 1) -> dic
         (gathered[name].float() - value.float()).abs().max().item() for name, value in reference.state_dict().items()
     )
     out["keys_equal"] = set(gathered) == set(reference.state_dict())
+    out["flight"] = scheduler.comm.recorder.snapshot()
     return out
 
 
@@ -143,7 +144,16 @@ def test_parity_world_3_padding(tmp_path):
 
 def test_parity_hybrid_shard_world_4(tmp_path):
     results = run_ranks(
-        lambda rank, world: _train_pair(rank, world, {"strategy": "HYBRID_SHARD", "mesh": (2, 2)}), 4, tmp_path
+        lambda rank, world: _train_pair(rank, world, {"strategy": "HYBRID_SHARD", "mesh": (2, 2), "blocks": 3}),
+        4,
+        tmp_path,
     )
     for rank_result in results:
         _check_fp32(rank_result)
+        # the last block's all-reduce across replicas is waited for only after the first block's
+        # reduce-scatter was issued: it runs behind the middle block's backward, not in front of it
+        last = [r for r in rank_result["flight"] if r["iteration"] == rank_result["flight"][-1]["iteration"]]
+        scatters = [r for r in last if r["kind"] == "reduce_scatter"]
+        replicas = [r for r in last if r["kind"] == "all_reduce" and r["unit"] in {s["unit"] for s in scatters}]
+        assert [r["unit"] for r in scatters[:3]] == ["blocks.2", "blocks.1", "blocks.0"], scatters
+        assert replicas[0]["unit"] == "blocks.2" and replicas[0]["ended"] > scatters[2]["issued"], last

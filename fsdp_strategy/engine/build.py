@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from fsdp_strategy.arguments import ShardingOptions
@@ -91,7 +92,8 @@ def _shard_params(
     """Shard unit ``index``'s parameters (rank 0's values first with ``sync_module_states``)."""
     firsts = [placement.uses[param_id][0] for param_id in placement.params[index]]
     if options.sync_module_states:
-        collectives.broadcast_from_rank0([use.module._parameters[use.name] for use in firsts], comm.watchdog)
+        values = [use.module._parameters[use.name] for use in firsts]
+        collectives.broadcast_from_rank0(values, layout.compute_device, comm.watchdog)
     params = []
     for param_id, first in zip(placement.params[index], firsts):
         current = first.module._parameters[first.name]
@@ -108,11 +110,11 @@ def schedule(
     ignored = sharding.ignored
     for root in ignored.roots:
         root.to(where.device)
-    if options.sync_module_states:
-        buffers = [b for b in module.buffers() if b is not None]
-        collectives.broadcast_from_rank0([*ignored.params.values(), *buffers], comm.watchdog)
     precision = options.mixed_precision or MixedPrecision()
     buffer_dtypes = place_buffers(module, where.device, precision.buffer_dtype, ignored.module_ids)
+    if options.sync_module_states:  # after placement: the buffers are where the collectives run
+        buffers = [b for b in module.buffers() if b is not None]
+        collectives.broadcast_from_rank0([*ignored.params.values(), *buffers], where.device, comm.watchdog)
     prefetch = Prefetch(options.forward_prefetch, options.backward_prefetch)
     scheduler = Scheduler(
         units, options.sharding_strategy, precision, comm, units[0].memory, where.device, where.mesh, prefetch
@@ -123,11 +125,15 @@ def schedule(
     return scheduler
 
 
-def default_device(module: nn.Module) -> torch.device:
-    """The device of the model's first real tensor, else the CPU."""
+def default_device(module: nn.Module, group: Any) -> torch.device:
+    """Where a model computes when ``shard_model`` is given no ``device``: the device of its first
+    tensor that is on an accelerator; else, when ``group``'s collectives run on CUDA (NCCL), the
+    current CUDA device (FSDP2's choice: a model built on the CPU moves there); else the CPU."""
     for tensor in [*module.parameters(), *module.buffers()]:
-        if not tensor.is_meta:
+        if not tensor.is_meta and tensor.device.type != "cpu":
             return tensor.device
+    if dist.is_initialized() and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
@@ -137,6 +143,7 @@ def place_buffers(
     """Move buffers to ``device``, floating ones cast to ``dtype`` (not in ``ignored`` modules);
     return the original dtypes of the cast ones."""
     original = {}
+    placed: dict[int, torch.Tensor] = {}  # a buffer registered in several modules stays one tensor
     for module_name, module in root.named_modules(remove_duplicate=False):
         for name, buffer in module._buffers.items():
             if buffer is not None:
@@ -144,5 +151,7 @@ def place_buffers(
                 cast = dtype if castable else buffer.dtype
                 if cast != buffer.dtype:
                     original[f"{module_name}.{name}" if module_name else name] = buffer.dtype
-                module._buffers[name] = buffer.to(device=device, dtype=cast)
+                if id(buffer) not in placed:
+                    placed[id(buffer)] = buffer.to(device=device, dtype=cast)
+                module._buffers[name] = placed[id(buffer)]
     return original

@@ -38,9 +38,25 @@ from fsdp_strategy.engine.watchdog import CollectiveError, Watchdog
 # Gradients are reduced with ReduceOp.SUM and divided by the data-parallel size afterwards.
 # gloo's ReduceOp.AVG was silently wrong in some torch releases (pytorch#162338), and an
 # explicit divide keeps HYBRID_SHARD (two reductions) exact: one divide by the product.
+# float16 (and any dtype narrower in range than bfloat16) overflows where the sum of N gradients
+# exceeds 65504 while their mean fits, so there the divide is split as FSDP2 splits it: by a power
+# of two near sqrt(N) before the sum and by the rest after it (``divide_factors``).
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def divide_factors(data_parallel_size: int, reduce_dtype: torch.dtype) -> tuple[float, float]:
+    """``(before, after)``: the divisors applied to gradients before and after their SUM over
+    ``data_parallel_size`` ranks; their product is that size ([Note: SUM then divide]). float32,
+    bfloat16 and float64 divide once, after; other dtypes (float16) about sqrt(N) each side."""
+    size = float(data_parallel_size)
+    if reduce_dtype in (torch.float32, torch.bfloat16, torch.float64):
+        return 1.0, size
+    before = 1
+    while size % before == 0 and size / before > before:
+        before *= 2
+    return float(before), size / before
 
 
 class CommGroup(NamedTuple):
@@ -358,16 +374,23 @@ def all_reduce_sum_(tensor: torch.Tensor, group: Any = None, dog: Watchdog | Non
 
 
 @torch.no_grad()
-def broadcast_from_rank0(tensors: list[torch.Tensor], dog: Watchdog | None = None) -> None:
+def broadcast_from_rank0(tensors: list[torch.Tensor], device: torch.device, dog: Watchdog | None = None) -> None:
     """Overwrite ``tensors`` in place with global rank 0's values (``sync_module_states``); blocking.
+    The broadcast runs on ``device``, where the collectives live (NCCL takes CUDA tensors only): a
+    tensor elsewhere (a model built on the CPU) goes through a copy there and back.
 
-    Costs: one broadcast per tensor (setup only). No-op without a process group.
+    Costs: one broadcast per tensor (setup only), plus those copies. No-op without a process group.
     """
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
     with watched("broadcast", "sync_module_states", dog):
         for tensor in tensors:
-            dist.broadcast(tensor.data, src=0)
+            if tensor.device == device:
+                dist.broadcast(tensor.data, src=0)
+            else:
+                staged = tensor.detach().to(device)
+                dist.broadcast(staged, src=0)
+                tensor.data.copy_(staged)
 
 
 def barrier(group: Any = None, dog: Watchdog | None = None) -> None:

@@ -5,6 +5,14 @@ runtime.py); this keeps what is in flight: at most one reduction beyond the one 
 ([Note: bounded prefetch]), the gradients of parameters this rank did not use until every rank's
 usage flag is known ([Note: usage flags] in unit.py), and whether ``no_sync`` accumulation holds
 the reductions back.
+
+[Note: replicas reduce behind compute]
+On HYBRID_SHARD a unit's reduce-scatter is followed by an all-reduce across replicas (between
+nodes, the slowest link). Waiting for it at once would stall the compute stream behind it, as
+FSDP2 avoids: it is issued when the reduce-scatter is done (at the next unit's reduction) and
+waited for one reduction later, or at the end of backward, so the backward of the units between
+runs while it is on the wire. In flight at most: one reduce-scatter and one all-reduce beyond the
+reduction just issued (one unit's reduce buffers more than without replicas).
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ class Reductions:
     def __init__(self) -> None:
         self.sync = True  # False inside ``no_sync``: gradients are stashed, not reduced
         self._in_flight: deque[PendingReduce] = deque()
+        self._replicating: PendingReduce | None = None  # [Note: replicas reduce behind compute]
         self._undecided: list[UndecidedGrad] = []
 
     def reduce(self, unit: FSDPUnit) -> None:
@@ -32,15 +41,30 @@ class Reductions:
             return
         pending = unit.reduce_grads()
         while self._in_flight:  # [Note: bounded prefetch]
-            self._undecided.extend(self._in_flight.popleft().finish())
+            self._advance(self._in_flight.popleft())
         if pending is not None:
             self._in_flight.append(pending)
+
+    def _advance(self, pending: PendingReduce) -> None:
+        """Finish the all-reduce across replicas in flight, then move ``pending`` on: its own
+        all-reduce issued (HYBRID_SHARD), or its result applied."""
+        self._finish_replicating()
+        if pending.start_replicate():
+            self._replicating = pending
+        else:
+            self._undecided.extend(pending.finish())
+
+    def _finish_replicating(self) -> None:
+        if self._replicating is not None:
+            replicating, self._replicating = self._replicating, None
+            self._undecided.extend(replicating.finish())
 
     def settle(self) -> None:
         """Finish every reduction in flight and apply the gradients of parameters this rank did
         not use where another rank did ([Note: usage flags]: one device sync, only if any)."""
         while self._in_flight:
-            self._undecided.extend(self._in_flight.popleft().finish())
+            self._advance(self._in_flight.popleft())
+        self._finish_replicating()
         undecided, self._undecided = self._undecided, []
         if not undecided:
             return
@@ -51,13 +75,16 @@ class Reductions:
 
     def buffers(self) -> list[torch.Tensor]:
         """The buffers of the reductions in flight (the reduce buffer and its output each)."""
-        return [tensor for pending in self._in_flight for tensor in (pending.flat, pending.output)]
+        pendings = [*self._in_flight, *([self._replicating] if self._replicating is not None else [])]
+        return [tensor for pending in pendings for tensor in (pending.flat, pending.output)]
 
     def drop(self) -> None:
         """A failed iteration: wait for what is in flight and forget every result."""
-        while self._in_flight:
-            pending = self._in_flight.popleft()
-            pending.work.wait()
+        pendings = [*self._in_flight, *([self._replicating] if self._replicating is not None else [])]
+        self._in_flight.clear()
+        self._replicating = None
+        for pending in pendings:
+            pending.wait()
             pending.unit.memory.freed(pending.unit.name, pending.nbytes, "reduce_buffer")
         self._undecided = []
 

@@ -12,8 +12,9 @@ The functions one weight gradient passes through, in order:
    ``FSDPUnit.reduce_grads``: ``ShardedParam.take_grad_rows`` copies it (and a ``no_sync``
    stash) into a flat buffer with its usage flag, ``collectives.reduce_scatter`` sums it, and
    the full gradient is freed.
-4. At the next reduction or the end of backward: ``PendingReduce.finish`` waits (watchdog.py),
-   ``FSDPUnit.apply_reduced`` all-reduces across replicas (HSDP), divides ([Note: SUM then
+4. At the next reduction or the end of backward: ``PendingReduce`` waits (watchdog.py); on HSDP
+   ``FSDPUnit.replicate_reduced`` all-reduces across replicas, waited one reduction later
+   ([Note: replicas reduce behind compute]); ``FSDPUnit.apply_reduced`` divides ([Note: SUM then
    divide]) and ``ShardedParam.accumulate_sharded_grad`` adds it into ``sharded.grad``; a
    parameter this rank did not use waits for ``Reductions.settle`` ([Note: usage flags]).
 5. ``Scheduler._end_of_backward`` settles every reduction and checks none is missing.

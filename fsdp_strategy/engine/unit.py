@@ -118,20 +118,40 @@ class UndecidedGrad(NamedTuple):
 
 
 class PendingReduce:
-    """A unit's gradient reduction in flight; ``finish()`` adds the result into the shards."""
+    """A unit's gradient reduction in flight: the reduce-scatter (``work``), then on HYBRID_SHARD
+    the all-reduce across replicas (``start_replicate``), then ``finish()`` adds the result into
+    the shards."""
 
     def __init__(self, unit: FSDPUnit, work: Pending, flat: torch.Tensor, output: torch.Tensor, params: list) -> None:
         self.unit, self.work, self.flat, self.output, self.params = unit, work, flat, output, params
         self.used: list[bool] = []  # per parameter: this rank had a gradient ([Note: usage flags])
         self.nbytes = 0  # the buffers' bytes in the memory account, released by finish()
+        self.replicating: Pending | None = None
+
+    def start_replicate(self) -> bool:
+        """Wait for the reduce-scatter and, on HYBRID_SHARD, issue the all-reduce of its output
+        across replicas without waiting for it ([Note: replicas reduce behind compute]); whether
+        one is in flight."""
+        self.work.wait()
+        self.replicating = self.unit.replicate_reduced(self.output)
+        return self.replicating is not None
 
     def finish(self) -> list[UndecidedGrad]:
-        """Wait, reduce across replicas if any, divide, add into ``sharded.grad``; return the
-        gradients of parameters this rank did not use ([Note: usage flags])."""
-        self.work.wait()
+        """Wait for what is in flight, divide, add into ``sharded.grad``; return the gradients of
+        parameters this rank did not use ([Note: usage flags])."""
+        if self.replicating is None:
+            self.start_replicate()
+        if self.replicating is not None:
+            self.replicating.wait()
         undecided = self.unit.apply_reduced(self.output, self.params, self.used)
         self.unit.memory.freed(self.unit.name, self.nbytes, "reduce_buffer")
         return undecided
+
+    def wait(self) -> None:
+        """Wait for every collective of it (a failed iteration drops the result)."""
+        self.work.wait()
+        if self.replicating is not None:
+            self.replicating.wait()
 
 
 class FSDPUnit:
@@ -163,6 +183,8 @@ class FSDPUnit:
         self._gather: GatherInFlight | None = None
         self._param_dtype = params[0].param_dtype if params else torch.float32
         self._reduce_dtype = context.reduce_dtype or (params[0].sharded.dtype if params else torch.float32)
+        data_parallel_size = self.shard_comm.size * self.replicate_comm.size
+        self._divide_before, self._divide_after = collectives.divide_factors(data_parallel_size, self._reduce_dtype)
         dtypes = {p.param_dtype for p in params}
         if len(dtypes) > 1:
             names = {p.fqn: str(p.param_dtype) for p in params}
@@ -362,6 +384,8 @@ class FSDPUnit:
         with span("reduce_copy_in"):
             used = [p.take_grad_rows(columns) for p, columns in zip(params, flat[:, :total].split(sizes, dim=1))]
         self.ledger.record_copy("reduce_copy_in", world * total * flat.element_size())
+        if self._divide_before != 1:  # [Note: SUM then divide]: float16's share of the divide before the sum
+            flat[:, :total].div_(self._divide_before)
         self.memory.freed(self.name, stashed, "stashed_grads")
         flat[:, total : total + len(params)].fill_(1)
         for index, has_grad in enumerate(used):
@@ -381,16 +405,21 @@ class FSDPUnit:
         self.memory.allocated(self.name, nbytes, "reduce_buffer")
         return pending
 
+    def replicate_reduced(self, output: torch.Tensor) -> Pending | None:
+        """HYBRID_SHARD: issue the all-reduce of the reduce-scatter's ``output`` across replicas
+        (asynchronous); None where there is none (no replicas, or NO_SHARD's one all-reduce)."""
+        if self.shard_comm.size == 1 or self.replicate_comm.size == 1:
+            return None
+        stamped = self._stamp_slots > 0
+        return collectives.all_reduce(output, self.replicate_comm, self.comm, self.name, stamped=stamped)
+
     def apply_reduced(self, output: torch.Tensor, params: list[ShardedParam], used: list[bool]) -> list[UndecidedGrad]:
-        """Reduce across replicas (HYBRID_SHARD), divide by the data-parallel size, add into the
-        shards of the parameters this rank used; return the others for a later decision."""
-        if self.shard_comm.size > 1:
-            stamped = self._stamp_slots > 0
-            collectives.all_reduce(output, self.replicate_comm, self.comm, self.name, stamped=stamped).wait()
+        """Divide the reduced gradients by the data-parallel size, add them into the shards of the
+        parameters this rank used; return the others for a later decision."""
         with span("reduce_apply"):
             total = output.numel() - len(params) - self._stamp_slots
             grads, flags = output[:total], output[total : total + len(params)]
-            grads.div_(self.shard_comm.size * self.replicate_comm.size)  # [Note: SUM then divide]
+            grads.div_(self._divide_after)  # [Note: SUM then divide]
             undecided = []
             for param, piece, flag, has_grad in zip(params, grads.split([p.shard_numel for p in params]), flags, used):
                 if has_grad:

@@ -57,13 +57,20 @@ class ShardsView:
 
 
 def _mesh(root: FSDPUnit, params: tuple[ShardedParam, ...], device_mesh: Any) -> tuple[Any, tuple] | None:
-    """The DeviceMesh and placements of the shards (None for a shard group of one)."""
+    """The DeviceMesh and placements of the shards (None for a shard group of one). The mesh's
+    device type is the shards' own: a DTensor on a mesh of another type moves its local shard
+    there, so CPU-offloaded shards on the HSDP (CUDA) mesh would be copied to the GPU whole, and a
+    load would fill those copies instead of the shards. Costs: no collective (the groups exist)."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import Replicate, Shard
 
+    device_type = params[0].sharded.device.type if params else "cpu"
     if device_mesh is not None:
+        if device_mesh.device_type != device_type:  # the same groups, on the shards' device
+            groups = [device_mesh.get_group(0), device_mesh.get_group(1)]
+            names = device_mesh.mesh_dim_names
+            device_mesh = DeviceMesh.from_group(groups, device_type, mesh=device_mesh.mesh, mesh_dim_names=names)
         return device_mesh, (Replicate(), Shard(0))
     if root.shard_comm.size > 1:
-        device_type = params[0].sharded.device.type if params else "cpu"
         return DeviceMesh.from_group(root.shard_comm.group, device_type), (Shard(0),)
     return None

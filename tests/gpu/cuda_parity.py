@@ -1,5 +1,5 @@
 """CUDA/NCCL check, run as its own process by test_cuda.py: engine parity on one GPU (fp32, bf16,
-CPU offload with pinned shards) and a Lightning bf16-mixed run with accelerator="cuda"."""
+CPU offload with pinned shards) and a model built on the CPU placed by the engine."""
 
 from __future__ import annotations
 
@@ -47,6 +47,25 @@ def engine_parity(**options) -> float:
     return worst
 
 
+def cpu_built_model_placed_by_the_engine() -> None:
+    """A model built on the CPU, ``sync_module_states=True`` and no ``device``: NCCL gets CUDA
+    tensors only, everything lands on the current CUDA device, a shared buffer stays shared."""
+    torch.manual_seed(0)
+    model = TiedLM()
+    shared = torch.arange(4.0)
+    model.blocks[0].register_buffer("shared", shared)
+    model.blocks[1].register_buffer("shared", shared)
+    reference = copy.deepcopy(model).cuda()
+    shard_model(model, auto_wrap_policy={Block}, sync_module_states=True)
+    scheduler = get_scheduler(model)
+    assert all(p.sharded.device.type == "cuda" for p in scheduler.sharded_params())
+    assert all(b.device.type == "cuda" for b in model.buffers())
+    assert model.blocks[0].shared is model.blocks[1].shared
+    batch = make_batches(1, 4)[0].cuda()
+    assert abs(lm_loss(model, batch).item() - lm_loss(reference, batch).item()) < 1e-5
+    scheduler.close()
+
+
 def main() -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29541")
@@ -54,6 +73,7 @@ def main() -> None:
     assert engine_parity() < 1e-5
     assert engine_parity(cpu_offload=True) < 1e-5
     assert engine_parity(mixed_precision=MixedPrecision(torch.bfloat16, torch.float32, torch.bfloat16)) < 3e-2
+    cpu_built_model_placed_by_the_engine()
     print("CUDA OK")
 
 
