@@ -93,6 +93,7 @@ def _train_pair(rank: int, world: int, config: dict, accumulate: int = 1) -> dic
     )
     out["keys_equal"] = set(gathered) == set(reference.state_dict())
     out["flight"] = scheduler.comm.recorder.snapshot()
+    out["exchanged"] = scheduler.comm.exchange._thread is not None  # point to point was used
     return out
 
 
@@ -122,11 +123,18 @@ def _world2_body(rank: int, world: int) -> dict:
     }
 
 
-def test_parity_world_2(tmp_path):
-    results = run_ranks(_world2_body, 2, tmp_path)
+# point to point (the default on gloo), or gloo's collectives: the calls NCCL gets
+COLLECTIVES = {"point_to_point": {"FSDP_CUSTOM_GLOO_P2P": "1"}, "gloo_collectives": {"FSDP_CUSTOM_GLOO_P2P": "0"}}
+
+
+@pytest.mark.parametrize("collectives", list(COLLECTIVES))
+def test_parity_world_2(tmp_path, collectives):
+    results = run_ranks(_world2_body, 2, tmp_path, env=COLLECTIVES[collectives])
     for rank_result in results:
         for name in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "accumulate", "offload", "checkpointing"):
             _check_fp32(rank_result[name])
+            sharded = name != "NO_SHARD"  # NO_SHARD all-reduces, with gloo's own all_reduce either way
+            assert rank_result[name]["exchanged"] == (collectives == "point_to_point" and sharded), name
         assert rank_result["accumulate"]["reduce_scatters_no_sync"] == 0
         # bf16 keeps 8 mantissa bits (relative rounding 2**-8 = 0.4 %) in the gathered weights
         # and activations of ~6 layers; 10 steps of that stay within 3 % of the fp32 loss.
@@ -136,10 +144,12 @@ def test_parity_world_2(tmp_path):
         assert bf16["weight_error"] < 5e-2
 
 
-def test_parity_world_3_padding(tmp_path):
-    results = run_ranks(lambda rank, world: _train_pair(rank, world, {"strategy": "FULL_SHARD"}), 3, tmp_path)
-    for rank_result in results:
+@pytest.mark.parametrize("collectives", list(COLLECTIVES))
+def test_parity_world_3_padding(tmp_path, collectives):
+    body = lambda rank, world: _train_pair(rank, world, {"strategy": "FULL_SHARD"})  # noqa: E731
+    for rank_result in run_ranks(body, 3, tmp_path, env=COLLECTIVES[collectives]):
         _check_fp32(rank_result)
+        assert rank_result["exchanged"] == (collectives == "point_to_point")
 
 
 def test_parity_hybrid_shard_world_4(tmp_path):

@@ -140,9 +140,11 @@ def _run_patterns(rank: int, world: int, strategy: str, names: list[str]) -> dic
     return results
 
 
+@pytest.mark.parametrize("collectives", ["1", "0"], ids=["point_to_point", "gloo_collectives"])
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
-def test_patterns_world_2(tmp_path, strategy):
-    for rank_result in run_ranks(_run_patterns, 2, tmp_path, strategy, list(PATTERNS), timeout=240):
+def test_patterns_world_2(tmp_path, strategy, collectives):
+    env = {"FSDP_CUSTOM_GLOO_P2P": collectives}  # "0": gloo's collectives, the calls NCCL gets
+    for rank_result in run_ranks(_run_patterns, 2, tmp_path, strategy, list(PATTERNS), timeout=240, env=env):
         for name, result in rank_result.items():
             assert_matches(result, f"{name} ({strategy})")
 

@@ -14,6 +14,7 @@ from fsdp_strategy.config import MixedPrecision
 from fsdp_strategy.engine import collectives
 from fsdp_strategy.engine.accounting import MemoryAccount
 from fsdp_strategy.engine.collectives import CommContext, CommGroup
+from fsdp_strategy.engine.device import device_layer
 from fsdp_strategy.engine.flight import STAMP_SLOTS
 from fsdp_strategy.engine.guard import install_guards
 from fsdp_strategy.engine.ignored import Ignored, find_ignored
@@ -59,9 +60,10 @@ def build(module: nn.Module, sharding: Plan, options: ShardingOptions, where: Wh
     distributed = where.shard_comm.size > 1 or where.replicate_comm.size > 1
     slots = STAMP_SLOTS if options.check_collective_order and distributed else 0
     shard_comm = where.shard_comm
-    layout = ShardLayout(shard_comm.rank, shard_comm.size, where.storage, where.device, precision.param_dtype)
+    layer = device_layer(where.device, where.storage, options.cpu_offload.offload_params)
+    layout = ShardLayout(shard_comm.rank, shard_comm.size, where.storage, where.device, precision.param_dtype, layer)
     context = UnitContext(
-        shard_comm, where.replicate_comm, precision.reduce_dtype, where.device, comm, MemoryAccount(), slots
+        shard_comm, where.replicate_comm, precision.reduce_dtype, where.device, comm, MemoryAccount(), layer, slots
     )
     initializers, order = weight_initializers(module), post_order(module)
     names = {id(m): name for name, m in module.named_modules()}

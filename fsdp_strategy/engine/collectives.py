@@ -19,6 +19,7 @@ kept per process. Reductions are SUM followed by an explicit divide by the calle
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -44,6 +45,16 @@ from fsdp_strategy.engine.watchdog import CollectiveError, Watchdog
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def point_to_point_on_gloo() -> bool:
+    """Whether CPU tensors on gloo go point to point ([Note: point to point on gloo]):
+    ``FSDP_CUSTOM_GLOO_P2P=0`` gives them gloo's own collectives instead, the calls NCCL gets (one
+    ``all_gather_into_tensor`` in place, ``reduce_scatter_tensor``, ``all_reduce``)."""
+    value = os.environ.get("FSDP_CUSTOM_GLOO_P2P", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"FSDP_CUSTOM_GLOO_P2P={value!r}: accepted: '1' (point to point, the default) or '0'")
+    return value == "1"
 
 
 def divide_factors(data_parallel_size: int, reduce_dtype: torch.dtype) -> tuple[float, float]:
@@ -88,6 +99,7 @@ class CommContext:
         self.watchdog = watchdog
         self.recorder = watchdog.recorder if watchdog is not None else FlightRecorder()
         self.exchange = exchange.ExchangeThread(tag)
+        self.point_to_point = point_to_point_on_gloo()
         self._gloo: dict[int, bool] = {}
         self._peers: dict[tuple[int, int, int], exchange.Peers] = {}
         self._stamps: dict[tuple[str, str], Stamp] = {}
@@ -95,7 +107,7 @@ class CommContext:
     def exchanged(self, tensor: torch.Tensor, comm: CommGroup) -> bool:
         """Whether a collective of ``tensor`` on ``comm`` goes point to point ([Note: point to point on gloo]):
         CPU tensors on a gloo group ("gloo", or e.g. "cpu:gloo,cuda:nccl")."""
-        if tensor.is_cuda or comm.group is None:
+        if not self.point_to_point or tensor.is_cuda or comm.group is None:
             return False
         key = id(comm.group)
         if key not in self._gloo:

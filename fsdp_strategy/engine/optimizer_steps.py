@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
+from fsdp_strategy.engine.device import DeviceLayer
 from fsdp_strategy.engine.unit import FSDPUnit, ShardedState
 
 # torch optimizers whose update of a parameter is not a function of that element alone: on a shard
@@ -30,8 +31,9 @@ class OptimizerSteps:
     optimizer's parameters, a write-back of the unit and one all-gather of it.
     """
 
-    def __init__(self, units: list[FSDPUnit]) -> None:
+    def __init__(self, units: list[FSDPUnit], device_layer: DeviceLayer) -> None:
         self._units = units
+        self._device_layer = device_layer
         self._stepping: dict[int, list[FSDPUnit]] = {}  # optimizer id -> gathered units its step changes
         self._handles: list[Any] = []
         self.open()
@@ -71,6 +73,8 @@ class OptimizerSteps:
     def _before_step(self, optimizer: Any) -> None:
         if isinstance(optimizer, NOT_ELEMENTWISE):
             self._refuse(optimizer)
+        self._device_layer.before_host_writes_shards()  # [Note: host and device] 1
+        self._device_layer.check_optimizer_step(optimizer)
         units = self._gathered_units_of(optimizer)
         for unit in units:
             unit.keep_edits(every_param=True)

@@ -17,6 +17,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from fsdp_strategy.engine.device import DeviceLayer
+
 
 class ShardLayout(NamedTuple):
     """Where a parameter's shard goes: its rank and group size, devices and gathered dtype."""
@@ -26,6 +28,7 @@ class ShardLayout(NamedTuple):
     storage_device: torch.device  # where the shard lives (the CPU with offload)
     compute_device: torch.device  # where the full parameter is gathered
     param_dtype: torch.dtype | None  # dtype of the full parameter; None: the parameter's own
+    device_layer: DeviceLayer | None = None  # keeps the shard (pinned when offloaded from CUDA); None: as is
 
 
 class ParamUse(NamedTuple):
@@ -73,8 +76,8 @@ class ShardedParam:
         local = rows[shard_rank * self.chunk_rows : (shard_rank + 1) * self.chunk_rows]
         shard = torch.zeros(self.chunk_rows, self.row_numel, dtype=param.dtype, device=storage_device)
         shard[: local.shape[0]].copy_(local)
-        if storage_device.type == "cpu" and compute_device.type == "cuda":
-            shard = shard.pin_memory()
+        if layout.device_layer is not None:
+            shard = layout.device_layer.storage_tensor(shard)
         self.sharded = nn.Parameter(shard.view(self.chunk_rows, *self.row_shape), requires_grad=param.requires_grad)
 
         self.aliased = shard_size == 1 and self.param_dtype == param.dtype and storage_device == compute_device
@@ -249,10 +252,12 @@ class ShardedParam:
         """Discard the full and stashed gradients (a frozen parameter, or a failed iteration)."""
         self.unsharded.grad = self.stashed_grad = None
 
-    def accumulate_sharded_grad(self, reduced: torch.Tensor) -> None:
-        """Add this parameter's slice of a reduced gradient shard into ``sharded.grad``."""
-        grad = reduced.view(self.sharded.shape).to(device=self.sharded.device, dtype=self.sharded.dtype)
-        if self.sharded.grad is None:
+    def accumulate_sharded_grad(self, reduced: torch.Tensor, device_layer: DeviceLayer) -> None:
+        """Add this parameter's slice of a reduced gradient shard into ``sharded.grad`` (brought
+        to the shard's device and dtype by ``device_layer``)."""
+        accumulate = self.sharded.grad is not None
+        grad = device_layer.grad_to_storage(reduced, self.sharded, self.fqn, accumulate)
+        if not accumulate:
             self.sharded.grad = grad
         else:
             self.sharded.grad += grad

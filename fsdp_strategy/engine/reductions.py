@@ -21,13 +21,15 @@ from collections import deque
 
 import torch
 
+from fsdp_strategy.engine.device import DeviceLayer
 from fsdp_strategy.engine.unit import FSDPUnit, PendingReduce, UndecidedGrad
 
 
 class Reductions:
     """The reductions in flight for one model. Costs: a deque and a list."""
 
-    def __init__(self) -> None:
+    def __init__(self, device_layer: DeviceLayer) -> None:
+        self.device_layer = device_layer
         self.sync = True  # False inside ``no_sync``: gradients are stashed, not reduced
         self._in_flight: deque[PendingReduce] = deque()
         self._replicating: PendingReduce | None = None  # [Note: replicas reduce behind compute]
@@ -71,7 +73,7 @@ class Reductions:
         counts = torch.stack([entry.flag for entry in undecided]).tolist()
         for entry, count in zip(undecided, counts):
             if count > 0:
-                entry.param.accumulate_sharded_grad(entry.reduced)
+                entry.param.accumulate_sharded_grad(entry.reduced, self.device_layer)
 
     def buffers(self) -> list[torch.Tensor]:
         """The buffers of the reductions in flight (the reduce buffer and its output each)."""

@@ -144,8 +144,9 @@ class Scheduler:
         self._backwards_in_iteration = 0
         self._backward: BackwardPass | None = None
         self._ran_forward: dict[int, FSDPUnit] = {}  # units that ran forward with grad since their last reduction
-        self.reductions = Reductions()  # the gradient reductions in flight (reductions.py)
-        self.optimizer_steps = OptimizerSteps(units)  # [Note: edits while gathered]
+        self.device_layer = units[0].device_layer  # [Note: host and device] in device.py
+        self.reductions = Reductions(self.device_layer)  # the gradient reductions in flight (reductions.py)
+        self.optimizer_steps = OptimizerSteps(units, self.device_layer)  # [Note: edits while gathered]
         self.hook_handles: list[Any] = []  # every module hook the engine registered on the model
         self._register_hooks()
 
@@ -288,6 +289,7 @@ class Scheduler:
                     self._reduce(unit)
             self._ran_forward.clear()
             self.reductions.settle()
+            self.device_layer.before_host_reads_grads()  # [Note: host and device] 2
             check_no_late_grads(self.units)
             self._raise_for_lost_edits()
         finally:
@@ -384,6 +386,7 @@ class Scheduler:
         if self.comm.wedged():
             return
         self.reductions.drop()
+        self.device_layer.close()  # what reduced gradients are kept, and what was copied, is complete
         for unit in self.units:
             self._states[id(unit)].reset()
             unit.drop_grads()
@@ -399,6 +402,7 @@ class Scheduler:
         exchange thread, and a watchdog ``shard_model`` started for it. The model stays sharded
         and runs again after ``open``. Costs: joins the threads (bounded)."""
         self.optimizer_steps.close()
+        self.device_layer.close()
         self.comm.close()
         if self.owned_watchdog is not None:
             self.owned_watchdog.close()

@@ -46,6 +46,7 @@ from torch import nn
 from fsdp_strategy.engine import collectives
 from fsdp_strategy.engine.accounting import MemoryAccount
 from fsdp_strategy.engine.collectives import CommContext, CommGroup, Pending
+from fsdp_strategy.engine.device import DeviceLayer
 from fsdp_strategy.engine.param import ShardedParam
 from fsdp_strategy.engine.trace import span
 
@@ -67,6 +68,7 @@ class UnitContext(NamedTuple):
     device: torch.device  # where full parameters and collectives live
     comm: CommContext  # the engine's collectives' ledger, recorder, watchdog and exchange
     memory: MemoryAccount  # counts the buffers gathering and reducing allocate
+    device_layer: DeviceLayer  # every pinned buffer, non_blocking copy and event ([Note: host and device])
     stamp_slots: int = 0  # elements per rank each collective carries for its order stamp ([Note: order stamps])
 
 
@@ -172,6 +174,7 @@ class FSDPUnit:
         self.comm = context.comm
         self.ledger = context.comm.ledger
         self.memory = context.memory
+        self.device_layer = context.device_layer
         self.state = ShardedState.SHARDED
         self.exposed = False  # gathered where user code may change it ([Note: edits while gathered])
         self._lost_edit_checks: list[LostEditCheck] = []  # deferred: ``take_lost_edit_checks``
@@ -200,11 +203,12 @@ class FSDPUnit:
         this rank's row of a gather buffer and start ONE all-gather into the buffer in place."""
         world, rank = self.shard_comm.size, self.shard_comm.rank
         total = sum(self._shard_sizes)
+        self.device_layer.before_gather()  # [Note: host and device] 3
         gathered = torch.empty(world, total + self._stamp_slots, dtype=dtype, device=self.device)
         flat_shard = gathered[rank]
         with span("gather_copy_in"):
             pieces = list(flat_shard[:total].split(self._shard_sizes))
-            torch._foreach_copy_(pieces, [s.detach().reshape(-1) for s in shards])
+            self.device_layer.copy_shards_in(pieces, [s.detach().reshape(-1) for s in shards], self.name)
         self.ledger.record_copy("gather_copy_in", total * gathered.element_size())
         stamped = self._stamp_slots > 0
         work = collectives.all_gather(gathered.view(-1), flat_shard, self.shard_comm, self.comm, self.name, stamped)
@@ -326,6 +330,7 @@ class FSDPUnit:
                 param.free_unsharded()
             if not self._aliased:
                 self.memory.freed(self.name, self.unsharded_nbytes, "params")
+                self.device_layer.resharded()
         self.state = ShardedState.SHARDED
 
     def gather_full(self, shards: list[torch.Tensor], keep: bool = True) -> list[torch.Tensor]:
@@ -423,7 +428,7 @@ class FSDPUnit:
             undecided = []
             for param, piece, flag, has_grad in zip(params, grads.split([p.shard_numel for p in params]), flags, used):
                 if has_grad:
-                    param.accumulate_sharded_grad(piece)
+                    param.accumulate_sharded_grad(piece, self.device_layer)
                 else:
                     undecided.append(UndecidedGrad(param, piece, flag))
         return undecided

@@ -56,6 +56,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_strategy.engine.channel import StoreChannel, StoreLost
+from fsdp_strategy.engine.device import DeviceLayer
 from fsdp_strategy.engine.diagnosis import first_line
 from fsdp_strategy.engine.flight import CollectiveRecord, FlightRecorder
 from fsdp_strategy.engine.reports import Reports
@@ -197,10 +198,7 @@ class Watchdog:
 
     def defer_check(self, record: CollectiveRecord, mismatch: torch.Tensor) -> None:
         """Check a CUDA stamp comparison when the device has computed it, without a sync."""
-        host = torch.empty((), dtype=torch.bool, pin_memory=True)
-        host.copy_(mismatch, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(mismatch.device))
+        host, event = DeviceLayer.flag_to_host(mismatch)
         self._unverified.append((record, host, event))
 
     def report_exception(self, error: BaseException) -> None:

@@ -1,0 +1,86 @@
+"""The stream check (``FSDP_CUSTOM_STREAM_CHECK=1``, on in every test: conftest.py) models CUDA's
+host/device semantics on the CPU. Training with offloaded shards passes it and matches one device;
+removing either wait the device layer makes ends in ``StreamCheckError`` naming the wait."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from dist_utils import run_ranks
+from models import Block, TiedLM, lm_loss, make_batches
+
+from fsdp_strategy.engine import get_scheduler, shard_model
+from fsdp_strategy.engine.device import DeviceLayer, StreamCheck, StreamCheckError
+
+
+def _steps(rank: int, world: int, offload: bool) -> float:
+    """Two offloaded training steps against one device; the largest loss difference."""
+    torch.manual_seed(0)
+    model = TiedLM()
+    reference = copy.deepcopy(model)
+    shard_model(model, auto_wrap_policy={Block}, cpu_offload=offload)
+    assert isinstance(get_scheduler(model).device_layer, StreamCheck)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ref_optimizer = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=1e-2)
+    worst = 0.0
+    try:
+        for batch in make_batches(2, 2 * world):
+            loss = lm_loss(model, batch[rank::world])
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            ref_loss = lm_loss(reference, batch)
+            ref_loss.backward()
+            ref_optimizer.step()
+            ref_optimizer.zero_grad()
+            mean = loss.detach().clone()
+            torch.distributed.all_reduce(mean)
+            worst = max(worst, abs(mean.item() / world - ref_loss.item()))
+    finally:
+        get_scheduler(model).close()
+    return worst
+
+
+def _without(wait: str, rank: int, world: int) -> str:
+    """The same training with one of the layer's waits removed: the check's message."""
+    original = getattr(DeviceLayer, wait)
+    setattr(DeviceLayer, wait, lambda self: None)
+    try:
+        _steps(rank, world, offload=True)
+    except StreamCheckError as error:
+        return str(error)
+    finally:
+        setattr(DeviceLayer, wait, original)
+    return "no error"
+
+
+def _stream_check_body(rank: int, world: int) -> dict:
+    return {
+        "offloaded": _steps(rank, world, offload=True),
+        "on_device": _steps(rank, world, offload=False),
+        "no_shard_wait": _without("before_host_writes_shards", rank, world),
+        "no_grad_wait": _without("before_host_reads_grads", rank, world),
+    }
+
+
+def test_stream_check_passes_training_and_fails_without_each_wait(tmp_path):
+    for result in run_ranks(_stream_check_body, 2, tmp_path):
+        assert result["offloaded"] < 1e-5 and result["on_device"] < 1e-5, result
+        assert "an optimizer step writes a tensor" in result["no_shard_wait"], result["no_shard_wait"]
+        assert "copy of unit" in result["no_shard_wait"] and "before_host_writes_shards()" in result["no_shard_wait"]
+        assert "an optimizer step reads a tensor" in result["no_grad_wait"], result["no_grad_wait"]
+        assert (
+            "gradient to host memory" in result["no_grad_wait"]
+            and "before_host_reads_grads()" in result["no_grad_wait"]
+        )
+
+
+def test_stream_check_is_the_layer_only_when_asked(monkeypatch):
+    from fsdp_strategy.engine.device import device_layer
+
+    cpu = torch.device("cpu")
+    monkeypatch.setenv("FSDP_CUSTOM_STREAM_CHECK", "0")
+    assert type(device_layer(cpu, cpu, offloaded=True)) is DeviceLayer
+    monkeypatch.setenv("FSDP_CUSTOM_STREAM_CHECK", "1")
+    assert isinstance(device_layer(cpu, cpu, offloaded=True), StreamCheck)
