@@ -40,6 +40,15 @@ def weight_error(model: nn.Module, reference: nn.Module) -> float:
     )
 
 
+def _to(batch: Any, device: str | torch.device) -> Any:
+    """``batch`` (a tensor, or lists and tuples of them) on ``device``."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to(item, device) for item in batch)
+    return batch
+
+
 def reference_step(reference: nn.Module, loss_fn: LossFn, batches: list, world: int, step: int) -> list[float]:
     """One DDP-semantics step of the oracle's gradients: every rank's batch, summed, divided."""
     losses = []
@@ -64,18 +73,20 @@ def train_pair(
     before_step: Callable[[nn.Module, int], None] | None = None,
     lr: float = 1e-2,
     shard_kwargs_for: Callable[[nn.Module], dict] | None = None,
+    device: str | torch.device = "cpu",
     **shard_kwargs: Any,
 ) -> dict:
     """Train sharded (with ``shard_kwargs``) and oracle for ``steps``; return losses and weight error.
 
     ``data(step, world)`` gives the list of every rank's batch for a step (identical on all ranks);
     ``before_step(model, step)`` changes both models alike (freezing, say); ``shard_kwargs_for(model)``
-    adds arguments that name the built model's own modules (``ignored_modules``).
+    adds arguments that name the built model's own modules (``ignored_modules``). ``device``: where
+    both models and the data go (tests/gpu runs them on CUDA).
     """
     torch.manual_seed(0)
-    model = build()
+    model = build().to(device)
     reference = copy.deepcopy(model)
-    shard_model(model, **shard_kwargs, **(shard_kwargs_for(model) if shard_kwargs_for else {}))
+    shard_model(model, device=device, **shard_kwargs, **(shard_kwargs_for(model) if shard_kwargs_for else {}))
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=lr)
     losses, ref_losses = [], []
@@ -83,7 +94,7 @@ def train_pair(
         if before_step is not None:
             before_step(model, step)
             before_step(reference, step)
-        batches = data(step, world)
+        batches = _to(data(step, world), device)
         loss = loss_fn(model, batches[rank], rank, step)
         if loss.requires_grad:
             loss.backward()
