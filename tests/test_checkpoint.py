@@ -171,6 +171,39 @@ def test_consolidate_options_and_cli(saved_world2, tmp_path, capsys):
     assert "``" not in helped and "--max-shard-size SIZE" in helped and "2GB" in helped
 
 
+def test_overwrite_never_deletes_the_checkpoint_or_a_foreign_folder(saved_world2, tmp_path, capsys):
+    from fsdp_strategy.consolidate import main
+
+    folder, saved = saved_world2
+    before = sorted(path.relative_to(folder) for path in folder.rglob("*"))
+    with pytest.raises(ValueError, match="is the checkpoint .* or inside it"):
+        consolidate(folder, folder, overwrite=True)
+    with pytest.raises(ValueError, match="or inside it"):
+        consolidate(folder, folder / "out.pt", overwrite=True)
+    with pytest.raises(ValueError, match="holds the checkpoint .* would delete the checkpoint"):
+        consolidate(folder, folder.parent, overwrite=True)
+    assert main([str(folder), str(folder.parent), "--overwrite"]) == 2
+    assert "holds the checkpoint" in capsys.readouterr().err
+    assert sorted(path.relative_to(folder) for path in folder.rglob("*")) == before
+    foreign = tmp_path / "results"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    assert main([str(folder), str(foreign), "--overwrite"]) == 2
+    assert "a folder this tool did not write" in capsys.readouterr().err
+    assert (foreign / "notes.txt").read_text() == "mine"
+    shards = consolidate(folder, tmp_path / "st", output_format="safetensors", max_shard_size="2KB")
+    (shards / "extra.bin").write_bytes(b"x")  # a file the user put there: the folder is no longer ours
+    with pytest.raises(FileExistsError, match="did not write"):
+        consolidate(folder, shards, output_format="safetensors", max_shard_size="4KB", overwrite=True)
+    (shards / "extra.bin").unlink()
+    replaced = consolidate(folder, shards, output_format="safetensors", max_shard_size="4KB", overwrite=True)
+    index = json.loads((replaced / "model.safetensors.index.json").read_text())
+    assert {path.name for path in replaced.iterdir()} == {*index["weight_map"].values(), "model.safetensors.index.json"}
+    (tmp_path / "w.pt").write_bytes(b"old")
+    weights = torch.load(consolidate(folder, tmp_path / "w.pt", weights_only=True, overwrite=True))
+    assert torch.equal(weights["embed.weight"], saved["model"]["embed.weight"])
+
+
 def _peak(src, dst, **options) -> int:
     """Peak memory growth (bytes) of one consolidation, in a fresh process (tests/peak_memory.py)."""
     script = Path(__file__).with_name("peak_memory.py")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -128,8 +129,7 @@ def consolidate(
     problems = layout.verify_files(storage.locate(src), meta["checksums"], sorted(meta["checksums"]))
     if problems:
         raise CheckpointError("checkpoint is damaged: " + "; ".join(problems))
-    if (dst.exists() or dst.is_symlink()) and not overwrite:
-        raise FileExistsError(f"{str(dst)!r} exists; pass overwrite=True to replace it")
+    _check_destination(src, dst, overwrite)
     temporary = storage.temporary(storage.locate(dst))
     try:
         stored = stored_tensors(src)  # the DCP metadata, read once
@@ -142,6 +142,34 @@ def consolidate(
     finally:
         storage.remove(temporary)
     return dst
+
+
+_SHARD_FILE = re.compile(r"model-\d{5,}-of-\d{5,}\.safetensors")
+_INDEX_FILE = "model.safetensors.index.json"
+
+
+def _check_destination(src: Path, dst: Path, overwrite: bool) -> None:
+    """Refuse a ``dst`` whose replacement would delete the checkpoint or something this tool did
+    not write: ``overwrite`` replaces a file, or a folder of safetensors shards and their index."""
+    source, target = src.resolve(), dst.resolve()
+    if target == source or source in target.parents:
+        raise ValueError(f"the output {str(dst)!r} is the checkpoint {str(src)!r} or inside it; write it elsewhere")
+    if target in source.parents:
+        raise ValueError(
+            f"the output {str(dst)!r} holds the checkpoint {str(src)!r}: replacing it would delete the checkpoint"
+        )
+    if not (dst.exists() or dst.is_symlink()):
+        return
+    if not overwrite:
+        raise FileExistsError(f"{str(dst)!r} exists; pass overwrite=True to replace it")
+    if dst.is_dir() and not dst.is_symlink():
+        foreign = sorted(entry.name for entry in dst.iterdir() if not _SHARD_FILE.fullmatch(entry.name))
+        if not (dst / _INDEX_FILE).is_file() or foreign != [_INDEX_FILE]:
+            raise FileExistsError(
+                f"{str(dst)!r} is a folder this tool did not write (it writes folders of safetensors shards "
+                f"with {_INDEX_FILE} only); overwrite=True replaces a file or such a folder: "
+                "choose another output or remove the folder yourself"
+            )
 
 
 def _prefix_stripper(paths: dict[str, tuple], prefix: str | None) -> Any:
@@ -237,4 +265,4 @@ def _write_safetensors(
         weight_map.update({rename(paths[key][1]): name for key in shard})
         del tensors
     index_file = {"metadata": {"format": "pt"}, "weight_map": weight_map}
-    (out / "model.safetensors.index.json").write_text(json.dumps(index_file, indent=1, sort_keys=True))
+    (out / _INDEX_FILE).write_text(json.dumps(index_file, indent=1, sort_keys=True))
