@@ -135,6 +135,12 @@ def load(argv: list[str], default: Path, open_sections: OpenSections) -> DictCon
     return config
 
 
+def exit_with(message: str) -> None:
+    """End the script as a command-line mistake does: ``SCRIPT: error: message``, status 2."""
+    print(f"{Path(sys.argv[0]).name}: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def parse_or_exit(argv: list[str], default: Path, usage: str, open_sections: OpenSections) -> DictConfig:
     """``load``, with ``-h``/``--help`` printing ``usage`` and the config, and mistakes exiting with 2."""
     if "-h" in argv or "--help" in argv:
@@ -145,5 +151,4 @@ def parse_or_exit(argv: list[str], default: Path, usage: str, open_sections: Ope
     try:
         return load(argv, default, open_sections)
     except ConfigError as error:
-        print(f"{Path(sys.argv[0]).name}: error: {error}", file=sys.stderr)
-        raise SystemExit(2) from None
+        exit_with(str(error))

@@ -28,6 +28,17 @@ class GPTConfig:
     seq_len: int = 128  # context length
     tie_embeddings: bool = False  # share the token embedding with the LM head
 
+    def __post_init__(self) -> None:
+        sizes = {"vocab_size": self.vocab_size, "d_model": self.d_model, "n_layers": self.n_layers}
+        sizes.update(n_heads=self.n_heads, seq_len=self.seq_len)
+        small = [f"{name}={value}" for name, value in sizes.items() if value < 1]
+        if small:
+            raise ValueError(f"{', '.join(small)}: every size of the model must be at least 1")
+        if self.d_model % self.n_heads:
+            raise ValueError(
+                f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}: each head takes d_model / n_heads"
+            )
+
 
 class Block(nn.Module):
     """Pre-norm transformer block: causal self-attention and a 4x MLP."""

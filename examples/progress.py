@@ -21,11 +21,11 @@ class ResumedEpochProgressBar(TQDMProgressBar):
 
     def on_train_start(self, trainer: L.Trainer, *args: Any) -> None:
         super().on_train_start(trainer, *args)
-        if trainer.fit_loop.restarted_mid_epoch:  # the epoch's start hook will not run: start it here
+        if trainer.fit_loop.restarted_mid_epoch:  # Lightning calls no on_train_epoch_start: start the bar here
             bar = self.train_progress_bar
             total = self.total_train_batches
             bar.total = None if total == float("inf") else total
-            bar.n = bar.initial = bar.last_print_n = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+            bar.n = bar.initial = bar.last_print_n = _batches_done_before(trainer)
             bar.set_description(f"Epoch {trainer.current_epoch}")
 
     @property
@@ -35,7 +35,14 @@ class ResumedEpochProgressBar(TQDMProgressBar):
         epoch_batches = trainer.num_training_batches
         if trainer.max_steps is None or trainer.max_steps < 0:
             return epoch_batches
-        epoch_loop = trainer.fit_loop.epoch_loop  # restarting: this epoch resumes from a checkpoint
-        done = epoch_loop.batch_progress.current.processed if epoch_loop.restarting else 0
         left = (trainer.max_steps - trainer.global_step) * trainer.accumulate_grad_batches
-        return min(epoch_batches, done + left)
+        return min(epoch_batches, _batches_done_before(trainer) + left)
+
+
+def _batches_done_before(trainer: L.Trainer) -> int:
+    """Batches of the current epoch taken before this run: those of the checkpoint while the epoch
+    it resumes runs; none when it was saved at the previous epoch's last batch (Lightning then
+    goes on to the next epoch, again without its start hook) and in every later epoch."""
+    epoch_loop = trainer.fit_loop.epoch_loop
+    processed = epoch_loop.batch_progress.current.processed
+    return processed if epoch_loop.restarting and processed < trainer.num_training_batches else 0

@@ -54,13 +54,13 @@ def resume_path(config: DictConfig, checkpoint_dir: Path) -> Path | None:
     """The checkpoint to resume from; exits with a message when there is none or nothing to train."""
     if config.resume is None:
         return None
-    path = checkpoint_dir / "last.ckpt" if config.resume == "last" else Path(config.resume)
+    path = checkpoint_dir / "last.ckpt" if config.resume == "last" else Path(str(config.resume))
     if not path.exists():
-        sys.exit(f"train_gpt.py: error: resume={config.resume}: no checkpoint at {path}; run without resume first")
+        example_config.exit_with(f"resume={config.resume}: no checkpoint at {path}; run without resume first")
     step = int(checkpoint_state(path)["global_step"])
     if step >= config.trainer.max_steps:
-        sys.exit(
-            f"train_gpt.py: error: {path} is at step {step} and trainer.max_steps={config.trainer.max_steps}: "
+        example_config.exit_with(
+            f"{path} is at step {step} and trainer.max_steps={config.trainer.max_steps}: "
             f"nothing to train. Continue with a larger max_steps: python examples/train_gpt.py "
             f"resume={config.resume} trainer.max_steps={step + config.trainer.max_steps}"
         )
@@ -79,6 +79,31 @@ def wandb_logger(config: DictConfig, root: Path, resume: Path | None) -> WandbLo
     )
 
 
+def settings_or_exit(config: DictConfig) -> tuple[fsdp_strategy.FSDPCustomStrategy, GPTConfig, OptimizerSettings]:
+    """The strategy, model shape and optimizer settings the config describes, built before anything
+    starts; a value they refuse (or a step count the schedule cannot use) ends the script with its
+    message."""
+    for key in ("max_steps", "val_check_interval"):
+        value = config.trainer.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            example_config.exit_with(
+                f"trainer.{key}={value!r}: this script needs a positive number of steps "
+                "(the learning-rate schedule spans max_steps; checkpoints are written every val_check_interval)"
+            )
+    built = []
+    for name, build in (
+        ("strategy", lambda values: fsdp_strategy.FSDPCustomStrategy(**{"auto_wrap_policy": {Block}, **values})),
+        ("model", lambda values: GPTConfig(**values)),
+        ("optimizer", lambda values: OptimizerSettings(**values)),
+    ):
+        try:
+            built.append(build(OmegaConf.to_container(config[name])))
+        except (TypeError, ValueError) as error:
+            example_config.exit_with(f"{name}: {error}")
+    strategy, model_config, optimizer = built
+    return strategy, model_config, optimizer
+
+
 def main(argv: list[str]) -> None:
     noise.quiet_known_noise()
     config = example_config.parse_or_exit(
@@ -90,10 +115,11 @@ def main(argv: list[str]) -> None:
             "strategy": (fsdp_strategy.FSDPCustomStrategy, {"accelerator", "parallel_devices", "precision_plugin"}),
         },
     )
-    L.seed_everything(config.seed)
+    strategy, model_config, optimizer = settings_or_exit(config)
     root = Path(config.trainer.default_root_dir)
     checkpoint_dir = root / "checkpoints"
     resume = resume_path(config, checkpoint_dir)
+    L.seed_everything(config.seed)
     logger = wandb_logger(config, root, resume)
     every = config.monitors.log_every_n_steps
     checkpoints = ModelCheckpoint(
@@ -102,9 +128,8 @@ def main(argv: list[str]) -> None:
         every_n_train_steps=config.trainer.val_check_interval,
         enable_version_counter=False,  # a new run replaces last.ckpt instead of adding last-v1.ckpt
     )
-    strategy_args = {"auto_wrap_policy": {Block}, **OmegaConf.to_container(config.strategy)}
     trainer = L.Trainer(
-        strategy=fsdp_strategy.FSDPCustomStrategy(**strategy_args),
+        strategy=strategy,
         logger=logger,
         callbacks=[
             checkpoints,
@@ -117,8 +142,6 @@ def main(argv: list[str]) -> None:
         **OmegaConf.to_container(config.trainer),
     )
     logger.log_hyperparams(OmegaConf.to_container(config))
-    model_config = GPTConfig(**config.model)
-    optimizer = OptimizerSettings(**config.optimizer)
     module = GPTModule(model_config, optimizer, config.trainer.max_steps, config.data.batch_size)
     data = ByteDataModule(seq_len=model_config.seq_len, **OmegaConf.to_container(config.data))
     trainer.fit(module, datamodule=data, ckpt_path=resume)

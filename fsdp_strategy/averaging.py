@@ -118,6 +118,7 @@ def build(callback: WeightAveraging, module: nn.Module) -> None:
 def copy_current(module: nn.Module, callback: WeightAveraging) -> None:
     """Start the average from the model as it is (a resumed checkpoint without an average)."""
     own = averaged_tensors(callback)
+    ShardsView.of(module).before_host_writes()
     for name, value in module.state_dict(keep_vars=True).items():
         own[name].copy_(value.detach())
 
@@ -154,6 +155,7 @@ def load_full_average(module: nn.Module, callback: WeightAveraging, state_dict: 
     """Copy a full state dict into the average's shards: each rank takes its rows."""
     view = ShardsView.of(module)
     own = averaged_tensors(callback)
+    view.before_host_writes()
     with torch.no_grad():
         for name, value in module.state_dict(keep_vars=True).items():
             if name not in state_dict:
@@ -183,6 +185,7 @@ def sharded_views(module: nn.Module, callback: WeightAveraging) -> dict[str, tor
 def load_sharded_average(folder: Location, module: nn.Module, callback: WeightAveraging) -> None:
     """Load a folder's average (DCP key ``averaged_model``) into the average's shards, resharded."""
     views = sharded_views(module, callback)
+    ShardsView.of(module).before_host_writes()
     dcp.load({AVERAGED_KEY: views}, storage_reader=dcp_reader(folder))
     own = averaged_tensors(callback)
     for name, view in views.items():  # buffers held in another dtype were loaded into copies

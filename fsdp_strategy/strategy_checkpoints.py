@@ -193,7 +193,9 @@ class CheckpointHooks:
         loader, self._data_position = make_resumable(dataloader, lambda: progress.current.processed)
         if self._data_position is not None and self._data_position_to_load is not None:
             self._data_position.load_state_dict(self._data_position_to_load)
-            if self._data_position_to_load["consumed_samples"]:
+            # a checkpoint from the epoch's last batch resumes at the next epoch's start: nothing to say
+            epoch_samples = len(loader) * self._data_position.batch_size * self._data_position.sampler.num_replicas
+            if 0 < self._data_position_to_load["consumed_samples"] < epoch_samples:
                 self._resume_notice.install(self._data_position_to_load)
         self._data_position_to_load = None
         return loader

@@ -35,7 +35,7 @@ def weight_error(model: nn.Module, reference: nn.Module) -> float:
     expected = reference.state_dict()
     assert set(gathered) == set(expected), sorted(set(gathered) ^ set(expected))
     return max(
-        ((gathered[name].float() - value.float()).abs() / (1 + value.float().abs())).max().item()
+        ((gathered[name].float().cpu() - value.float().cpu()).abs() / (1 + value.float().cpu().abs())).max().item()
         for name, value in expected.items()
     )
 

@@ -76,7 +76,7 @@ def test_python_script_launch_repeat_and_resume(tmp_path):
     newest = sorted((tmp_path / "wandb").glob("offline-run-*"))[-1]
     assert steps == [0, 1, 2, 3, 4, 5] and [row["trainer/global_step"] for row in history(newest)][-1] == 5, steps
     assert all(row["trainer/global_step"] >= 4 for row in history(newest))
-    finished = _run([sys.executable, str(EXAMPLE), "trainer.max_steps=6", "resume=last", *args], expect=1)
+    finished = _run([sys.executable, str(EXAMPLE), "trainer.max_steps=6", "resume=last", *args], expect=2)
     assert "is at step 6 and trainer.max_steps=6: nothing to train" in finished
     assert "resume=last trainer.max_steps=12" in finished
     assert len(_run_ids(tmp_path / "wandb")) == 3  # no empty W&B run
@@ -91,7 +91,17 @@ def test_example_config_mistakes_are_errors_that_list_what_is_accepted(tmp_path)
     assert "accepted keys of optimizer: lr, weight_decay, warmup_steps" in run("optimizer.lrr=0.1")
     typo = run("trainer.max_stepz=5")
     assert "trainer.max_stepz" in typo and "max_steps" in typo and "Traceback" not in typo
-    assert "no checkpoint at" in run("resume=last", f"trainer.default_root_dir={tmp_path}", expect=1)
+    assert "no checkpoint at" in run("resume=last", f"trainer.default_root_dir={tmp_path}")
+    assert "resume=1: no checkpoint at 1;" in run("resume=1", f"trainer.default_root_dir={tmp_path}")
+    # values each part refuses end the script with that part's message, before anything starts
+    for override, told in {
+        "trainer.max_steps=null": "trainer.max_steps=None: this script needs a positive number of steps",
+        "strategy.sharding_strategy=FULL_SHRAD": "strategy: sharding_strategy='FULL_SHRAD' is not supported; accepted",
+        "strategy.cpu_offload=maybe": "strategy: cpu_offload must be a bool, a CPUOffload, a dict or None",
+        "model.n_heads=3": "model: d_model=128 is not divisible by n_heads=3",
+    }.items():
+        output = run(override, f"trainer.default_root_dir={tmp_path}")
+        assert f"train_gpt.py: error: {told}" in output and "Traceback" not in output, output
     assert not (tmp_path / "wandb").exists()
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import warnings
 from pathlib import Path
 
@@ -52,8 +53,8 @@ def _trainer(world: int, root: Path, max_steps: int, state_dict_type: str = "sha
         devices=world,
         max_steps=max_steps,
         logger=False,
-        callbacks=[ModelCheckpoint(dirpath=root, **callback_args)],
-        enable_progress_bar=False,
+        callbacks=[ModelCheckpoint(dirpath=root, **callback_args), *kwargs.pop("callbacks", [])],
+        enable_progress_bar=kwargs.pop("enable_progress_bar", False),
         enable_model_summary=False,
         default_root_dir=root,
         **{"limit_val_batches": 0, **kwargs},
@@ -106,6 +107,41 @@ def test_resume_is_exact_at_the_same_world_size(tmp_path, state_dict_type):
     assert not [w for w in result["warnings"] if "not resumable" in w], result["warnings"]
     assert any("resuming epoch 1 after its first 8 samples, exactly where" in line for line in result["log"])
     assert result["filters_left"] == 0  # the warning shows again for later fits
+
+
+def _epoch_end_resume_body(rank: int, world: int, root: str) -> dict:
+    """Resume from the checkpoint of an epoch's last batch, with the example's progress bar."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
+    from progress import ResumedEpochProgressBar
+
+    class RecordingBar(ResumedEpochProgressBar):
+        seen: list = []
+
+        def on_train_batch_end(self, trainer, *args):
+            super().on_train_batch_end(trainer, *args)
+            bar = self.train_progress_bar
+            if trainer.is_global_zero:  # the other ranks' bars are disabled
+                self.seen.append((trainer.current_epoch, bar.n, bar.initial, bar.total))
+
+    every_epoch = {"checkpoint": {"every_n_train_steps": 4, "save_top_k": -1}}
+    uninterrupted = _fit(rank, world, f"{root}/a", 8, **every_epoch)
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addHandler(handler)
+    bar = RecordingBar()
+    resumed = _fit(
+        rank, world, f"{root}/b", 7, f"{root}/a/epoch=0-step=4.ckpt", callbacks=[bar], enable_progress_bar=True
+    )
+    return {"uninterrupted": uninterrupted, "resumed": resumed, "log": records, "bar": bar.seen}
+
+
+def test_resume_from_an_epochs_last_batch(tmp_path):
+    result = run_ranks(_epoch_end_resume_body, 2, tmp_path, str(tmp_path), env=LIGHTNING_ENV, timeout=300)[0]
+    full, resumed = result["uninterrupted"], result["resumed"]
+    assert resumed["losses"] == pytest.approx(full["losses"][4:7], rel=1e-6, abs=1e-6)  # epoch 1 from its start
+    assert not [line for line in result["log"] if "resuming epoch" in line], result["log"]
+    assert result["bar"] == [(1, n, 0, 3) for n in (1, 2, 3)], result["bar"]  # Epoch 1: n/3 (max_steps=7)
 
 
 def _validate(rank, world, root, ckpt, state_dict_type="sharded", log_records=None) -> float:

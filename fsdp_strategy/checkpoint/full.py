@@ -78,6 +78,7 @@ def load_full_state_dict(
             raise CheckpointError(
                 f"{source}: key {name!r} has shape {tuple(value.shape)} in the checkpoint, {tuple(shape)} in the model"
             )
+    view.before_host_writes()
     for name, value in state_dict.items():
         if name not in own:
             continue

@@ -210,6 +210,7 @@ def load_tensors(
         flat.update(targets)
         flat.update(_object_targets(stored, group_paths))
         loaded.append((local_state, state_keys, group_paths, targets))
+    view.before_host_writes()
     try:
         dcp.load(flat, storage_reader=dcp_reader(folder), process_group=process_group)
     except dcp.CheckpointException as error:  # every rank's failure, each with a long traceback

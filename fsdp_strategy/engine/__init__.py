@@ -140,7 +140,7 @@ def shard_with_options(
     if is_sharded(module):
         raise ValueError(f"{type(module).__name__} is already sharded; shard_model is applied once")
     shard_comm, replicate_comm = comm_groups(options.sharding_strategy, process_group, device_mesh)
-    compute = torch.device(device) if device is not None else build.default_device(module, shard_comm.group)
+    compute = build.compute_device(device, module, shard_comm.group)
     storage = torch.device("cpu") if options.cpu_offload.offload_params else compute
     where = build.Where(shard_comm, replicate_comm, compute, storage, device_mesh)
     comm = CommContext(watchdog=watchdog, tag=agree_on_tag(shard_comm.group))

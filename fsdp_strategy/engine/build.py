@@ -127,14 +127,21 @@ def schedule(
     return scheduler
 
 
-def default_device(module: nn.Module, group: Any) -> torch.device:
-    """Where a model computes when ``shard_model`` is given no ``device``: the device of its first
-    tensor that is on an accelerator; else, when ``group``'s collectives run on CUDA (NCCL), the
-    current CUDA device (FSDP2's choice: a model built on the CPU moves there); else the CPU."""
+def compute_device(device: torch.device | str | None, module: nn.Module, group: Any) -> torch.device:
+    """Where a model computes: ``device`` with its index (``"cuda"`` is the current CUDA device, as
+    tensors created there report it); without one, the device of the model's first tensor on an
+    accelerator; else, when ``group``'s collectives include NCCL (``"nccl"`` or a mixed
+    ``"cpu:gloo,cuda:nccl"``), the current CUDA device (FSDP2's choice: a model built on the CPU
+    moves there); else the CPU."""
+    if device is not None:
+        chosen = torch.device(device)
+        if chosen.type == "cuda" and chosen.index is None:
+            return torch.device("cuda", torch.cuda.current_device())
+        return chosen
     for tensor in [*module.parameters(), *module.buffers()]:
         if not tensor.is_meta and tensor.device.type != "cpu":
             return tensor.device
-    if dist.is_initialized() and dist.get_backend(group) == "nccl":
+    if dist.is_initialized() and "nccl" in str(dist.get_backend(group)):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

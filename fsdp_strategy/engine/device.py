@@ -14,7 +14,9 @@ here and nowhere else:
 2. Offloaded gradients are copied to pinned host memory ``non_blocking`` (unless they are added
    into an existing gradient, which the host does itself): the host must not read them before the
    copy lands, so the end of backward waits for them: ``before_host_reads_grads`` (FSDP2 waits in
-   the same place).
+   the same place). The end of backward waits for the shard copies of 1 too: an optimizer
+   stepping with a closure (Lightning's default) runs forward and backward inside ``step``,
+   after its pre-step hook, and updates the shards right after.
 3. Nothing else bounds how far the host runs ahead: every unit it gathers ahead holds a gather
    buffer. As FSDP1's rate limiter does, a reshard records an event, and a gather waits for the
    event of the reshard two back (``before_gather``): at most two units' full parameters are in
@@ -109,9 +111,7 @@ class DeviceLayer:
     def resharded(self) -> None:
         """A unit's full parameters were freed on the compute stream ([Note: host and device] 3)."""
         if self.compute.type == "cuda":
-            event = torch.cuda.Event()
-            event.record()
-            self._reshards.append(event)
+            self._reshards.append(self._record())
 
     def before_gather(self) -> None:
         """Wait until the device is at most ``RUN_AHEAD`` reshards behind the host."""
@@ -119,7 +119,8 @@ class DeviceLayer:
             self._reshards.popleft().synchronize()
 
     def check_optimizer_step(self, optimizer: Any) -> None:
-        """Called before an optimizer step, after its wait; ``StreamCheck`` checks its accesses."""
+        """Called right after an optimizer step (before anything is copied again); ``StreamCheck``
+        checks that no copy its update raced with is still in flight."""
 
     def close(self) -> None:
         """Wait for everything in flight (a failed iteration, or the model is discarded)."""
@@ -129,11 +130,14 @@ class DeviceLayer:
 
     # ---- what is in flight --------------------------------------------------------------
 
+    def _record(self) -> Any:
+        """An event recorded on the compute device's current stream, where the engine's copies run
+        whichever device is current."""
+        return torch.cuda.current_stream(self.compute).record_event()
+
     def _issued(self, wait: str, what: str, tensors: list[torch.Tensor]) -> None:
-        """A copy was just issued on the current stream; ``wait`` waits for it."""
-        event = torch.cuda.Event()
-        event.record()
-        self._last[wait] = event
+        """A copy was just issued on the compute stream; ``wait`` waits for it."""
+        self._last[wait] = self._record()
 
     def _wait(self, wait: str) -> None:
         event = self._last.pop(wait, None)
@@ -155,14 +159,18 @@ class StreamCheck(DeviceLayer):
         self._in_flight: dict[str, dict[int, str]] = {}  # wait -> host-side storage pointer -> copy
 
     def _issued(self, wait: str, what: str, tensors: list[torch.Tensor]) -> None:
+        if self.compute.type == "cuda":  # on a GPU the check comes on top of the real events
+            super()._issued(wait, what, tensors)
         pending = self._in_flight.setdefault(wait, {})
         pending.update({tensor.untyped_storage().data_ptr(): what for tensor in tensors})
 
     def _wait(self, wait: str) -> None:
+        super()._wait(wait)
         self._in_flight.pop(wait, None)
 
     def check_optimizer_step(self, optimizer: Any) -> None:
-        """Raise if the step writes a shard or reads a gradient that a copy may still use."""
+        """Raise if a copy of a shard the step wrote or of a gradient it read is still in flight:
+        nothing copies inside a step after its update, so such a copy raced with the update."""
         params = [p for group in optimizer.param_groups for p in group["params"]]
         self._check(params, "writes", "before_host_writes_shards")
         self._check([p.grad for p in params if p.grad is not None], "reads", "before_host_reads_grads")

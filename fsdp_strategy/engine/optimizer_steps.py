@@ -74,7 +74,6 @@ class OptimizerSteps:
         if isinstance(optimizer, NOT_ELEMENTWISE):
             self._refuse(optimizer)
         self._device_layer.before_host_writes_shards()  # [Note: host and device] 1
-        self._device_layer.check_optimizer_step(optimizer)
         units = self._gathered_units_of(optimizer)
         for unit in units:
             unit.keep_edits(every_param=True)
@@ -92,6 +91,7 @@ class OptimizerSteps:
             )
 
     def _after_step(self, optimizer: Any) -> None:
+        self._device_layer.check_optimizer_step(optimizer)
         units = self._stepping.pop(id(optimizer), [])
         if units:
             stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}

@@ -290,6 +290,7 @@ class Scheduler:
             self._ran_forward.clear()
             self.reductions.settle()
             self.device_layer.before_host_reads_grads()  # [Note: host and device] 2
+            self.device_layer.before_host_writes_shards()  # a closure's step updates next (1)
             check_no_late_grads(self.units)
             self._raise_for_lost_edits()
         finally:

@@ -4,7 +4,8 @@ The checkpoint package never looks the Scheduler up or reads its internals: a sa
 takes one view (``ShardsView.of(module)``) and reads the shards through it: their names,
 layouts and this rank's rows, the buffers' saved dtypes, the parameters left whole, the device
 mesh a DTensor of a shard lives on, and the watchdog that watches the checkpoint's own
-agreements. ``gather`` is the one engine operation it offers (a collective per unit).
+agreements. ``gather`` is the one engine operation it offers (a collective per unit), and
+``before_host_writes`` the one wait a load needs.
 """
 
 from __future__ import annotations
@@ -36,6 +37,12 @@ class ShardsView:
         self.shard_world, self.replicate_world = root.shard_comm.size, root.replicate_comm.size
         self.watchdog = scheduler.comm.watchdog
         self.mesh = _mesh(root, self.params, scheduler.device_mesh)
+        self._device_layer = scheduler.device_layer
+
+    def before_host_writes(self) -> None:
+        """Wait for copies of shards to the device still in flight: a load is about to write the
+        shards (or the average's) on the host ([Note: host and device] 1 in device.py)."""
+        self._device_layer.before_host_writes_shards()
 
     @classmethod
     def of(cls, model: nn.Module | ShardsView) -> ShardsView:
