@@ -26,6 +26,14 @@ class OptimizerSettings:
     weight_decay: float = 0.1  # not on biases, norms and embeddings
     warmup_steps: int = 20
 
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"lr={self.lr}: the learning rate must be positive")
+        if self.weight_decay < 0 or self.warmup_steps < 0:
+            raise ValueError(
+                f"weight_decay={self.weight_decay}, warmup_steps={self.warmup_steps}: neither may be negative"
+            )
+
 
 class GPTModule(L.LightningModule):
     """Next-byte prediction; AdamW with parameter groups chosen by name; warmup + cosine LR.

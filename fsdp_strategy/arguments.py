@@ -10,15 +10,15 @@ from __future__ import annotations
 import difflib
 import math
 import numbers
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, fields
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from fsdp_strategy.config import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from fsdp_strategy.config import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy, validate_device_mesh
 from fsdp_strategy.wrap import as_policy_fn
 
 # keyword -> (value accepted as is, or None: any value refused; why)
@@ -237,3 +237,39 @@ def check_collective_timeout(value: Any) -> float | None:
             f"collective_timeout={value!r} must be positive (None: the process group's timeout; math.inf: no limit)"
         )
     return seconds
+
+
+OPTION_NAMES = tuple(field.name for field in fields(ShardingOptions))
+
+# name -> (description, arguments): what both strategies register with their registries
+STRATEGY_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "fsdp_custom": ("FSDP with the fsdp-strategy engine (FULL_SHARD)", {}),
+    "fsdp_custom_cpu_offload": ("fsdp_custom with CPU offload", {"cpu_offload": True}),
+    "fsdp_custom_shard_grad_op": ("fsdp_custom, SHARD_GRAD_OP", {"sharding_strategy": "SHARD_GRAD_OP"}),
+    "fsdp_custom_no_shard": ("fsdp_custom, NO_SHARD (replicated, like DDP)", {"sharding_strategy": "NO_SHARD"}),
+}
+
+
+def options_from(arguments: Mapping[str, Any]) -> ShardingOptions:
+    """``ShardingOptions.validate`` of the arguments named as its fields (``shard_model``'s or a
+    strategy constructor's ``locals()``)."""
+    return ShardingOptions.validate(**{name: arguments[name] for name in OPTION_NAMES})
+
+
+class StrategyArguments:
+    """The constructor arguments both strategies (Trainer and Fabric) take, checked once, kept
+    under Lightning's names (read-only views of the sharding options) and private ones."""
+
+    def _take_arguments(self, arguments: Mapping[str, Any], async_save: bool = False) -> None:
+        """Check ``arguments`` (the constructor's ``locals()``) and keep them; a bad one raises
+        naming the argument, the value and what is accepted."""
+        self._options = options_from(arguments)
+        for name in OPTION_NAMES:
+            setattr(self, name, getattr(self._options, name))
+        self.activation_checkpointing_policy = checkpointing_policy(
+            arguments["activation_checkpointing"], arguments["activation_checkpointing_policy"]
+        )
+        self._state_dict_type = check_checkpoint_options(arguments["state_dict_type"], async_save)
+        self._device_mesh = validate_device_mesh(arguments["device_mesh"], self._options.sharding_strategy)
+        self._process_group_backend = check_backend(arguments["process_group_backend"])
+        self._timeout = check_timeout(arguments["timeout"])

@@ -104,6 +104,20 @@ def make_resumable(dataloader: Any, consumed_batches: Callable[[], int]) -> tupl
     return loader, DataPosition(resumable, loader.batch_size or 1, consumed_batches)
 
 
+def recount_batches(progress: Any, consumed_samples: int, position: DataPosition, epoch_batches: int) -> None:
+    """Restate Lightning's batch counts of the resumed epoch (``progress``: the epoch loop's
+    ``batch_progress``, counted in the saving run's batches) in this run's batches: the
+    ``consumed_samples`` the checkpoint's job took, over this job's batch of all ranks (all of the
+    epoch's ``epoch_batches`` where it was saved at its last batch). At the same world size it
+    changes nothing; at another, the epoch loop would otherwise end the epoch early (it counts
+    the batches it has seen against the epoch's length) and progress bars start at the wrong batch."""
+    per_batch = position.batch_size * position.sampler.num_replicas
+    done = epoch_batches if progress.is_last_batch else min(math.ceil(consumed_samples / per_batch), epoch_batches)
+    shift = done - progress.current.processed
+    for counter in ("ready", "started", "processed", "completed"):
+        setattr(progress.current, counter, max(0, getattr(progress.current, counter) + shift))
+
+
 class ExactResumeNotice:
     """Lightning warns on a mid-epoch resume that "your dataloader is not resumable" (it knows only
     stateful dataloaders). With a DataPosition loaded the resume is exact, so the warning would

@@ -1,9 +1,10 @@
-"""The strategy's precision plugin: Lightning's FSDP precision, made device-agnostic.
+"""The strategies' precision plugins: Lightning's FSDP precision, made device-agnostic.
 
-Lightning's ``FSDPPrecision`` hard-codes CUDA autocast, builds a CUDA-only grad scaler and
-refuses clipping by norm. This plugin autocasts on the strategy's device type (CPU too),
-builds a ``ShardedGradScaler`` for that device (its inf check is all-reduced over all ranks),
-and clips by the global norm of the sharded gradients (one all-reduce).
+Lightning's ``FSDPPrecision`` (the Trainer's and Fabric's) hard-codes CUDA autocast, builds a
+CUDA-only grad scaler and refuses clipping by norm. These plugins autocast on the strategy's
+device type (CPU too), build a ``ShardedGradScaler`` for that device (its inf check is
+all-reduced over all ranks), and the Trainer's clips by the global norm of the sharded gradients
+(one all-reduce). ``DeviceAgnosticPrecision`` is what both share.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from contextlib import AbstractContextManager
 from typing import Any, get_args
 
 import torch
+from lightning.fabric.plugins import precision as fabric_precision
 from lightning.fabric.plugins.precision.fsdp import _PRECISION_INPUT
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.plugins.precision.fsdp import FSDPPrecision
@@ -22,8 +24,8 @@ from fsdp_strategy.config import MixedPrecision
 _LOW = {"bf16": torch.bfloat16, "16": torch.float16}
 
 
-class FSDPCustomPrecision(FSDPPrecision):
-    """Precision for ``FSDPCustomStrategy``: "32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true".
+class DeviceAgnosticPrecision:
+    """ "32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true" on any device type.
 
     "*-mixed" gathers parameters in the low dtype, reduces gradients in fp32, keeps fp32
     master shards and runs the step under ``torch.autocast`` on the device type in use.
@@ -46,6 +48,51 @@ class FSDPCustomPrecision(FSDPPrecision):
         self._desired_input_dtype = self._low if precision.endswith("-true") else torch.float32
         self.device_type = "cpu"
         self.clip_fn: Any = None
+        self.before_update: Any = None
+
+    def attach(self, device_type: str, clip_fn: Any = None, before_update: Any = None) -> None:
+        """Bind to the device type (and the engine's sharded clipping and the wait the update
+        needs, ``before_update``); build the grad scaler."""
+        self.device_type = device_type
+        self.clip_fn = clip_fn
+        self.before_update = before_update
+        if self.precision == "16-mixed" and self.scaler is None:
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            settings = dict(self._scaler_settings)
+            if not settings.get("enabled", True) and self._scaler_device not in (None, device_type):
+                settings = {}  # disabled only because its device is absent here (FSDPPrecision's CUDA default on a CPU)
+            self.scaler = ShardedGradScaler(device=device_type, **settings)
+
+    @property
+    def mixed_precision_config(self) -> MixedPrecision | None:
+        """The engine's MixedPrecision for "*-mixed": params and buffers low, gradients reduced in fp32."""
+        if not self.precision.endswith("-mixed"):
+            return None
+        return MixedPrecision(param_dtype=self._low, reduce_dtype=torch.float32, buffer_dtype=self._low)
+
+    def forward_context(self) -> AbstractContextManager:
+        if self.precision.endswith("-mixed"):
+            return torch.autocast(self.device_type, dtype=self._low)
+        return super().forward_context()  # type: ignore[misc]
+
+
+def _convert(cls: type, plugin: Any, convertible: tuple[type, ...], how: str) -> Any:
+    """``plugin`` as a ``cls`` by its precision name (a GradScaler's settings kept), or a TypeError."""
+    if plugin is None or isinstance(plugin, cls):
+        return plugin or cls("32-true")
+    if type(plugin) not in convertible:
+        raise TypeError(
+            f"The fsdp_custom strategy cannot honour the precision plugin {type(plugin).__name__}: it converts "
+            "Lightning's Precision, MixedPrecision, HalfPrecision and FSDPPrecision by their precision name and "
+            f"would drop this plugin's own behaviour. Use {how}"
+        )
+    return cls(getattr(plugin, "precision", "32-true"), scaler=getattr(plugin, "scaler", None))
+
+
+class FSDPCustomPrecision(DeviceAgnosticPrecision, FSDPPrecision):
+    """The Trainer's precision for ``FSDPCustomStrategy`` (``DeviceAgnosticPrecision``), clipping
+    by the global norm of the shards."""
 
     @classmethod
     def from_plugin(cls, plugin: Precision | None) -> FSDPCustomPrecision:
@@ -58,46 +105,33 @@ class FSDPCustomPrecision(FSDPPrecision):
         Any other plugin (a subclass, bitsandbytes, Transformer Engine, ...) is a ``TypeError``:
         its own hooks would be dropped.
         """
-        if plugin is None or isinstance(plugin, cls):
-            return plugin or cls("32-true")
-        if type(plugin) not in _convertible():
-            raise TypeError(
-                f"The fsdp_custom strategy cannot honour the precision plugin {type(plugin).__name__}: it converts "
-                "Lightning's Precision, MixedPrecision, HalfPrecision and FSDPPrecision by their precision name and "
-                "would drop this plugin's own behaviour. Use Trainer(precision=...) or "
-                "plugins=[FSDPCustomPrecision(...)]"
-            )
-        return cls(getattr(plugin, "precision", "32-true"), scaler=getattr(plugin, "scaler", None))
+        return _convert(cls, plugin, _convertible(), "Trainer(precision=...) or plugins=[FSDPCustomPrecision(...)]")
 
-    def attach(self, device_type: str, clip_fn: Any) -> None:
-        """Bind to the device type and the engine's sharded clipping; build the grad scaler."""
-        self.device_type = device_type
-        self.clip_fn = clip_fn
-        if self.precision == "16-mixed" and self.scaler is None:
-            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-            settings = dict(self._scaler_settings)
-            if not settings.get("enabled", True) and self._scaler_device not in (None, device_type):
-                settings = {}  # disabled only because its device is absent here (FSDPPrecision's CUDA default on a CPU)
-            self.scaler = ShardedGradScaler(device=device_type, **settings)
-
-    @property
-    def mixed_precision_config(self) -> MixedPrecision | None:  # type: ignore[override]
-        """The engine's MixedPrecision for "*-mixed": params and buffers low, gradients reduced in fp32."""
-        if not self.precision.endswith("-mixed"):
-            return None
-        return MixedPrecision(param_dtype=self._low, reduce_dtype=torch.float32, buffer_dtype=self._low)
-
-    def forward_context(self) -> AbstractContextManager:
-        if self.precision.endswith("-mixed"):
-            return torch.autocast(self.device_type, dtype=self._low)
-        return super().forward_context()
+    def _after_closure(self, model: Any, optimizer: Any) -> None:
+        """After the closure's hooks (``on_before_optimizer_step`` may run the model, copying
+        offloaded shards to the device) and clipping, wait before the update writes the shards
+        ([Note: host and device] 1 in engine/device.py)."""
+        super()._after_closure(model, optimizer)
+        if self.before_update is not None:
+            self.before_update()
 
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         """Clip ``optimizer``'s parameters by their global norm over every rank's shards (one all-reduce)."""
         if self.clip_fn is None:
             raise RuntimeError("gradient clipping by norm needs the model to be set up by FSDPCustomStrategy")
         self.clip_fn(clip_val, parameters=[p for group in optimizer.param_groups for p in group["params"]])
+
+
+class FSDPCustomFabricPrecision(DeviceAgnosticPrecision, fabric_precision.FSDPPrecision):
+    """Fabric's precision for ``FSDPCustomFabricStrategy`` (``DeviceAgnosticPrecision``)."""
+
+    @classmethod
+    def from_plugin(cls, plugin: fabric_precision.Precision | None) -> FSDPCustomFabricPrecision:
+        """Convert the plugin Fabric built from ``Fabric(precision=...)`` (or one of its classes a user
+        passed) into this one, as ``FSDPCustomPrecision.from_plugin`` does for the Trainer."""
+        fabric_classes = ("Precision", "MixedPrecision", "HalfPrecision", "DoublePrecision", "FSDPPrecision")
+        convertible = tuple(getattr(fabric_precision, name) for name in fabric_classes)
+        return _convert(cls, plugin, convertible, "Fabric(precision=...)")
 
 
 def _convertible() -> tuple[type, ...]:

@@ -8,7 +8,6 @@ hooks (precision, clipping, accumulation, checkpoints) onto the engine.
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import inspect
 import logging
@@ -23,12 +22,6 @@ import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies.fsdp import _move_torchmetrics_to_device
-from lightning.fabric.utilities.distributed import (
-    _destroy_dist_connection,
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-)
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
@@ -40,18 +33,15 @@ from torch import Tensor
 
 from fsdp_strategy import averaging
 from fsdp_strategy.arguments import (
-    ShardingOptions,
-    check_backend,
-    check_checkpoint_options,
+    STRATEGY_VARIANTS,
+    StrategyArguments,
     check_fsdp_keywords,
-    check_timeout,
-    checkpointing_policy,
-    init_process_group_kwargs,
     refuse_whole_model_averaging,
 )
 from fsdp_strategy.checkpoint.writer import CheckpointWriter
-from fsdp_strategy.config import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy, validate_device_mesh
-from fsdp_strategy.engine import Scheduler, get_scheduler, is_sharded, shard_with_options, watchdog
+from fsdp_strategy.config import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from fsdp_strategy.distributed import build_mesh, connect, mesh_shape
+from fsdp_strategy.engine import Scheduler, get_scheduler, is_sharded, shard_with_options
 from fsdp_strategy.engine.ledger import CommLedger
 from fsdp_strategy.engine.watchdog import Watchdog
 from fsdp_strategy.precision import FSDPCustomPrecision
@@ -61,8 +51,6 @@ from fsdp_strategy.sync_batchnorm import convert_sync_batchnorm
 from fsdp_strategy.wrap import apply_activation_checkpointing
 
 log = logging.getLogger(__name__)
-
-_OPTION_ATTRIBUTES = tuple(field.name for field in dataclasses.fields(ShardingOptions))
 
 
 def _plural(count: int, noun: str) -> str:
@@ -74,7 +62,7 @@ def _count(count: int) -> str:
     return f"{count / 1e6:.1f} M" if count >= 100_000 else f"{count:,}"
 
 
-class FSDPCustomStrategy(WatchdogHooks, CheckpointHooks, ParallelStrategy):
+class FSDPCustomStrategy(StrategyArguments, WatchdogHooks, CheckpointHooks, ParallelStrategy):
     """Fully Sharded Data Parallel with this project's own engine.
 
     Arguments (names and meanings as Lightning's ``FSDPStrategy``):
@@ -160,29 +148,8 @@ class FSDPCustomStrategy(WatchdogHooks, CheckpointHooks, ParallelStrategy):
             precision_plugin=precision_plugin,
         )
         self.num_nodes = 1
-        self._options = ShardingOptions.validate(
-            sharding_strategy,
-            auto_wrap_policy,
-            mixed_precision,
-            cpu_offload,
-            param_init_fn,
-            forward_prefetch,
-            backward_prefetch,
-            sync_module_states,
-            ignored_modules,
-            collective_timeout,
-            check_collective_order,
-        )
-        for name in _OPTION_ATTRIBUTES:  # read-only views of the validated options, under Lightning's names
-            setattr(self, name, getattr(self._options, name))
-        self.activation_checkpointing_policy = checkpointing_policy(
-            activation_checkpointing, activation_checkpointing_policy
-        )
-        self._state_dict_type = check_checkpoint_options(state_dict_type, async_save)
+        self._take_arguments(locals(), async_save)
         self._writer = CheckpointWriter(async_save=async_save)
-        self._device_mesh = validate_device_mesh(device_mesh, self.sharding_strategy)
-        self._process_group_backend = check_backend(process_group_backend)
-        self._timeout = check_timeout(timeout)
         self._watchdog: Watchdog | None = None  # started at each run's setup, closed at its teardown
         self._ledger_global_step: int | None = None  # the global_step the ledger's count started at
         self._init_checkpoint_hooks()
@@ -243,41 +210,18 @@ class FSDPCustomStrategy(WatchdogHooks, CheckpointHooks, ParallelStrategy):
         super().setup_environment()
         reset_seed()
         self.set_world_ranks()
-        if self.sharding_strategy.hybrid and self._device_mesh is None:  # FSDP1's default: shard within a node
-            self._device_mesh = (self.num_nodes, self.num_processes)
-        if isinstance(self._device_mesh, tuple) and self._device_mesh[0] * self._device_mesh[1] != self.world_size:
-            raise ValueError(
-                f"device_mesh={self._device_mesh} multiplies to {self._device_mesh[0] * self._device_mesh[1]}, "
-                f"but the world size is {self.world_size} (num_nodes x devices)"
-            )
-        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
-            self.root_device
-        )
+        self._device_mesh = mesh_shape(self._device_mesh, self.sharding_strategy, self.num_nodes, self.num_processes)
         assert self.cluster_environment is not None
         if self.lightning_module is not None and self.lightning_module._trainer is not None:
             callbacks = self.lightning_module.trainer.callbacks
             refuse_whole_model_averaging(callbacks)  # before the callbacks' setup copies anything
             averaging.defer(averaging.averaging_callbacks(self.lightning_module.trainer))
-        created_here = not _distributed_is_initialized()
-        if "nccl" in self._process_group_backend:
-            watchdog.enable_nccl_flight_recorder()
-        _init_dist_connection(
-            self.cluster_environment,
-            self._process_group_backend,
-            **init_process_group_kwargs(self.root_device, self._timeout),
+        self._process_group_backend = connect(
+            self.cluster_environment, self._process_group_backend, self.root_device, self._timeout
         )
-        if created_here and self._process_group_backend != "nccl":
-            # Lightning registers this for NCCL only; a gloo group left to interpreter shutdown can
-            # abort the process ("terminate called without an active exception") after a good run.
-            atexit.register(_destroy_dist_connection)
         self._start_watchdog()
         self._writer.setup()
-        if isinstance(self._device_mesh, tuple):
-            from torch.distributed.device_mesh import init_device_mesh
-
-            self._device_mesh = init_device_mesh(
-                self.root_device.type, self._device_mesh, mesh_dim_names=("replicate", "shard")
-            )
+        self._device_mesh = build_mesh(self._device_mesh, self.root_device.type)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -310,7 +254,8 @@ class FSDPCustomStrategy(WatchdogHooks, CheckpointHooks, ParallelStrategy):
             self._shard(self.model)
         self.scheduler.open()  # closed at teardown ([Note: edits while gathered])
         self._attach_watchdog(self._watchdog)  # this run's (validate/test after fit reuse the model)
-        self.precision_plugin.attach(self.root_device.type, self.scheduler.clip_grad_norm_)
+        wait = self.scheduler.device_layer.before_host_writes_shards  # before an update after a closure
+        self.precision_plugin.attach(self.root_device.type, self.scheduler.clip_grad_norm_, wait)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -428,13 +373,7 @@ class FSDPCustomStrategy(WatchdogHooks, CheckpointHooks, ParallelStrategy):
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         """Register "fsdp_custom" and its variants with Lightning."""
-        variants = {
-            "fsdp_custom": ("FSDP with the fsdp-strategy engine (FULL_SHARD)", {}),
-            "fsdp_custom_cpu_offload": ("fsdp_custom with CPU offload", {"cpu_offload": True}),
-            "fsdp_custom_shard_grad_op": ("fsdp_custom, SHARD_GRAD_OP", {"sharding_strategy": "SHARD_GRAD_OP"}),
-            "fsdp_custom_no_shard": ("fsdp_custom, NO_SHARD (replicated, like DDP)", {"sharding_strategy": "NO_SHARD"}),
-        }
-        for name, (description, init_params) in variants.items():
+        for name, (description, init_params) in STRATEGY_VARIANTS.items():
             if name in strategy_registry:
                 continue
             strategy_registry.register(name, cls, description=description, **init_params)

@@ -22,7 +22,8 @@ from fsdp_strategy import averaging
 from fsdp_strategy import checkpoint as ckpt
 from fsdp_strategy.checkpoint import full, layout, sharded, sharded_load, storage
 from fsdp_strategy.checkpoint.storage import Location
-from fsdp_strategy.data import DATA_POSITION_KEY, DataPosition, ExactResumeNotice, make_resumable
+from fsdp_strategy.checkpoint.writer import save_targets
+from fsdp_strategy.data import DATA_POSITION_KEY, DataPosition, ExactResumeNotice, make_resumable, recount_batches
 
 
 class _CheckpointToLoad(NamedTuple):
@@ -79,20 +80,7 @@ class CheckpointHooks:
         """Nothing: ``load_checkpoint`` already loaded the optimizer states."""
 
     def _save_targets(self, filepath: _PATH) -> tuple[Location, Location]:
-        """The final and temporary names, decided by rank 0 with whether the save may replace what is
-        there (``refuse_to_replace``), in one broadcast; a refusal is raised on every rank."""
-        decision = None
-        if self.is_global_zero:
-            final = storage.locate(filepath)
-            try:
-                refusal = layout.refuse_to_replace(final, self._state_dict_type)
-            except Exception as error:  # an unreachable filesystem: every rank must hear of it
-                refusal = error
-            decision = (final.url, storage.temporary(final).url, refusal)
-        final_url, temporary_url, refusal = self.broadcast(decision)
-        if refusal is not None:
-            raise refusal
-        return storage.locate(final_url), storage.locate(temporary_url)
+        return save_targets(filepath, self._state_dict_type, self.is_global_zero, self.broadcast)
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any = None) -> None:
         """Write atomically to a local path or any fsspec URL: a temporary name, moved once every rank
@@ -193,9 +181,10 @@ class CheckpointHooks:
         loader, self._data_position = make_resumable(dataloader, lambda: progress.current.processed)
         if self._data_position is not None and self._data_position_to_load is not None:
             self._data_position.load_state_dict(self._data_position_to_load)
+            consumed = self._data_position_to_load["consumed_samples"]
+            recount_batches(progress, consumed, self._data_position, len(loader))
             # a checkpoint from the epoch's last batch resumes at the next epoch's start: nothing to say
-            epoch_samples = len(loader) * self._data_position.batch_size * self._data_position.sampler.num_replicas
-            if 0 < self._data_position_to_load["consumed_samples"] < epoch_samples:
+            if consumed and not progress.is_last_batch:
                 self._resume_notice.install(self._data_position_to_load)
         self._data_position_to_load = None
         return loader

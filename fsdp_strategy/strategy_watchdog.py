@@ -1,8 +1,9 @@
-"""The strategy's watchdog hooks: one watchdog per run, exceptions reported at once, and
+"""The strategies' watchdog hooks: one watchdog per run, exceptions reported at once, and
 Lightning's barrier, broadcast and reduce watched ([Note: watchdog] in engine/watchdog.py).
 
-A mixin of ``FSDPCustomStrategy`` (kept apart so the strategy module stays about Lightning's
-plumbing); it uses the strategy's model, writer and collective_timeout.
+A mixin of ``FSDPCustomStrategy`` and ``FSDPCustomFabricStrategy`` (kept apart so the strategy
+modules stay about Lightning's plumbing); it uses the strategy's model, writer and
+collective_timeout.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ class WatchdogHooks:
         """One watchdog per run (a failure a script caught is not reported again); a failed one is
         kept, so that this process's collectives raise at once: it cannot run another job."""
         if self._watchdog is None:
-            trainer = self.lightning_module._trainer if self.lightning_module is not None else None
+            module = getattr(self, "lightning_module", None)  # Fabric's strategy has none
+            trainer = module._trainer if module is not None else None
             root = trainer.default_root_dir if trainer is not None else None  # failing ranks' rings go there
             self._watchdog = Watchdog.start(self.collective_timeout, self.node_rank, False, dump_dir=root)
         self._writer.watchdog = self._watchdog

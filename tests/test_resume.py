@@ -123,7 +123,7 @@ def _epoch_end_resume_body(rank: int, world: int, root: str) -> dict:
             if trainer.is_global_zero:  # the other ranks' bars are disabled
                 self.seen.append((trainer.current_epoch, bar.n, bar.initial, bar.total))
 
-    every_epoch = {"checkpoint": {"every_n_train_steps": 4, "save_top_k": -1}}
+    every_epoch = {"checkpoint": {"every_n_train_steps": 2, "save_top_k": -1}}  # mid-epoch (2), epoch end (4)
     uninterrupted = _fit(rank, world, f"{root}/a", 8, **every_epoch)
     records: list[str] = []
     handler = logging.Handler()
@@ -142,6 +142,51 @@ def test_resume_from_an_epochs_last_batch(tmp_path):
     assert resumed["losses"] == pytest.approx(full["losses"][4:7], rel=1e-6, abs=1e-6)  # epoch 1 from its start
     assert not [line for line in result["log"] if "resuming epoch" in line], result["log"]
     assert result["bar"] == [(1, n, 0, 3) for n in (1, 2, 3)], result["bar"]  # Epoch 1: n/3 (max_steps=7)
+    # the same checkpoints (world 2: 4 batches of 4 samples per epoch) resumed at world 1 (8 batches of 2)
+    other = run_ranks(_other_world_body, 1, tmp_path, str(tmp_path), env=LIGHTNING_ENV, timeout=300)[0]
+    everything = sorted(tuple(row) for row in _data().tolist())
+    assert sorted(other["epoch_end"]["rows"][1]) == everything  # the whole next epoch, none skipped
+    assert other["epoch_end"]["bar"] == [(1, n, 0, 8) for n in range(1, 9)], other["epoch_end"]["bar"]
+    assert not [line for line in other["epoch_end"]["log"] if "resuming epoch" in line]
+    assert len(set(other["mid_epoch"]["rows"][0])) == 8  # after 8 of 16 samples: the other 8
+    assert other["mid_epoch"]["bar"] == [(0, n, 4, 8) for n in range(5, 9)], other["mid_epoch"]["bar"]
+    assert any("resuming epoch 0 after its first 8 samples" in line for line in other["mid_epoch"]["log"])
+
+
+def _other_world_body(rank: int, world: int, root: str) -> dict:
+    """Resume the world-2 checkpoints of ``_epoch_end_resume_body`` at this world size: the rows each
+    epoch trained on, the bar, the log."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
+    from progress import ResumedEpochProgressBar
+
+    class RecordingBar(ResumedEpochProgressBar):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+            bar = self.train_progress_bar
+            self.seen.append((trainer.current_epoch, bar.n, bar.initial, bar.total))
+            pl_module.rows.setdefault(trainer.current_epoch, []).extend(tuple(row) for row in batch[0].tolist())
+
+    results = {}
+    resumes = [("epoch_end", "epoch=0-step=4.ckpt", 12), ("mid_epoch", "epoch=0-step=2.ckpt", 6)]
+    for name, checkpoint, max_steps in resumes:
+        records: list[str] = []
+        handler = logging.Handler()
+        handler.emit = lambda record, records=records: records.append(record.getMessage())
+        logging.getLogger("lightning.pytorch.utilities.rank_zero").addHandler(handler)
+        module, bar = ScheduledLM(), RecordingBar()
+        module.rows = {}
+        trainer = _trainer(
+            world, Path(root) / name, max_steps, checkpoint={}, callbacks=[bar], enable_progress_bar=True
+        )
+        loader = DataLoader(TensorDataset(_data()), batch_size=PER_RANK)
+        trainer.fit(module, loader, ckpt_path=f"{root}/a/{checkpoint}")
+        logging.getLogger("lightning.pytorch.utilities.rank_zero").removeHandler(handler)
+        results[name] = {"rows": module.rows, "bar": bar.seen, "log": records}
+    return results
 
 
 def _validate(rank, world, root, ckpt, state_dict_type="sharded", log_records=None) -> float:

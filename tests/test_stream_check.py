@@ -94,3 +94,36 @@ def test_stream_check_is_the_layer_only_when_asked(monkeypatch):
     assert type(device_layer(cpu, cpu, offloaded=True)) is DeviceLayer
     monkeypatch.setenv("FSDP_CUSTOM_STREAM_CHECK", "1")
     assert isinstance(device_layer(cpu, cpu, offloaded=True), StreamCheck)
+
+
+def _hook_runs_the_model_body(rank: int, world: int) -> str:
+    """A Lightning fit with offloaded shards whose ``on_before_optimizer_step`` runs the model
+    (after the closure's backward, before the update): the update must wait for its copies."""
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+    from test_strategy import LitLM, quiet_trainer
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from fsdp_strategy import FSDPCustomStrategy, summon_full_params
+
+    class EvaluatesBeforeStep(LitLM):
+        def on_before_optimizer_step(self, optimizer):
+            with torch.no_grad(), summon_full_params(self):  # gathers: copies of the offloaded shards
+                self.net(self.trainer.train_dataloader.dataset.tensors[0][:2, :-1])
+
+    torch.manual_seed(0)
+    rank_zero_only.rank = rank
+    trainer = quiet_trainer(
+        strategy=FSDPCustomStrategy(auto_wrap_policy={Block}, cpu_offload=True), devices=world, max_steps=2
+    )
+    try:
+        trainer.fit(EvaluatesBeforeStep(), DataLoader(TensorDataset(make_batches(8, 1).reshape(8, -1)), batch_size=2))
+    except StreamCheckError as error:
+        return str(error)
+    return "no error"
+
+
+def test_an_update_after_a_hook_that_runs_the_model_waits_for_its_copies(tmp_path):
+    from test_strategy import LIGHTNING_ENV
+
+    results = run_ranks(_hook_runs_the_model_body, 2, tmp_path, env=LIGHTNING_ENV, timeout=300)
+    assert results == ["no error", "no error"], results

@@ -154,6 +154,11 @@ def _check_destination(src: Path, dst: Path, overwrite: bool) -> None:
     source, target = src.resolve(), dst.resolve()
     if target == source or source in target.parents:
         raise ValueError(f"the output {str(dst)!r} is the checkpoint {str(src)!r} or inside it; write it elsewhere")
+    if source.parent == target.parent and source.name.startswith(f".{target.name}.tmp-"):
+        raise ValueError(
+            f"the checkpoint {str(src)!r} is named like an unfinished write of the output {str(dst)!r}, which "
+            "would be removed after writing it; rename it or write the output elsewhere"
+        )
     if target in source.parents:
         raise ValueError(
             f"the output {str(dst)!r} holds the checkpoint {str(src)!r}: replacing it would delete the checkpoint"
@@ -163,13 +168,18 @@ def _check_destination(src: Path, dst: Path, overwrite: bool) -> None:
     if not overwrite:
         raise FileExistsError(f"{str(dst)!r} exists; pass overwrite=True to replace it")
     if dst.is_dir() and not dst.is_symlink():
-        foreign = sorted(entry.name for entry in dst.iterdir() if not _SHARD_FILE.fullmatch(entry.name))
+        foreign = sorted(entry.name for entry in dst.iterdir() if not _written_shard(entry))
         if not (dst / _INDEX_FILE).is_file() or foreign != [_INDEX_FILE]:
             raise FileExistsError(
                 f"{str(dst)!r} is a folder this tool did not write (it writes folders of safetensors shards "
                 f"with {_INDEX_FILE} only); overwrite=True replaces a file or such a folder: "
                 "choose another output or remove the folder yourself"
             )
+
+
+def _written_shard(entry: Path) -> bool:
+    """Whether ``entry`` is a shard file as ``_write_safetensors`` names them (a file, not a link)."""
+    return bool(_SHARD_FILE.fullmatch(entry.name)) and entry.is_file() and not entry.is_symlink()
 
 
 def _prefix_stripper(paths: dict[str, tuple], prefix: str | None) -> Any:

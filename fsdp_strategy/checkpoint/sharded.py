@@ -182,12 +182,23 @@ def build_meta(model: nn.Module | ShardsView) -> dict[str, Any]:
     }
 
 
-def prepare_state(model: nn.Module | ShardsView, optimizers: list[torch.optim.Optimizer]) -> dict[str, Any]:
-    """The tensors (and param groups) DCP writes ([Note: Lightning's sharded layout])."""
+def optimizer_keys(count: int) -> list[str]:
+    """The DCP keys of ``count`` optimizers in the Trainer's layout: ``optimizer_0``, ..."""
+    return [f"optimizer_{index}" for index in range(count)]
+
+
+def prepare_state(
+    model: nn.Module | ShardsView,
+    optimizers: list[torch.optim.Optimizer],
+    model_key: str = "model",
+    optimizer_names: list[str] | None = None,
+) -> dict[str, Any]:
+    """The tensors (and param groups) DCP writes ([Note: Lightning's sharded layout]); Fabric's
+    layout names them as the saved state does (``model_key``, ``optimizer_names``)."""
     view = ShardsView.of(model)
-    state: dict[str, Any] = {"model": model_state(view)}
-    for index, optimizer in enumerate(optimizers):
-        state[f"optimizer_{index}"] = optimizer_state(view, optimizer)
+    state: dict[str, Any] = {model_key: model_state(view)}
+    for key, optimizer in zip(optimizer_names or optimizer_keys(len(optimizers)), optimizers):
+        state[key] = optimizer_state(view, optimizer)
     return state
 
 

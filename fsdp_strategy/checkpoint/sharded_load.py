@@ -15,7 +15,14 @@ from torch import nn
 
 from fsdp_strategy.checkpoint import layout, names, storage
 from fsdp_strategy.checkpoint.layout import CheckpointError
-from fsdp_strategy.checkpoint.sharded import checkpoint_view, dcp_reader, model_state, plan, stored_tensors
+from fsdp_strategy.checkpoint.sharded import (
+    checkpoint_view,
+    dcp_reader,
+    model_state,
+    optimizer_keys,
+    plan,
+    stored_tensors,
+)
 from fsdp_strategy.checkpoint.storage import Location
 from fsdp_strategy.engine import collectives
 from fsdp_strategy.engine.view import ShardsView
@@ -70,13 +77,18 @@ class _StoredKeys:
             for key, info in metadata.state_dict_metadata.items()
         }
 
-    def model(self) -> dict[str, str]:
-        """``state-dict name -> flat key`` of the model's entries."""
-        return {path[1]: key for key, path in self.paths.items() if path[0] == "model" and len(path) == 2}
+    def model(self, model_key: str = "model") -> dict[str, str]:
+        """``state-dict name -> flat key`` of the model's entries (under ``model_key``)."""
+        return {path[1]: key for key, path in self.paths.items() if path[0] == model_key and len(path) == 2}
 
-    def optimizer(self, index: int, format_version: int) -> tuple[dict[tuple[str, str], str], dict[str, tuple]]:
-        """(``(parameter name, state key) -> flat key``, ``flat key -> path`` of the param groups' entries)."""
-        prefix, state, groups = f"optimizer_{index}", {}, {}
+    def tops(self) -> set[str]:
+        """The top-level keys the folder holds."""
+        return {path[0] for path in self.paths.values()}
+
+    def optimizer(self, prefix: str, format_version: int) -> tuple[dict[tuple[str, str], str], dict[str, tuple]]:
+        """(``(parameter name, state key) -> flat key``, ``flat key -> path`` of the param groups'
+        entries) of the optimizer stored under ``prefix``."""
+        state, groups = {}, {}
         for key, path in self.paths.items():
             if path[0] != prefix:
                 continue
@@ -185,27 +197,27 @@ def load_tensors(
     strict: bool = True,
     process_group: Any = None,
     meta: dict[str, Any] | None = None,
+    keys: tuple[str, list[str]] | None = None,
 ) -> None:
     """Load a folder's model (and optimizer) tensors into the shards (``rest``: its ``read_rest``;
-    format 1 keeps the param groups there)."""
+    format 1 keeps the param groups there). ``keys``: the model's and each optimizer's DCP key
+    (Fabric's layout, named by the loaded state); default the Trainer's."""
     version = meta["format_version"] if meta is not None else layout.FORMAT_VERSION
     view = ShardsView.of(module)
     if meta is not None:
         verify_folder(folder, meta, process_group, view.watchdog)
     stored = _StoredKeys(folder)
-    model_keys = stored.model()
+    prefixes = _optimizer_prefixes(stored, folder, len(optimizers), keys)
+    model_keys = stored.model(keys[0] if keys else "model")
     check_compatible(folder, {name: stored.sizes[key] for name, key in model_keys.items()}, view, strict)
     legacy_groups = rest.pop("optimizer_groups", [])
     rest.pop("optimizer_layouts", None)
-    saved_count = len({path[0] for path in stored.paths.values() if path[0].startswith("optimizer_")})
-    if optimizers and saved_count not in (0, len(optimizers)):
-        raise CheckpointError(f"{folder}: holds {saved_count} optimizers, the model configures {len(optimizers)}")
     model = model_state(view)
     flat = {model_keys[name]: value for name, value in model.items() if name in model_keys}
     buffers = _buffer_targets(view, {name: value for name, value in model.items() if name in model_keys})
     loaded = []
-    for index in range(len(optimizers) if saved_count else 0):
-        state_keys, group_paths = stored.optimizer(index, version)
+    for index, prefix in enumerate(prefixes):
+        state_keys, group_paths = stored.optimizer(prefix, version)
         targets, local_state = _optimizer_targets(view, optimizers[index], stored, state_keys, folder)
         flat.update(targets)
         flat.update(_object_targets(stored, group_paths))
@@ -226,6 +238,24 @@ def load_tensors(
                 local_state.setdefault(fqn, {})[key] = flat[flat_key]
         groups = _nested(flat, group_paths)["param_groups"] if group_paths else legacy_groups[index]
         names.load_state(optimizer, owners, {"state": local_state, "param_groups": groups}, folder, cut_rows=False)
+
+
+def _optimizer_prefixes(
+    stored: _StoredKeys, folder: Location, count: int, keys: tuple[str, list[str]] | None
+) -> list[str]:
+    """The DCP keys to load ``count`` optimizers from: the Trainer's ``optimizer_<i>`` (all of them
+    or, for a folder written without optimizers, none), or the ones ``keys`` names, which must all
+    be there, as must its model key."""
+    tops = stored.tops()
+    if keys is None:
+        saved_count = len({top for top in tops if top.startswith("optimizer_")})
+        if count and saved_count not in (0, count):
+            raise CheckpointError(f"{folder}: holds {saved_count} optimizers, the model configures {count}")
+        return optimizer_keys(count if saved_count else 0)
+    missing = [key for key in (keys[0], *keys[1]) if key not in tops]
+    if missing:
+        raise CheckpointError(f"{folder}: holds nothing under {missing}; its keys are {sorted(tops)}")
+    return list(keys[1])
 
 
 def _clear_scalar_padding(view: ShardsView) -> None:

@@ -20,8 +20,7 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from fsdp_strategy.checkpoint import sharded, storage
-from fsdp_strategy.checkpoint.layout import CheckpointSaveError
+from fsdp_strategy.checkpoint import layout, sharded, storage
 from fsdp_strategy.checkpoint.storage import Location
 from fsdp_strategy.engine import collectives
 from fsdp_strategy.engine.view import ShardsView
@@ -81,9 +80,11 @@ class CheckpointWriter:
         optimizers: list,
         lightning_state: dict,
         extra_tensors: dict | None = None,
+        keys: tuple[str, list[str]] | None = None,
     ) -> None:
         """Every rank writes its shards into ``temporary``; rank 0 commits it to ``final``.
-        ``extra_tensors``: more DCP keys to write (a weight average's shard views)."""
+        ``extra_tensors``: more DCP keys to write (a weight average's shard views); ``keys``: the
+        model's and the optimizers' DCP keys (default: the Trainer's, ``model``, ``optimizer_<i>``)."""
         final, temporary = storage.locate(final), storage.locate(temporary)
         self.wait()
         self.setup()  # a save after the end of training (teardown released the background group)
@@ -91,7 +92,7 @@ class CheckpointWriter:
         try:  # what one rank may fail at alone, agreed before DCP's collectives begin
             storage.makedirs(temporary)
             view = ShardsView.of(module)  # read once for the whole save
-            state = {**sharded.prepare_state(view, optimizers), **(extra_tensors or {})}
+            state = {**sharded.prepare_state(view, optimizers, *(keys or ("model", None))), **(extra_tensors or {})}
         except Exception as caught:
             error = caught
         _agree(error, final, temporary, None, self.watchdog)
@@ -142,6 +143,25 @@ class CheckpointWriter:
         self._group = None
 
 
+def save_targets(
+    filepath: Where, state_dict_type: str, is_global_zero: bool, broadcast: Any
+) -> tuple[Location, Location]:
+    """The final and temporary names of a save, decided by rank 0 with whether the save may replace
+    what is there (``refuse_to_replace``), in one ``broadcast``; a refusal is raised on every rank."""
+    decision = None
+    if is_global_zero:
+        final = storage.locate(filepath)
+        try:
+            refusal = layout.refuse_to_replace(final, state_dict_type)
+        except Exception as error:  # an unreachable filesystem: every rank must hear of it
+            refusal = error
+        decision = (final.url, storage.temporary(final).url, refusal)
+    final_url, temporary_url, refusal = broadcast(decision)
+    if refusal is not None:
+        raise refusal
+    return storage.locate(final_url), storage.locate(temporary_url)
+
+
 def _agree(
     error: BaseException | None, final: Location, temporary: Location, group: Any = None, dog: Any = None
 ) -> None:
@@ -157,7 +177,7 @@ def _agree(
     if _is_rank0():
         storage.remove(temporary)
     failures = "; ".join(f"rank {r}: {text}" for r, text in sorted(causes.items()))
-    raise CheckpointSaveError(
+    raise layout.CheckpointSaveError(
         f"saving checkpoint {final} failed ({failures}); nothing was written under that name, and a "
         "checkpoint already there is untouched"
     ) from error

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_strategy.arguments import ShardingOptions, check_collective_timeout
+from fsdp_strategy.arguments import ShardingOptions, check_collective_timeout, options_from
 from fsdp_strategy.config import ShardingStrategy, validate_device_mesh
 from fsdp_strategy.engine import build
 from fsdp_strategy.engine.collectives import CommContext, CommGroup
@@ -102,19 +102,7 @@ def shard_model(
     collective so ranks that issue different ones stop at the first ([Note: order stamps]).
     Costs at rest: 1/N of the parameters plus padding; while running, the units gathered now.
     """
-    options = ShardingOptions.validate(
-        sharding_strategy,
-        auto_wrap_policy,
-        mixed_precision,
-        cpu_offload,
-        param_init_fn,
-        forward_prefetch,
-        backward_prefetch,
-        sync_module_states,
-        ignored_modules,
-        collective_timeout,
-        check_collective_order,
-    )
+    options = options_from(locals())
     owned = None
     if watchdog is None:
         watchdog = owned = Watchdog.start(options.collective_timeout)

@@ -1,0 +1,65 @@
+"""Process group and device mesh setup shared by the Trainer and Fabric strategies.
+
+Both strategies create the process group the same way (Lightning's ``_init_dist_connection``,
+with NCCL's flight recorder on and, on gloo, the group destroyed at exit) and turn a
+``(replicate, shard)`` pair into a DeviceMesh; this module is that code, once.
+"""
+
+from __future__ import annotations
+
+import atexit
+from datetime import timedelta
+from typing import Any
+
+import torch
+from lightning.fabric.plugins import ClusterEnvironment
+from lightning.fabric.utilities.distributed import (
+    _destroy_dist_connection,
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+)
+
+from fsdp_strategy.arguments import init_process_group_kwargs
+from fsdp_strategy.config import ShardingStrategy
+from fsdp_strategy.engine import watchdog
+
+
+def mesh_shape(device_mesh: Any, sharding_strategy: ShardingStrategy, num_nodes: int, num_processes: int) -> Any:
+    """The mesh to build: a hybrid strategy without one shards within a node (FSDP1's and Lightning's
+    default); a ``(replicate, shard)`` pair must multiply to the world size."""
+    if sharding_strategy.hybrid and device_mesh is None:
+        device_mesh = (num_nodes, num_processes)
+    world_size = num_nodes * num_processes
+    if isinstance(device_mesh, tuple) and device_mesh[0] * device_mesh[1] != world_size:
+        raise ValueError(
+            f"device_mesh={device_mesh} multiplies to {device_mesh[0] * device_mesh[1]}, "
+            f"but the world size is {world_size} (num_nodes x devices)"
+        )
+    return device_mesh
+
+
+def connect(
+    cluster_environment: ClusterEnvironment, backend: str | None, root_device: torch.device, timeout: timedelta | None
+) -> str:
+    """Create the process group (if none exists) on ``backend`` (default: the device's); returns the
+    backend. Costs: one rendezvous."""
+    backend = backend or _get_default_process_group_backend_for_device(root_device)
+    created_here = not _distributed_is_initialized()
+    if "nccl" in backend:
+        watchdog.enable_nccl_flight_recorder()
+    _init_dist_connection(cluster_environment, backend, **init_process_group_kwargs(root_device, timeout))
+    if created_here and backend != "nccl":
+        # Lightning registers this for NCCL only; a gloo group left to interpreter shutdown can
+        # abort the process ("terminate called without an active exception") after a good run.
+        atexit.register(_destroy_dist_connection)
+    return backend
+
+
+def build_mesh(device_mesh: Any, device_type: str) -> Any:
+    """A ``(replicate, shard)`` pair as a DeviceMesh with those dimension names; a mesh or None as given."""
+    if not isinstance(device_mesh, tuple):
+        return device_mesh
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, device_mesh, mesh_dim_names=("replicate", "shard"))

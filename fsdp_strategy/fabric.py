@@ -1,0 +1,425 @@
+"""FSDPCustomFabricStrategy: ``Fabric(strategy="fsdp_custom")`` on the same engine and checkpoints.
+
+It takes Fabric ``FSDPStrategy``'s arguments with the same names and meanings (and the engine's
+own, as ``FSDPCustomStrategy`` does), shards each module at ``setup_module`` with
+``shard_with_options``, points optimizers set up together with their module at its shards,
+clips by the global norm of the shards, maps ``no_backward_sync`` to the engine's ``no_sync``,
+and saves and loads Fabric's layouts through the checkpoint package: a sharded folder whose DCP
+keys are the saved state's own names (``meta.pt`` for the rest), or one full file. No sharding
+logic lives here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Callable
+from contextlib import AbstractContextManager, ExitStack, nullcontext
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+from lightning.fabric.accelerators import Accelerator
+from lightning.fabric.plugins import ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.plugins.precision import Precision
+from lightning.fabric.strategies import ParallelStrategy
+from lightning.fabric.strategies.fsdp import _move_torchmetrics_to_device
+from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.fabric.strategies.strategy import (
+    TBroadcast,
+    _apply_filter,
+    _BackwardSyncControl,
+    _Sharded,
+    _validate_keys_for_strict_loading,
+)
+from lightning.fabric.utilities.cloud_io import _atomic_save
+from lightning.fabric.utilities.rank_zero import rank_zero_only
+from lightning.fabric.utilities.types import _PATH, Optimizable, ReduceOp, _Stateful
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from fsdp_strategy.arguments import (
+    STRATEGY_VARIANTS,
+    StrategyArguments,
+    check_fsdp_keywords,
+)
+from fsdp_strategy.checkpoint import full, layout, sharded_load, storage
+from fsdp_strategy.checkpoint.writer import CheckpointWriter, save_targets
+from fsdp_strategy.config import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from fsdp_strategy.distributed import build_mesh, connect, mesh_shape
+from fsdp_strategy.engine import get_scheduler, is_sharded, shard_with_options
+from fsdp_strategy.engine.watchdog import Watchdog
+from fsdp_strategy.precision import FSDPCustomFabricPrecision
+from fsdp_strategy.strategy_watchdog import WatchdogHooks
+from fsdp_strategy.wrap import apply_activation_checkpointing
+
+
+class FSDPCustomFabricStrategy(StrategyArguments, WatchdogHooks, ParallelStrategy, _Sharded):
+    """Fabric strategy: Fully Sharded Data Parallel on this package's engine.
+
+    Arguments as Fabric's ``FSDPStrategy`` (``cpu_offload``, ``mixed_precision``,
+    ``auto_wrap_policy``, ``activation_checkpointing_policy``, ``sharding_strategy``,
+    ``state_dict_type`` ("sharded" by default, as Fabric's), ``device_mesh``, ``timeout``,
+    ``process_group_backend``) and the engine's (``param_init_fn``, ``forward_prefetch``,
+    ``backward_prefetch``, ``sync_module_states``, ``ignored_modules``, ``collective_timeout``,
+    ``check_collective_order``), each as in ``FSDPCustomStrategy``. Costs: those of the engine;
+    a joint ``setup(model, optimizer)`` rewrites the optimizer's parameter lists once.
+    """
+
+    def __init__(
+        self,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        precision: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        cpu_offload: bool | CPUOffload | Any = None,
+        mixed_precision: MixedPrecision | Any = None,
+        auto_wrap_policy: Any = None,
+        activation_checkpointing: type[nn.Module] | list[type[nn.Module]] | None = None,
+        activation_checkpointing_policy: Any = None,
+        sharding_strategy: str | ShardingStrategy | Any = "FULL_SHARD",
+        state_dict_type: Literal["full", "sharded"] = "sharded",
+        device_mesh: tuple[int, int] | Any = None,
+        param_init_fn: Any = None,
+        forward_prefetch: bool = True,
+        backward_prefetch: str | BackwardPrefetch | Any = "BACKWARD_PRE",
+        sync_module_states: bool = False,
+        ignored_modules: list[nn.Module] | None = None,
+        collective_timeout: float | timedelta | None = None,
+        check_collective_order: bool = True,
+        **fsdp_kwargs: Any,
+    ) -> None:
+        parameters = list(inspect.signature(FSDPCustomFabricStrategy.__init__).parameters)[1:-1]
+        check_fsdp_keywords(fsdp_kwargs, parameters)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            precision=precision,
+        )
+        self._num_nodes = 1
+        self._take_arguments(locals())
+        self._writer = CheckpointWriter()
+        self._watchdog: Watchdog | None = None
+        self._backward_sync_control = _NoSync()
+        self._modules: list[nn.Module] = []  # every module this strategy sharded, closed at teardown
+
+    # ---- Fabric plumbing ----------------------------------------------------------------
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    @property
+    def precision(self) -> FSDPCustomFabricPrecision:
+        plugin = self._precision
+        return plugin if plugin is not None else FSDPCustomFabricPrecision("32-true")
+
+    @precision.setter
+    def precision(self, precision: Precision | None) -> None:
+        self._precision = None if precision is None else FSDPCustomFabricPrecision.from_plugin(precision)
+
+    @property
+    def model(self) -> nn.Module | None:
+        """The module set up last (the watchdog hooks attach to it)."""
+        return self._modules[-1] if self._modules else None
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def setup_environment(self) -> None:
+        """Set ranks, check the mesh against the world size, create the process group(s)."""
+        super().setup_environment()
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        self._device_mesh = mesh_shape(self._device_mesh, self.sharding_strategy, self.num_nodes, self.num_processes)
+        assert self.cluster_environment is not None
+        self._process_group_backend = connect(
+            self.cluster_environment, self._process_group_backend, self.root_device, self._timeout
+        )
+        self._start_watchdog()
+        self._device_mesh = build_mesh(self._device_mesh, self.root_device.type)
+        self.precision.attach(self.root_device.type)
+
+    # ---- modules and optimizers -----------------------------------------------------------
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        """Shard ``module`` (its full parameters are freed unit by unit as they are sharded)."""
+        if is_sharded(module):
+            raise ValueError("this module is sharded already: set it up once")
+        if self.activation_checkpointing_policy is not None:
+            apply_activation_checkpointing(module, self.activation_checkpointing_policy)
+        mixed = self.mixed_precision or self.precision.mixed_precision_config
+        options = dataclasses.replace(self._options, mixed_precision=mixed)
+        shard_with_options(module, options, self.root_device, device_mesh=self._device_mesh, watchdog=self._watchdog)
+        _move_torchmetrics_to_device(module, self.root_device)
+        self._modules.append(module)
+        return module
+
+    def setup_module_and_optimizers(
+        self, module: nn.Module, optimizers: list[Optimizer], scheduler: Any = None
+    ) -> tuple[nn.Module, list[Optimizer], Any]:
+        """Shard ``module`` and point each optimizer (created before, with no state yet) at its shards."""
+        for optimizer in optimizers:
+            if optimizer.state:
+                raise ValueError(
+                    f"{type(optimizer).__name__} already holds state for the unsharded parameters; set the model up "
+                    "first (fabric.setup_module), then create the optimizer and call fabric.setup_optimizers"
+                )
+        owners = {
+            id(p): (owner, name) for owner in module.modules() for name, p in owner._parameters.items() if p is not None
+        }
+        module = self.setup_module(module)
+        for optimizer in optimizers:
+            _point_at_shards(optimizer, owners)
+        return module, optimizers, scheduler
+
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """Check that ``optimizer`` steps the shards (it was created after ``setup_module``)."""
+        held = {id(p.sharded) for module in self._modules for p in get_scheduler(module).sharded_params()}
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if held and not any(id(p) in held for p in params):
+            raise ValueError(
+                "The optimizer does not seem to reference any sharded parameters. HINT: Make sure to create the "
+                "optimizer after setting up the model (fabric.setup_module), or set both up together with fabric.setup"
+            )
+        return optimizer
+
+    def module_to_device(self, module: nn.Module) -> None:
+        """Nothing: ``setup_module`` moves each unit's shards to the device as it shards them."""
+
+    def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
+        """Create the model on the meta device (``empty_init``) or the CPU; ``setup_module``
+        materializes (``reset_parameters`` or ``param_init_fn``) and shards it unit by unit."""
+        stack = ExitStack()
+        if empty_init:
+            stack.enter_context(torch.device("meta"))
+        stack.enter_context(self.precision.module_init_context())
+        return stack
+
+    def module_sharded_context(self) -> AbstractContextManager:
+        """Nothing: modules are sharded at ``setup_module``, by the wrap policy."""
+        return nullcontext()
+
+    # ---- steps ------------------------------------------------------------------------------
+
+    def backward(self, tensor: Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
+        """Backward; an exception is reported to the other ranks at once ([Note: watchdog])."""
+        with self._reported():
+            super().backward(tensor, module, *args, **kwargs)
+
+    def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
+        with self._reported():
+            return super().optimizer_step(optimizer, **kwargs)
+
+    def clip_gradients_norm(
+        self,
+        module: nn.Module,
+        optimizer: Optimizer,
+        max_norm: float | int,
+        norm_type: float | int = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> Tensor:
+        """Clip ``optimizer``'s gradients by their global norm over every rank's shards (one
+        all-reduce); returns the norm before clipping. ``module`` must have been set up here."""
+        if not is_sharded(module):
+            raise TypeError(
+                f"Gradient clipping with {type(self).__name__} needs the module that fabric.setup returned, got "
+                f"{type(module).__name__}"
+            )
+        self.precision.unscale_gradients(optimizer)
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        norm = get_scheduler(module).clip_grad_norm_(max_norm, norm_type, parameters=params)
+        if error_if_nonfinite and not torch.isfinite(norm):
+            raise RuntimeError(
+                f"The total norm of order {norm_type} for gradients is non-finite, so it cannot be clipped. To "
+                "disable this error and scale the gradients by the non-finite norm anyway, set "
+                "`error_if_nonfinite=False`"
+            )
+        return norm
+
+    def all_reduce(self, tensor: Tensor, group: Any = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:
+        return self.reduce(tensor, group, reduce_op)
+
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        return WatchdogHooks.broadcast(self, obj, src)
+
+    # ---- checkpoints ------------------------------------------------------------------------
+
+    def save_checkpoint(
+        self,
+        path: _PATH,
+        state: dict[str, nn.Module | Optimizer | Any],
+        storage_options: Any = None,
+        filter: dict[str, Callable[[str, Any], bool]] | None = None,
+    ) -> None:
+        """Save as Fabric's FSDP does: "sharded", a folder (DCP keys: the state's names of the
+        model and its optimizers; ``meta.pt``: the rest); "full", one file written by rank 0.
+        Atomic: written under a temporary name, moved once every rank is done."""
+        if storage_options is not None:
+            raise TypeError(
+                f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported: the strategy "
+                "does not use a CheckpointIO (as Fabric's FSDPStrategy)"
+            )
+        if filter is not None and self._state_dict_type == "sharded":
+            raise NotImplementedError("a filter is supported with state_dict_type='full' only (as Fabric's FSDP)")
+        module_key, module = _the_module(state, "save")
+        optimizers = {key: value for key, value in state.items() if isinstance(value, Optimizer)}
+        rest = {
+            key: value.state_dict() if isinstance(value, _Stateful) else value
+            for key, value in state.items()
+            if key != module_key and key not in optimizers
+        }
+        final, temporary = save_targets(path, self._state_dict_type, self.is_global_zero, self.broadcast)
+        if self._state_dict_type == "sharded":
+            keys = (module_key, list(optimizers))
+            self._writer.save_sharded(final, temporary, module, list(optimizers.values()), rest, keys=keys)
+            return
+        converted: dict[str, Any] = {module_key: full.full_state_dict(module)}
+        for key, optimizer in optimizers.items():
+            converted[key] = full.full_optimizer_state_dict(module, optimizer)
+        everything: dict[str, Any] = {}
+        for key, value in {**converted, **rest}.items():
+            _apply_filter(key, filter or {}, value, everything)
+        self._writer.save_full(final, temporary, lambda url: _atomic_save(everything, url))
+
+    def load_checkpoint(
+        self,
+        path: _PATH,
+        state: nn.Module | Optimizer | dict[str, nn.Module | Optimizer | Any] | None = None,
+        strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """Load a sharded folder (ours, Fabric's or the Trainer's FSDP, any world size) or a full
+        file into the state's model, optimizers and objects; returns what the state did not ask
+        for. A module alone (``fabric.load_raw``) takes a plain state dict file or a folder."""
+        if not state:
+            raise ValueError(
+                f"Got {type(self).__name__}.load_checkpoint(..., state={state!r}) but a state with at least a model "
+                "instance to reload is required. Pass it in like so: load_checkpoint(..., state={'model': model, ...})"
+            )
+        where = storage.locate(self.broadcast(str(path)))
+        if isinstance(state, Optimizer):
+            raise NotImplementedError("Loading a single optimizer object from a checkpoint is not supported yet")
+        if isinstance(state, nn.Module):
+            _load_raw(where, state, strict, weights_only)
+            return {}
+        module_key, module = _the_module(state, "load")
+        optimizers = {key: value for key, value in state.items() if isinstance(value, Optimizer)}
+        if storage.isdir(where):
+            meta = layout.folder_meta(where)
+            rest = sharded_load.read_rest(where, meta, weights_only)
+            keys = (module_key, list(optimizers))
+            sharded_load.load_tensors(where, module, list(optimizers.values()), rest, strict, meta=meta, keys=keys)
+        else:
+            rest = full.load_file(where, weights_only)
+            full.load_full_state_dict(module, rest.pop(module_key), strict=strict, source=str(where))
+            for key, optimizer in optimizers.items():
+                full.load_full_optimizer_state_dict(module, optimizer, rest.pop(key), source=where)
+        requested = state.keys() - {module_key} - optimizers.keys()
+        _validate_keys_for_strict_loading(requested, rest.keys(), strict=strict)
+        for key in requested & rest.keys():
+            value = rest.pop(key)
+            if isinstance(state[key], _Stateful):
+                state[key].load_state_dict(value)
+            else:
+                state[key] = value
+        return rest
+
+    def teardown(self) -> None:
+        """Finish any save in flight, close every sharded module's hooks and the watchdog."""
+        self._writer.teardown()
+        for module in self._modules:
+            get_scheduler(module).close()
+        if self._watchdog is not None and self._watchdog.error is None:
+            self._watchdog.close()
+            self._watchdog = self._writer.watchdog = None
+        super().teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register "fsdp_custom" and its variants with Fabric."""
+        for name, (description, init_params) in STRATEGY_VARIANTS.items():
+            if name not in strategy_registry:
+                strategy_registry.register(name, cls, description=description, **init_params)
+
+
+class _NoSync(_BackwardSyncControl):
+    """``fabric.no_backward_sync``: the engine's ``no_sync`` (full gradients kept until a backward outside)."""
+
+    def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
+        if not enabled:
+            return nullcontext()
+        if not is_sharded(module):
+            raise TypeError(
+                f"no_backward_sync needs the module that fabric.setup returned, got {type(module).__name__}"
+            )
+        return get_scheduler(module).no_sync()
+
+
+def _the_module(state: dict[str, Any], action: str) -> tuple[str, nn.Module]:
+    """The one sharded module of a state to save or load, and its key (Fabric FSDP's rule)."""
+    modules = [(key, value) for key, value in state.items() if isinstance(value, nn.Module) and is_sharded(value)]
+    if len(modules) != 1:
+        found = "no" if not modules else "several"
+        raise ValueError(
+            f"Found {found} sharded models in the state to {action}; give exactly one, set up through the strategy, "
+            f"like so: fabric.{action}(path, {{'model': model, 'optimizer': optimizer, ...}}); to {action} several "
+            "models, call it once per model with its own path"
+        )
+    return modules[0]
+
+
+def _point_at_shards(optimizer: Optimizer, owners: dict[int, tuple[nn.Module, str]]) -> None:
+    """Replace each parameter of ``optimizer`` that ``owners`` knows by what its module holds now
+    (its shard); a parameter used twice (tied) is listed once."""
+    for group in optimizer.param_groups:
+        replaced: dict[int, torch.Tensor] = {}
+        for param in group["params"]:
+            owner = owners.get(id(param))
+            now = owner[0]._parameters[owner[1]] if owner is not None else param
+            replaced.setdefault(id(now), now)
+        group["params"] = list(replaced.values())
+
+
+def _load_raw(where: storage.Location, module: nn.Module, strict: bool, weights_only: bool | None) -> None:
+    """``fabric.load_raw``: a plain state dict file (or a checkpoint folder's model) into ``module``."""
+    if not is_sharded(module):
+        module.load_state_dict(full.load_file(where, weights_only), strict=strict)
+        return
+    if storage.isdir(where):
+        meta = layout.folder_meta(where)
+        sharded_load.load_tensors(
+            where, module, [], sharded_load.read_rest(where, meta, weights_only), strict, meta=meta
+        )
+        return
+    full.load_full_state_dict(module, full.load_file(where, weights_only), strict=strict, source=str(where))
