@@ -5,8 +5,21 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
-from fsdp_strategy.callbacks.ranks import MIB, OptimizerStepWindow, check_every, due, log_to_loggers, stats_over_ranks
+from fsdp_strategy.callbacks.ranks import (
+    MIB,
+    OptimizerStepWindow,
+    RunView,
+    check_every,
+    due,
+    fabric_view,
+    log_to_loggers,
+    stats_over_ranks,
+    trainer_view,
+    unwrapped,
+)
 from lightning.pytorch.callbacks import Callback
+
+from fsdp_strategy.engine import get_scheduler, is_sharded
 
 
 class CommunicationMonitor(Callback):
@@ -22,6 +35,8 @@ class CommunicationMonitor(Callback):
       waited on communication (on gloo; near 0 on NCCL, where waits do not block the host);
     - with ``per_unit``, ``{prefix}/unit/<unit>/<kind>/wire_mib`` and ``.../calls``.
 
+    In a Fabric loop, call ``on_fabric_step_start`` / ``on_fabric_step_end`` around each
+    optimizer step through ``fabric.call`` (as ``MemoryMonitor``).
     Costs: reading the ledger and one all-gather of one float per logged step.
     """
 
@@ -34,14 +49,27 @@ class CommunicationMonitor(Callback):
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
         if self._window.begins(trainer):
-            self._logging = due(trainer, self.log_every_n_steps)
+            self._logging = due(trainer_view(trainer), self.log_every_n_steps)
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, idx: int
     ) -> None:
         ledger = getattr(trainer.strategy, "comm_ledger", None)
-        if not self._window.ends(trainer) or not self._logging or ledger is None:
-            return
+        if self._window.ends(trainer) and self._logging and ledger is not None:
+            self._log(trainer_view(trainer), ledger)
+
+    def on_fabric_step_start(self, fabric: Any, model: Any, step: int, **_: Any) -> None:
+        """A Fabric loop's optimizer step ``step`` (0 for the first) begins: the ledger counts from here."""
+        self._logging = due(fabric_view(fabric, step), self.log_every_n_steps)
+        if is_sharded(unwrapped(model)):
+            get_scheduler(unwrapped(model)).ledger.start_step()
+
+    def on_fabric_step_end(self, fabric: Any, model: Any, step: int, **_: Any) -> None:
+        """A Fabric loop's optimizer step ``step`` ended (after ``optimizer.step()``)."""
+        if self._logging and is_sharded(unwrapped(model)):
+            self._log(fabric_view(fabric, step), get_scheduler(unwrapped(model)).ledger)
+
+    def _log(self, run: RunView, ledger: Any) -> None:
         metrics: dict[str, float] = {}
         exposed = 0.0
         for kind, totals in ledger.current.items():
@@ -58,6 +86,6 @@ class CommunicationMonitor(Callback):
                 for kind, totals in kinds.items():
                     metrics[f"{self.prefix}/unit/{unit}/{kind}/wire_mib"] = totals.wire_bytes / MIB
                     metrics[f"{self.prefix}/unit/{unit}/{kind}/calls"] = float(totals.calls)
-        stats = stats_over_ranks(trainer, {"exposed_s": exposed})
+        stats = stats_over_ranks(run, {"exposed_s": exposed})
         metrics.update({f"{self.prefix}/{name}": value for name, value in stats.items()})
-        log_to_loggers(trainer, metrics)
+        log_to_loggers(run, metrics)

@@ -8,7 +8,18 @@ from typing import Any
 import lightning.pytorch as pl
 import psutil
 import torch
-from fsdp_strategy.callbacks.ranks import MIB, OptimizerStepWindow, check_every, due, log_to_loggers, stats_over_ranks
+from fsdp_strategy.callbacks.ranks import (
+    MIB,
+    OptimizerStepWindow,
+    RunView,
+    check_every,
+    due,
+    fabric_view,
+    log_to_loggers,
+    stats_over_ranks,
+    trainer_view,
+    unwrapped,
+)
 from lightning.pytorch.callbacks import Callback
 
 from fsdp_strategy.engine import get_scheduler, is_sharded
@@ -25,6 +36,9 @@ class MemoryMonitor(Callback):
       at most during the step).
 
     ``max_rank`` names the rank holding the max, so a straggler or a leaking rank stands out.
+    In a Fabric loop, pass it to ``Fabric(callbacks=[...])`` and call
+    ``fabric.call("on_fabric_step_start", ...)`` / ``fabric.call("on_fabric_step_end", ...)``
+    around each optimizer step (its default cadence there: every 50 steps).
     Costs: one all-gather of about ten floats per logged step; nothing on other steps.
     """
 
@@ -35,27 +49,41 @@ class MemoryMonitor(Callback):
         self._window = OptimizerStepWindow()
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
-        if not self._window.begins(trainer):
-            return
-        self._logging = due(trainer, self.log_every_n_steps)
-        if not self._logging:
-            return
-        if is_sharded(pl_module):
-            get_scheduler(pl_module).memory.reset_peak()
-        if trainer.strategy.root_device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(trainer.strategy.root_device)
+        if self._window.begins(trainer):
+            self._begin(trainer_view(trainer), pl_module)
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, idx: int
     ) -> None:
-        if not self._window.ends(trainer) or not self._logging:
-            return
-        stats = stats_over_ranks(trainer, self.read(trainer, pl_module))
-        log_to_loggers(trainer, {f"{self.prefix}/{name}": value for name, value in stats.items()})
+        if self._window.ends(trainer):
+            self._end(trainer_view(trainer), pl_module)
 
-    def read(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, float]:
+    def on_fabric_step_start(self, fabric: Any, model: Any, step: int, **_: Any) -> None:
+        """A Fabric loop's optimizer step ``step`` (0 for the first) begins."""
+        self._begin(fabric_view(fabric, step), unwrapped(model))
+
+    def on_fabric_step_end(self, fabric: Any, model: Any, step: int, optimizers: Any = (), **_: Any) -> None:
+        """A Fabric loop's optimizer step ``step`` ended (after ``optimizer.step()``)."""
+        self._end(fabric_view(fabric, step, optimizers), unwrapped(model))
+
+    def _begin(self, run: RunView, module: Any) -> None:
+        self._logging = due(run, self.log_every_n_steps)
+        if not self._logging:
+            return
+        if is_sharded(module):
+            get_scheduler(module).memory.reset_peak()
+        if run.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(run.device)
+
+    def _end(self, run: RunView, module: Any) -> None:
+        if not self._logging:
+            return
+        stats = stats_over_ranks(run, self.read(run, module))
+        log_to_loggers(run, {f"{self.prefix}/{name}": value for name, value in stats.items()})
+
+    def read(self, run: RunView, module: Any) -> dict[str, float]:
         """This rank's readings (the values before aggregation)."""
-        device = trainer.strategy.root_device
+        device = run.device
         values: dict[str, float] = {}
         if device.type == "cuda":
             cuda = torch.cuda.memory_stats(device)
@@ -65,21 +93,21 @@ class MemoryMonitor(Callback):
             values["cuda_ooms"] = float(cuda.get("num_ooms", 0))
         values["rss"] = psutil.Process().memory_info().rss / MIB
         values["rss_peak"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / MIB
-        if is_sharded(pl_module):
-            scheduler = get_scheduler(pl_module)
+        if is_sharded(module):
+            scheduler = get_scheduler(module)
             sharded = scheduler.sharded_bytes()
             values["sharded_params"] = sharded["params"] / MIB
             values["sharded_grads"] = sharded["grads"] / MIB
-            values["optimizer_state"] = _optimizer_bytes(trainer) / MIB
+            values["optimizer_state"] = _optimizer_bytes(run.optimizers) / MIB
             values["gathered_now"] = scheduler.memory.current / MIB
             values["gathered_peak"] = scheduler.memory.peak / MIB
         return values
 
 
-def _optimizer_bytes(trainer: pl.Trainer) -> int:
+def _optimizer_bytes(optimizers: list) -> int:
     return sum(
         value.numel() * value.element_size()
-        for optimizer in trainer.optimizers
+        for optimizer in optimizers
         for state in optimizer.state.values()
         for value in state.values()
         if torch.is_tensor(value)

@@ -8,7 +8,16 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from fsdp_strategy.callbacks.ranks import OptimizerStepWindow, check_every, due, log_to_loggers
+from fsdp_strategy.callbacks.ranks import (
+    OptimizerStepWindow,
+    RunView,
+    check_every,
+    due,
+    fabric_view,
+    log_to_loggers,
+    trainer_view,
+    unwrapped,
+)
 from lightning.fabric.utilities.throughput import Throughput, get_available_flops
 from lightning.pytorch.callbacks import Callback
 
@@ -47,7 +56,9 @@ class ThroughputMonitor(Callback):
     ``device/mfu`` (MFU needs the device's peak: known for CUDA GPUs, or pass ``available_flops``).
 
     Rates are averaged over the last ``window_size`` steps and logged every ``log_every_n_steps``
-    (default: the Trainer's).
+    (default: the Trainer's). In a Fabric loop, call ``on_fabric_step_start`` /
+    ``on_fabric_step_end`` (with one micro-batch and their number) around each optimizer step
+    through ``fabric.call`` (as ``MemoryMonitor``).
     Costs: a clock read per step (plus a CUDA synchronize, so that step times are true).
     """
 
@@ -74,17 +85,7 @@ class ThroughputMonitor(Callback):
         self._window = OptimizerStepWindow()
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        device = trainer.strategy.root_device
-        peak = (
-            self.available_flops or get_available_flops(device, _compute_dtype(pl_module))
-            if device.type != "cpu"
-            else None
-        )
-        self._throughput = Throughput(
-            available_flops=self.available_flops or peak, world_size=trainer.world_size, window_size=self.window_size
-        )
-        self._counts = dict.fromkeys(self._counts, 0)
-        self._t0 = time.perf_counter()
+        self._start(trainer_view(trainer), pl_module)
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
         if self._window.begins(trainer):
@@ -93,31 +94,55 @@ class ThroughputMonitor(Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, idx: int
     ) -> None:
-        if trainer.strategy.root_device.type == "cuda":
-            torch.cuda.synchronize(trainer.strategy.root_device)
+        self._count(trainer_view(trainer), pl_module, batch, 1, self._window.ends(trainer))
+
+    def on_fabric_step_start(self, fabric: Any, model: Any, step: int, **_: Any) -> None:
+        """A Fabric loop's optimizer step ``step`` (0 for the first) begins (the first call starts the clock)."""
+        if self._throughput is None:
+            self._start(fabric_view(fabric, step), unwrapped(model))
+        self._step_start = time.perf_counter()
+
+    def on_fabric_step_end(
+        self, fabric: Any, model: Any, step: int, batch: Any = None, micro_batches: int = 1, **_: Any
+    ) -> None:
+        """A Fabric loop's optimizer step ended: ``micro_batches`` batches like ``batch`` were trained on."""
+        self._count(fabric_view(fabric, step), unwrapped(model), batch, micro_batches, True)
+
+    def _start(self, run: RunView, module: Any) -> None:
+        device = run.device
+        dtype = _compute_dtype(run.precision)
+        peak = self.available_flops or get_available_flops(device, dtype) if device.type != "cpu" else None
+        self._throughput = Throughput(
+            available_flops=self.available_flops or peak, world_size=run.world_size, window_size=self.window_size
+        )
+        self._counts = dict.fromkeys(self._counts, 0)
+        self._t0 = time.perf_counter()
+
+    def _count(self, run: RunView, module: Any, batch: Any, micro_batches: int, step_ended: bool) -> None:
+        if run.device.type == "cuda":
+            torch.cuda.synchronize(run.device)
         now = time.perf_counter()
         counts = self._counts
-        counts["batches"] += 1
-        counts["samples"] += self.batch_size_fn(batch)
+        counts["batches"] += micro_batches
+        counts["samples"] += self.batch_size_fn(batch) * micro_batches
         tokens = self.length_fn(batch)
-        counts["lengths"] += tokens or 0
-        flops = getattr(pl_module, "flops_per_batch", None)
+        counts["lengths"] += (tokens or 0) * micro_batches
+        flops = getattr(module, "flops_per_batch", None)
         assert self._throughput is not None
         self._throughput.update(
             time=now - self._t0,
             batches=counts["batches"],
             samples=counts["samples"],
             lengths=counts["lengths"] if tokens is not None else None,
-            flops=int(flops) if flops else None,  # this step's on one rank; Throughput multiplies by the ranks
+            flops=int(flops) * micro_batches if flops else None,  # on one rank; Throughput multiplies by the ranks
         )
-        if self._window.ends(trainer) and due(trainer, self.log_every_n_steps):
+        if step_ended and due(run, self.log_every_n_steps):
             metrics = {f"{self.prefix}/{k}": float(v) for k, v in self._throughput.compute().items()}
             metrics[f"{self.prefix}/step_time_s"] = now - self._step_start
-            log_to_loggers(trainer, metrics)
+            log_to_loggers(run, metrics)
 
 
-def _compute_dtype(pl_module: pl.LightningModule) -> torch.dtype:
-    plugin = pl_module.trainer.precision_plugin
+def _compute_dtype(plugin: Any) -> torch.dtype:
     config = getattr(plugin, "mixed_precision_config", None)
     if config is not None and getattr(config, "param_dtype", None) is not None:
         return config.param_dtype

@@ -6,6 +6,7 @@ Used by ``train_gpt.py`` (omegaconf config) and ``cli.py`` (LightningCLI).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 
 import lightning as L
@@ -77,27 +78,37 @@ class GPTModule(L.LightningModule):
         self.log("val_accuracy", self.val_accuracy)
 
     def configure_optimizers(self):
-        settings = self.settings
-        named = [(name, p) for name, p in self.named_parameters() if p.requires_grad]
-
-        def no_decay(name: str) -> bool:
-            return name.endswith("bias") or ".ln" in name or "emb" in name
-
-        optimizer = torch.optim.AdamW(
-            [
-                {"params": [p for n, p in named if not no_decay(n)], "weight_decay": settings.weight_decay},
-                {"params": [p for n, p in named if no_decay(n)], "weight_decay": 0.0},
-            ],
-            lr=settings.lr,
-        )
-        warmup, total = settings.warmup_steps, max(self.hparams.max_steps, 1)
-
-        def schedule(step: int) -> float:
-            if step < warmup:
-                return (step + 1) / warmup
-            return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
-
+        optimizer = adamw(self.named_parameters(), self.settings)
+        schedule = warmup_cosine(self.settings.warmup_steps, self.hparams.max_steps)
         return [optimizer], [{"scheduler": torch.optim.lr_scheduler.LambdaLR(optimizer, schedule), "interval": "step"}]
+
+
+def adamw(named_parameters: Iterable[tuple[str, torch.nn.Parameter]], settings: OptimizerSettings) -> torch.optim.AdamW:
+    """AdamW with weight decay on the weight matrices only (not biases, norms, embeddings)."""
+    named = [(name, p) for name, p in named_parameters if p.requires_grad]
+
+    def no_decay(name: str) -> bool:
+        return name.endswith("bias") or ".ln" in name or "emb" in name
+
+    return torch.optim.AdamW(
+        [
+            {"params": [p for n, p in named if not no_decay(n)], "weight_decay": settings.weight_decay},
+            {"params": [p for n, p in named if no_decay(n)], "weight_decay": 0.0},
+        ],
+        lr=settings.lr,
+    )
+
+
+def warmup_cosine(warmup: int, max_steps: int) -> Callable[[int], float]:
+    """The LR factor at a step: linear warmup over ``warmup`` steps, then a cosine decay to 0.1 at ``max_steps``."""
+    total = max(max_steps, 1)
+
+    def schedule(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
+
+    return schedule
 
 
 class ByteDataModule(L.LightningDataModule):

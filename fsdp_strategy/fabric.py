@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from datetime import timedelta
 from typing import Any, Literal
@@ -28,14 +27,11 @@ from lightning.fabric.strategies.fsdp import _move_torchmetrics_to_device
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.strategies.strategy import (
     TBroadcast,
-    _apply_filter,
     _BackwardSyncControl,
     _Sharded,
-    _validate_keys_for_strict_loading,
 )
-from lightning.fabric.utilities.cloud_io import _atomic_save
 from lightning.fabric.utilities.rank_zero import rank_zero_only
-from lightning.fabric.utilities.types import _PATH, Optimizable, ReduceOp, _Stateful
+from lightning.fabric.utilities.types import Optimizable, ReduceOp
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.optim import Optimizer
@@ -45,18 +41,18 @@ from fsdp_strategy.arguments import (
     StrategyArguments,
     check_fsdp_keywords,
 )
-from fsdp_strategy.checkpoint import full, layout, sharded_load, storage
-from fsdp_strategy.checkpoint.writer import CheckpointWriter, save_targets
+from fsdp_strategy.checkpoint.writer import CheckpointWriter
 from fsdp_strategy.config import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from fsdp_strategy.distributed import build_mesh, connect, mesh_shape
 from fsdp_strategy.engine import get_scheduler, is_sharded, shard_with_options
 from fsdp_strategy.engine.watchdog import Watchdog
+from fsdp_strategy.fabric_checkpoints import FabricCheckpoints
 from fsdp_strategy.precision import FSDPCustomFabricPrecision
 from fsdp_strategy.strategy_watchdog import WatchdogHooks
 from fsdp_strategy.wrap import apply_activation_checkpointing
 
 
-class FSDPCustomFabricStrategy(StrategyArguments, WatchdogHooks, ParallelStrategy, _Sharded):
+class FSDPCustomFabricStrategy(StrategyArguments, WatchdogHooks, FabricCheckpoints, ParallelStrategy, _Sharded):
     """Fabric strategy: Fully Sharded Data Parallel on this package's engine.
 
     Arguments as Fabric's ``FSDPStrategy`` (``cpu_offload``, ``mixed_precision``,
@@ -273,88 +269,6 @@ class FSDPCustomFabricStrategy(StrategyArguments, WatchdogHooks, ParallelStrateg
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
         return WatchdogHooks.broadcast(self, obj, src)
 
-    # ---- checkpoints ------------------------------------------------------------------------
-
-    def save_checkpoint(
-        self,
-        path: _PATH,
-        state: dict[str, nn.Module | Optimizer | Any],
-        storage_options: Any = None,
-        filter: dict[str, Callable[[str, Any], bool]] | None = None,
-    ) -> None:
-        """Save as Fabric's FSDP does: "sharded", a folder (DCP keys: the state's names of the
-        model and its optimizers; ``meta.pt``: the rest); "full", one file written by rank 0.
-        Atomic: written under a temporary name, moved once every rank is done."""
-        if storage_options is not None:
-            raise TypeError(
-                f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported: the strategy "
-                "does not use a CheckpointIO (as Fabric's FSDPStrategy)"
-            )
-        if filter is not None and self._state_dict_type == "sharded":
-            raise NotImplementedError("a filter is supported with state_dict_type='full' only (as Fabric's FSDP)")
-        module_key, module = _the_module(state, "save")
-        optimizers = {key: value for key, value in state.items() if isinstance(value, Optimizer)}
-        rest = {
-            key: value.state_dict() if isinstance(value, _Stateful) else value
-            for key, value in state.items()
-            if key != module_key and key not in optimizers
-        }
-        final, temporary = save_targets(path, self._state_dict_type, self.is_global_zero, self.broadcast)
-        if self._state_dict_type == "sharded":
-            keys = (module_key, list(optimizers))
-            self._writer.save_sharded(final, temporary, module, list(optimizers.values()), rest, keys=keys)
-            return
-        converted: dict[str, Any] = {module_key: full.full_state_dict(module)}
-        for key, optimizer in optimizers.items():
-            converted[key] = full.full_optimizer_state_dict(module, optimizer)
-        everything: dict[str, Any] = {}
-        for key, value in {**converted, **rest}.items():
-            _apply_filter(key, filter or {}, value, everything)
-        self._writer.save_full(final, temporary, lambda url: _atomic_save(everything, url))
-
-    def load_checkpoint(
-        self,
-        path: _PATH,
-        state: nn.Module | Optimizer | dict[str, nn.Module | Optimizer | Any] | None = None,
-        strict: bool = True,
-        weights_only: bool | None = None,
-    ) -> dict[str, Any]:
-        """Load a sharded folder (ours, Fabric's or the Trainer's FSDP, any world size) or a full
-        file into the state's model, optimizers and objects; returns what the state did not ask
-        for. A module alone (``fabric.load_raw``) takes a plain state dict file or a folder."""
-        if not state:
-            raise ValueError(
-                f"Got {type(self).__name__}.load_checkpoint(..., state={state!r}) but a state with at least a model "
-                "instance to reload is required. Pass it in like so: load_checkpoint(..., state={'model': model, ...})"
-            )
-        where = storage.locate(self.broadcast(str(path)))
-        if isinstance(state, Optimizer):
-            raise NotImplementedError("Loading a single optimizer object from a checkpoint is not supported yet")
-        if isinstance(state, nn.Module):
-            _load_raw(where, state, strict, weights_only)
-            return {}
-        module_key, module = _the_module(state, "load")
-        optimizers = {key: value for key, value in state.items() if isinstance(value, Optimizer)}
-        if storage.isdir(where):
-            meta = layout.folder_meta(where)
-            rest = sharded_load.read_rest(where, meta, weights_only)
-            keys = (module_key, list(optimizers))
-            sharded_load.load_tensors(where, module, list(optimizers.values()), rest, strict, meta=meta, keys=keys)
-        else:
-            rest = full.load_file(where, weights_only)
-            full.load_full_state_dict(module, rest.pop(module_key), strict=strict, source=str(where))
-            for key, optimizer in optimizers.items():
-                full.load_full_optimizer_state_dict(module, optimizer, rest.pop(key), source=where)
-        requested = state.keys() - {module_key} - optimizers.keys()
-        _validate_keys_for_strict_loading(requested, rest.keys(), strict=strict)
-        for key in requested & rest.keys():
-            value = rest.pop(key)
-            if isinstance(state[key], _Stateful):
-                state[key].load_state_dict(value)
-            else:
-                state[key] = value
-        return rest
-
     def teardown(self) -> None:
         """Finish any save in flight, close every sharded module's hooks and the watchdog."""
         self._writer.teardown()
@@ -386,19 +300,6 @@ class _NoSync(_BackwardSyncControl):
         return get_scheduler(module).no_sync()
 
 
-def _the_module(state: dict[str, Any], action: str) -> tuple[str, nn.Module]:
-    """The one sharded module of a state to save or load, and its key (Fabric FSDP's rule)."""
-    modules = [(key, value) for key, value in state.items() if isinstance(value, nn.Module) and is_sharded(value)]
-    if len(modules) != 1:
-        found = "no" if not modules else "several"
-        raise ValueError(
-            f"Found {found} sharded models in the state to {action}; give exactly one, set up through the strategy, "
-            f"like so: fabric.{action}(path, {{'model': model, 'optimizer': optimizer, ...}}); to {action} several "
-            "models, call it once per model with its own path"
-        )
-    return modules[0]
-
-
 def _point_at_shards(optimizer: Optimizer, owners: dict[int, tuple[nn.Module, str]]) -> None:
     """Replace each parameter of ``optimizer`` that ``owners`` knows by what its module holds now
     (its shard); a parameter used twice (tied) is listed once."""
@@ -409,17 +310,3 @@ def _point_at_shards(optimizer: Optimizer, owners: dict[int, tuple[nn.Module, st
             now = owner[0]._parameters[owner[1]] if owner is not None else param
             replaced.setdefault(id(now), now)
         group["params"] = list(replaced.values())
-
-
-def _load_raw(where: storage.Location, module: nn.Module, strict: bool, weights_only: bool | None) -> None:
-    """``fabric.load_raw``: a plain state dict file (or a checkpoint folder's model) into ``module``."""
-    if not is_sharded(module):
-        module.load_state_dict(full.load_file(where, weights_only), strict=strict)
-        return
-    if storage.isdir(where):
-        meta = layout.folder_meta(where)
-        sharded_load.load_tensors(
-            where, module, [], sharded_load.read_rest(where, meta, weights_only), strict, meta=meta
-        )
-        return
-    full.load_full_state_dict(module, full.load_file(where, weights_only), strict=strict, source=str(where))

@@ -194,3 +194,32 @@ def test_plot_memory_example(tmp_path):
     script = ROOT / "examples" / "plot_memory.py"
     output = _run([sys.executable, str(script), "--out", str(out), "--d-model", "32", "--n-layers", "2"])
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "gathered peak" in output
+
+
+FABRIC_EXAMPLE = ROOT / "examples" / "fabric_gpt.py"
+FABRIC_SMALL = [
+    "model.d_model=32",
+    "model.n_layers=2",
+    "model.n_heads=2",
+    "model.seq_len=32",
+    "data.max_bytes=100000",
+    "train.log_every_n_steps=1",
+    "train.save_every_n_steps=2",
+]
+
+
+def test_fabric_example_trains_saves_and_resumes_on_another_world_size(tmp_path):
+    args = [*FABRIC_SMALL, f"train.out_dir={tmp_path}"]
+    first = _run([sys.executable, str(FABRIC_EXAMPLE), "train.max_steps=4", *args])
+    assert "done: 4 steps" in first and (tmp_path / "last.ckpt" / "fsdp_meta.json").is_file()
+    resumed = _run([sys.executable, str(FABRIC_EXAMPLE), "resume=last", "train.max_steps=6", "fabric.devices=1", *args])
+    assert "resumed from" in resumed and "at step 4 on 1 ranks" in resumed and "done: 6 steps" in resumed
+    assert len({run.name.rsplit("-", 1)[-1] for run in (tmp_path / "wandb").glob("offline-run-*")}) == 1  # one run
+    rows = history(tmp_path / "wandb")
+    losses = [row["trainer/global_step"] for row in rows if "train_loss" in row]
+    assert losses == [0, 1, 2, 3, 4, 5], losses
+    two_ranks = [row for row in rows if "comm/all_gather/calls" in row]  # the monitors, from the Fabric loop
+    assert [row["trainer/global_step"] for row in two_ranks] == [0, 1, 2, 3]
+    assert all(row["memory/sharded_params/max"] > 0 for row in rows if "memory/sharded_params/max" in row)
+    finished = _run([sys.executable, str(FABRIC_EXAMPLE), "resume=last", "train.max_steps=6", *args], expect=2)
+    assert "is at step 6 and train.max_steps=6: nothing to train" in finished

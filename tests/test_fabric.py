@@ -3,6 +3,11 @@ checkpoints: sharded and full round trips, a resume at another world size, ``loa
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -133,3 +138,180 @@ def test_fabric_registers_fsdp_custom_and_checks_its_arguments():
         FSDPCustomFabricStrategy(sharding_stratgy="FULL_SHARD")
     with pytest.raises(ValueError, match="sharding_strategy='FULL_SHRAD' is not supported"):
         FSDPCustomFabricStrategy(sharding_strategy="FULL_SHRAD")
+
+
+def _trainer_save_body(rank: int, world: int, folder: str, state_dict_type: str) -> None:
+    from test_strategy import LitLM, quiet_trainer
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from fsdp_strategy import FSDPCustomStrategy
+
+    torch.manual_seed(0)
+    trainer = quiet_trainer(
+        strategy=FSDPCustomStrategy(auto_wrap_policy={Block}, state_dict_type=state_dict_type),
+        devices=world,
+        max_steps=2,
+    )
+    trainer.fit(LitLM(), DataLoader(TensorDataset(make_batches(4, 2).reshape(8, -1)), batch_size=2))
+    trainer.save_checkpoint(f"{folder}/trainer.ckpt")
+
+
+def _fabric_load_trainer_body(rank: int, world: int, folder: str) -> dict:
+    from test_strategy import LitLM
+
+    from fsdp_strategy.checkpoint import full_optimizer_state_dict
+
+    fabric = _fabric(FSDPCustomFabricStrategy(auto_wrap_policy={Block}), world)
+    torch.manual_seed(1)
+    model = fabric.setup_module(LitLM())
+    optimizer = fabric.setup_optimizers(model.configure_optimizers())
+    rest = fabric.load(f"{folder}/trainer.ckpt", {"model": model, "optimizer": optimizer})
+    return {
+        "weights": full_state_dict(model, rank0_only=False),
+        "optimizer": full_optimizer_state_dict(model, optimizer, rank0_only=False),
+        "rest": sorted(rest),
+    }
+
+
+@pytest.mark.parametrize("state_dict_type", ["sharded", "full"])
+def test_fabric_loads_the_trainer_strategys_checkpoints_under_its_own_names(tmp_path, state_dict_type):
+    from fsdp_strategy.checkpoint import consolidate
+
+    folder = str(tmp_path)
+    run_ranks(_trainer_save_body, 2, tmp_path, folder, state_dict_type, env=LIGHTNING_ENV, timeout=300)
+    loaded = run_ranks(_fabric_load_trainer_body, 3, tmp_path, folder, env=LIGHTNING_ENV, timeout=300)[0]
+    path = tmp_path / "trainer.ckpt"
+    saved = torch.load(consolidate(path, tmp_path / "one.ckpt") if path.is_dir() else path, weights_only=False)
+    assert set(loaded["weights"]) == set(saved["state_dict"])
+    assert all(torch.equal(loaded["weights"][name], value) for name, value in saved["state_dict"].items())
+    expected = saved["optimizer_states"][0]["state"]
+    assert set(loaded["optimizer"]["state"]) == set(expected)
+    for position, entry in expected.items():
+        assert torch.equal(loaded["optimizer"]["state"][position]["exp_avg"], entry["exp_avg"]), position
+    assert "loops" in loaded["rest"] and "global_step" in loaded["rest"]  # the Trainer's state comes back as is
+
+
+def _precision_body(rank: int, world: int, precision: str) -> dict:
+    runs = {}
+    ddp = "ddp_find_unused_parameters_true"  # TiedLM has an unused module
+    for name, strategy in [("ours", FSDPCustomFabricStrategy(auto_wrap_policy={Block})), ("ddp", ddp)]:
+        fabric = Fabric(strategy=strategy, accelerator="cpu", devices=world, precision=precision)
+        fabric.launch()
+        losses, _ = _steps(fabric, *_setup(fabric), 0, 3)
+        runs[name] = {"losses": losses}
+    return runs
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])  # Fabric turns 16-mixed into bf16 on a CPU
+def test_fabric_precisions_train_as_fabric_ddp(tmp_path, precision):
+    env = {**LIGHTNING_ENV, "TORCH_DISTRIBUTED_DEBUG": "OFF"}
+    runs = run_ranks(_precision_body, 2, tmp_path, precision, env=env, timeout=300)[0]
+    assert runs["ours"]["losses"] == pytest.approx(runs["ddp"]["losses"], rel=3e-2), runs
+
+
+def test_fabric_16_mixed_gets_a_sharded_grad_scaler():
+    from lightning.fabric.plugins import MixedPrecision
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    from fsdp_strategy import FSDPCustomFabricPrecision
+
+    plugin = FSDPCustomFabricPrecision.from_plugin(MixedPrecision("16-mixed", "cuda"))
+    plugin.attach("cpu")
+    assert isinstance(plugin.scaler, ShardedGradScaler)  # its inf check covers every rank's shards
+    assert plugin.mixed_precision_config.param_dtype == torch.float16
+    with pytest.raises(TypeError, match="cannot honour the precision plugin"):
+        FSDPCustomFabricPrecision.from_plugin(type("Custom", (MixedPrecision,), {})("bf16-mixed", "cpu"))
+
+
+FABRIC_JOB = str(Path(__file__).with_name("faulty_fabric_job.py"))
+
+
+def _job(command: list[str], cwd: Path) -> tuple[int, str, float]:
+    """Run a job in ``cwd`` (its flight recorder rings go there): return code, output, seconds."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    start = time.monotonic()
+    done = subprocess.run(
+        [part if part != "python" else sys.executable for part in command],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        start_new_session=True,
+    )
+    return done.returncode, done.stdout + done.stderr, time.monotonic() - start
+
+
+@pytest.mark.parametrize(
+    "launch",
+    [
+        ["python", FABRIC_JOB],
+        ["python", "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29597", FABRIC_JOB],
+    ],
+    ids=["fabric.launch", "torchrun"],
+)
+def test_a_dead_rank_under_fabric_is_named(tmp_path, launch):
+    code, output, seconds = _job([*launch, "--fault", "kill", "--rank", "1", "--step", "3"], tmp_path)
+    assert code != 0 and "FINISHED" not in output
+    assert seconds < 60, output[-3000:]
+    assert "fsdp_custom: rank 0 (node 0) stopped at all_gather #" in output, output[-4000:]
+    assert "rank 1 (node 0, host" in output and "LOST, its process has exited" in output, output[-4000:]
+
+
+def test_fabric_run_launches_a_script_with_the_strategy(tmp_path):
+    fabric_cli = shutil.which("fabric") or str(Path(sys.executable).with_name("fabric"))
+    code, output, _ = _job([fabric_cli, "run", "--accelerator=cpu", "--devices=2", FABRIC_JOB], tmp_path)
+    assert code == 0 and "FINISHED on 2 ranks" in output, output[-3000:]
+
+
+def _fabric_fsdp_layouts_body(rank: int, world: int, folder: str) -> dict:
+    """Two steps under Fabric's DDP; rank 0 writes its state in Fabric FSDP's layouts (made from
+    the DDP state: Fabric's FSDP needs CUDA, and the layout is what matters): a sharded folder (DCP
+    keys ``model`` and ``optimizer`` keyed by parameter name, ``meta.pt``) and a full file."""
+    import torch.distributed.checkpoint as dcp
+
+    fabric = _fabric("ddp_find_unused_parameters_true", world)
+    model, optimizer = _setup(fabric)
+    _steps(fabric, model, optimizer, 0, 2)
+    if rank == 0:
+        names = {id(p): name for name, p in model.module.named_parameters()}  # without DDP's prefixes
+        saved = optimizer.state_dict()
+        name_of = dict(enumerate(names[id(p)] for group in optimizer.param_groups for p in group["params"]))
+        by_name = {
+            "state": {name_of[i]: value for i, value in saved["state"].items()},
+            "param_groups": [{**g, "params": [name_of[i] for i in g["params"]]} for g in saved["param_groups"]],
+        }
+        state = {"model": model.state_dict(), "optimizer": by_name}
+        dcp.save(state, checkpoint_id=f"{folder}/fsdp.ckpt", no_dist=True)
+        torch.save({"step": 2}, f"{folder}/fsdp.ckpt/meta.pt")
+        torch.save({**state, "step": 2}, f"{folder}/fsdp_full.ckpt")
+        torch.save({"model": model.state_dict(), "optimizer": saved}, f"{folder}/ddp.ckpt")
+    fabric.barrier()
+    return {}
+
+
+def _load_fabric_fsdp_body(rank: int, world: int, folder: str, name: str) -> dict:
+    from fsdp_strategy.checkpoint import full_optimizer_state_dict
+
+    fabric = _fabric(FSDPCustomFabricStrategy(auto_wrap_policy={Block}), world)
+    model, optimizer = _setup(fabric, seed=1)
+    state = {"model": model, "optimizer": optimizer, "step": 0}
+    fabric.load(f"{folder}/{name}", state)
+    return {
+        "weights": full_state_dict(model, rank0_only=False),
+        "optimizer": full_optimizer_state_dict(model, optimizer, rank0_only=False),
+        "step": state["step"],
+    }
+
+
+@pytest.mark.parametrize("name", ["fsdp.ckpt", "fsdp_full.ckpt"])
+def test_fabric_loads_fabric_fsdps_layouts_at_another_world_size(tmp_path, name):
+    folder = str(tmp_path)
+    run_ranks(_fabric_fsdp_layouts_body, 2, tmp_path, folder, env=LIGHTNING_ENV, timeout=300)
+    loaded = run_ranks(_load_fabric_fsdp_body, 3, tmp_path, folder, name, env=LIGHTNING_ENV, timeout=300)[0]
+    ddp = torch.load(tmp_path / "ddp.ckpt", weights_only=True)
+    assert loaded["step"] == 2
+    assert all(torch.equal(loaded["weights"][key], value) for key, value in ddp["model"].items())
+    assert set(loaded["optimizer"]["state"]) == set(ddp["optimizer"]["state"])
+    for position, entry in ddp["optimizer"]["state"].items():
+        assert torch.equal(loaded["optimizer"]["state"][position]["exp_avg_sq"], entry["exp_avg_sq"]), position

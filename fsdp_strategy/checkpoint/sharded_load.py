@@ -207,8 +207,8 @@ def load_tensors(
     if meta is not None:
         verify_folder(folder, meta, process_group, view.watchdog)
     stored = _StoredKeys(folder)
-    prefixes = _optimizer_prefixes(stored, folder, len(optimizers), keys)
-    model_keys = stored.model(keys[0] if keys else "model")
+    model_key, prefixes = _resolve_keys(stored, folder, len(optimizers), keys)
+    model_keys = stored.model(model_key)
     check_compatible(folder, {name: stored.sizes[key] for name, key in model_keys.items()}, view, strict)
     legacy_groups = rest.pop("optimizer_groups", [])
     rest.pop("optimizer_layouts", None)
@@ -240,22 +240,24 @@ def load_tensors(
         names.load_state(optimizer, owners, {"state": local_state, "param_groups": groups}, folder, cut_rows=False)
 
 
-def _optimizer_prefixes(
+def _resolve_keys(
     stored: _StoredKeys, folder: Location, count: int, keys: tuple[str, list[str]] | None
-) -> list[str]:
-    """The DCP keys to load ``count`` optimizers from: the Trainer's ``optimizer_<i>`` (all of them
-    or, for a folder written without optimizers, none), or the ones ``keys`` names, which must all
-    be there, as must its model key."""
+) -> tuple[str, list[str]]:
+    """The DCP keys of the model and of ``count`` optimizers to load. Without ``keys``, the
+    Trainer's: ``model`` and ``optimizer_<i>`` (all of them or, for a folder written without
+    optimizers, none). With ``keys`` (Fabric's names), those, which must all be there; a folder
+    in the Trainer's layout answers to any names, in order (``model``, ``optimizer_0``, ...)."""
     tops = stored.tops()
-    if keys is None:
+    trainer_keys = ["model", *optimizer_keys(count)]
+    if keys is None or (set(trainer_keys) <= tops and not {keys[0], *keys[1]} <= tops):
         saved_count = len({top for top in tops if top.startswith("optimizer_")})
         if count and saved_count not in (0, count):
             raise CheckpointError(f"{folder}: holds {saved_count} optimizers, the model configures {count}")
-        return optimizer_keys(count if saved_count else 0)
+        return "model", optimizer_keys(count if saved_count else 0)
     missing = [key for key in (keys[0], *keys[1]) if key not in tops]
     if missing:
         raise CheckpointError(f"{folder}: holds nothing under {missing}; its keys are {sorted(tops)}")
-    return list(keys[1])
+    return keys[0], list(keys[1])
 
 
 def _clear_scalar_padding(view: ShardsView) -> None:

@@ -1,0 +1,156 @@
+"""Fabric's ``save``, ``load`` and ``load_raw`` for ``FSDPCustomFabricStrategy``, through the
+checkpoint package.
+
+Fabric FSDP's layouts: "sharded", a folder whose DCP keys are the saved state's own names for the
+model and its optimizers, ``meta.pt`` holding the rest; "full", one file
+``{model key: state dict, optimizer key: torch's optimizer state dict, ...rest}``. The Trainer
+strategy's checkpoints (``model``, ``optimizer_<i>``; ``state_dict``, ``optimizer_states``) load
+under any names, in order. A mixin: it uses the strategy's ``_state_dict_type``, ``_writer``,
+``broadcast`` and ``is_global_zero``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from lightning.fabric.strategies.strategy import _apply_filter, _validate_keys_for_strict_loading
+from lightning.fabric.utilities.cloud_io import _atomic_save
+from lightning.fabric.utilities.types import _PATH, _Stateful
+from torch import nn
+from torch.optim import Optimizer
+
+from fsdp_strategy.checkpoint import full, layout, sharded_load, storage
+from fsdp_strategy.checkpoint.layout import CheckpointError
+from fsdp_strategy.checkpoint.writer import save_targets
+from fsdp_strategy.engine import is_sharded
+
+
+class FabricCheckpoints:
+    """``save_checkpoint`` and ``load_checkpoint`` of the Fabric strategy. Costs: those of the
+    checkpoint package (a sharded save writes each rank's shards; a full one gathers unit by unit
+    to rank 0)."""
+
+    def save_checkpoint(
+        self,
+        path: _PATH,
+        state: dict[str, nn.Module | Optimizer | Any],
+        storage_options: Any = None,
+        filter: dict[str, Callable[[str, Any], bool]] | None = None,
+    ) -> None:
+        """Save as Fabric's FSDP does: "sharded", a folder (DCP keys: the state's names of the
+        model and its optimizers; ``meta.pt``: the rest); "full", one file written by rank 0.
+        Atomic: written under a temporary name, moved once every rank is done."""
+        if storage_options is not None:
+            raise TypeError(
+                f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported: the strategy "
+                "does not use a CheckpointIO (as Fabric's FSDPStrategy)"
+            )
+        if filter is not None and self._state_dict_type == "sharded":
+            raise NotImplementedError("a filter is supported with state_dict_type='full' only (as Fabric's FSDP)")
+        module_key, module = _the_module(state, "save")
+        optimizers = {key: value for key, value in state.items() if isinstance(value, Optimizer)}
+        rest = {
+            key: value.state_dict() if isinstance(value, _Stateful) else value
+            for key, value in state.items()
+            if key != module_key and key not in optimizers
+        }
+        final, temporary = save_targets(path, self._state_dict_type, self.is_global_zero, self.broadcast)
+        if self._state_dict_type == "sharded":
+            keys = (module_key, list(optimizers))
+            self._writer.save_sharded(final, temporary, module, list(optimizers.values()), rest, keys=keys)
+            return
+        converted: dict[str, Any] = {module_key: full.full_state_dict(module)}
+        for key, optimizer in optimizers.items():
+            converted[key] = full.full_optimizer_state_dict(module, optimizer)
+        everything: dict[str, Any] = {}
+        for key, value in {**converted, **rest}.items():
+            _apply_filter(key, filter or {}, value, everything)
+        self._writer.save_full(final, temporary, lambda url: _atomic_save(everything, url))
+
+    def load_checkpoint(
+        self,
+        path: _PATH,
+        state: nn.Module | Optimizer | dict[str, nn.Module | Optimizer | Any] | None = None,
+        strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """Load a sharded folder (ours, Fabric's or the Trainer's FSDP, any world size) or a full
+        file into the state's model, optimizers and objects; returns what the state did not ask
+        for. A module alone (``fabric.load_raw``) takes a plain state dict file or a folder."""
+        if not state:
+            raise ValueError(
+                f"Got {type(self).__name__}.load_checkpoint(..., state={state!r}) but a state with at least a model "
+                "instance to reload is required. Pass it in like so: load_checkpoint(..., state={'model': model, ...})"
+            )
+        where = storage.locate(self.broadcast(str(path)))
+        if isinstance(state, Optimizer):
+            raise NotImplementedError("Loading a single optimizer object from a checkpoint is not supported yet")
+        if isinstance(state, nn.Module):
+            _load_raw(where, state, strict, weights_only)
+            return {}
+        module_key, module = _the_module(state, "load")
+        optimizers = {key: value for key, value in state.items() if isinstance(value, Optimizer)}
+        if storage.isdir(where):
+            meta = layout.folder_meta(where)
+            rest = sharded_load.read_rest(where, meta, weights_only)
+            keys = (module_key, list(optimizers))
+            sharded_load.load_tensors(where, module, list(optimizers.values()), rest, strict, meta=meta, keys=keys)
+        else:
+            rest = full.load_file(where, weights_only)
+            weights, optimizer_states = _full_parts(rest, module_key, list(optimizers), where)
+            full.load_full_state_dict(module, weights, strict=strict, source=str(where))
+            for optimizer, optimizer_state in zip(optimizers.values(), optimizer_states):
+                full.load_full_optimizer_state_dict(module, optimizer, optimizer_state, source=where)
+        requested = state.keys() - {module_key} - optimizers.keys()
+        _validate_keys_for_strict_loading(requested, rest.keys(), strict=strict)
+        for key in requested & rest.keys():
+            value = rest.pop(key)
+            if isinstance(state[key], _Stateful):
+                state[key].load_state_dict(value)
+            else:
+                state[key] = value
+        return rest
+
+
+def _the_module(state: dict[str, Any], action: str) -> tuple[str, nn.Module]:
+    """The one sharded module of a state to save or load, and its key (Fabric FSDP's rule)."""
+    modules = [(key, value) for key, value in state.items() if isinstance(value, nn.Module) and is_sharded(value)]
+    if len(modules) != 1:
+        found = "no" if not modules else "several"
+        raise ValueError(
+            f"Found {found} sharded models in the state to {action}; give exactly one, set up through the strategy, "
+            f"like so: fabric.{action}(path, {{'model': model, 'optimizer': optimizer, ...}}); to {action} several "
+            "models, call it once per model with its own path"
+        )
+    return modules[0]
+
+
+def _full_parts(
+    checkpoint: dict[str, Any], module_key: str, optimizer_keys: list[str], where: storage.Location
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Take the model's state dict and the optimizers' states out of a full checkpoint: under the
+    state's names, or, in a file the Trainer wrote, ``state_dict`` and ``optimizer_states`` in order."""
+    if module_key not in checkpoint and "state_dict" in checkpoint:
+        saved = checkpoint.pop("optimizer_states", [])
+        if optimizer_keys and len(saved) != len(optimizer_keys):
+            raise CheckpointError(f"{where.url}: holds {len(saved)} optimizer states, the state names {optimizer_keys}")
+        return checkpoint.pop("state_dict"), saved[: len(optimizer_keys)]
+    missing = [key for key in (module_key, *optimizer_keys) if key not in checkpoint]
+    if missing:
+        raise CheckpointError(f"{where.url}: holds nothing under {missing}; its keys are {sorted(checkpoint)}")
+    return checkpoint.pop(module_key), [checkpoint.pop(key) for key in optimizer_keys]
+
+
+def _load_raw(where: storage.Location, module: nn.Module, strict: bool, weights_only: bool | None) -> None:
+    """``fabric.load_raw``: a plain state dict file (or a checkpoint folder's model) into ``module``."""
+    if not is_sharded(module):
+        module.load_state_dict(full.load_file(where, weights_only), strict=strict)
+        return
+    if storage.isdir(where):
+        meta = layout.folder_meta(where)
+        sharded_load.load_tensors(
+            where, module, [], sharded_load.read_rest(where, meta, weights_only), strict, meta=meta
+        )
+        return
+    full.load_full_state_dict(module, full.load_file(where, weights_only), strict=strict, source=str(where))
