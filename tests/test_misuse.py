@@ -98,3 +98,44 @@ def test_summon_inside_forward_is_refused():
         model(torch.randn(1, 2))
     assert model.layer.weight.shape == (2, 2)  # world of one: the shard is the whole tensor
     assert set(full_state_dict(model)) == {"layer.weight", "layer.bias"}  # the failed forward left it usable
+
+
+def _stale_optimizer_body(rank: int, world: int) -> dict:
+    """An optimizer created before sharding (it holds the model's old parameters) is refused at its
+    first step, instead of stepping tensors the model no longer uses; one created after steps."""
+    from lightning.fabric import Fabric
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    early = torch.optim.SGD(model.parameters(), lr=0.1)
+    shard_model(model, auto_wrap_policy={nn.Linear})
+    model(torch.randn(3, 4)).sum().backward()
+    told = {}
+    try:
+        early.step()
+    except RuntimeError as error:
+        told["engine"] = str(error)
+    torch.optim.SGD(model.parameters(), lr=0.1).step()  # created after sharding: fine
+    get_scheduler(model).close()
+
+    fabric = Fabric(strategy="fsdp_custom", accelerator="cpu", devices=world)
+    fabric.launch()
+    net = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(net.parameters()))  # the wrong order
+    net = fabric.setup_module(net)
+    fabric.backward(net(torch.randn(3, 4)).sum())
+    try:
+        optimizer.step()
+    except RuntimeError as error:
+        told["fabric"] = str(error)
+    return told
+
+
+def test_an_optimizer_created_before_sharding_is_refused(tmp_path):
+    from test_strategy import LIGHTNING_ENV
+
+    told = run_ranks(_stale_optimizer_body, 2, tmp_path, env=LIGHTNING_ENV)[0]
+    assert "SGD holds 4 parameters of the model from before it was sharded (0.weight, 0.bias, 1.weight" in told.get(
+        "engine", ""
+    ), told
+    assert "AdamW holds 4 parameters" in told.get("fabric", "") and "fabric.setup(model, optimizer)" in told["fabric"]

@@ -34,6 +34,10 @@ class OptimizerSteps:
     def __init__(self, units: list[FSDPUnit], device_layer: DeviceLayer) -> None:
         self._units = units
         self._device_layer = device_layer
+        # id -> (weak reference, name) of the parameters sharding replaced: stepping one is a mistake
+        self._replaced = {
+            id(p.replaced()): (p.replaced, p.fqn) for unit in units for p in unit.params if p.replaced() is not None
+        }
         self._stepping: dict[int, list[FSDPUnit]] = {}  # optimizer id -> gathered units its step changes
         self._handles: list[Any] = []
         self.open()
@@ -73,6 +77,7 @@ class OptimizerSteps:
     def _before_step(self, optimizer: Any) -> None:
         if isinstance(optimizer, NOT_ELEMENTWISE):
             self._refuse(optimizer)
+        self._refuse_replaced(optimizer)
         self._device_layer.before_host_writes_shards()  # [Note: host and device] 1
         units = self._gathered_units_of(optimizer)
         for unit in units:
@@ -88,6 +93,24 @@ class OptimizerSteps:
                 "whole parameter vector (norms, dot products, row and column statistics), and each rank holds only "
                 "its shard, so its steps would differ from DDP's. Use an elementwise optimizer (SGD, Adam, AdamW, "
                 "RMSprop, Adagrad, ...)"
+            )
+
+    def _refuse_replaced(self, optimizer: Any) -> None:
+        """An optimizer created before sharding holds the model's old parameters: its steps would
+        change tensors the model no longer uses (silently nothing). Costs: a dict lookup per parameter."""
+        replaced = self._replaced
+        stale = [
+            replaced[id(p)][1]
+            for group in optimizer.param_groups
+            for p in group["params"]
+            if id(p) in replaced and replaced[id(p)][0]() is p
+        ]
+        if stale:
+            raise RuntimeError(
+                f"{type(optimizer).__name__} holds {len(stale)} parameters of the model from before it was sharded "
+                f"({', '.join(stale[:3])}{', ...' if len(stale) > 3 else ''}): the model no longer uses them, so its "
+                "steps would change nothing. Create the optimizer after sharding (shard_model, fabric.setup_module), "
+                "or set both up together with fabric.setup(model, optimizer)"
             )
 
     def _after_step(self, optimizer: Any) -> None:

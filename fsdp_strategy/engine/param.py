@@ -12,6 +12,7 @@ Padding rows stay zero: their gradients are zero, so optimizers leave them at ze
 from __future__ import annotations
 
 import math
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -62,6 +63,7 @@ class ShardedParam:
         storage_device, compute_device = layout.storage_device, layout.compute_device
         self.fqn = fqn
         self.uses = uses
+        self.replaced = weakref.ref(param)  # the model's parameter before sharding (an optimizer may still hold it)
         self.shape = param.shape
         self.dim0 = param.shape[0] if param.dim() > 0 else 1
         self.row_numel = math.prod(param.shape[1:])
