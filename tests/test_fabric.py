@@ -112,6 +112,11 @@ def _resume_body(rank: int, world: int, folder: str, state_dict_type: str) -> di
         plain = fabric.setup_module(TiedLM())
         fabric.load_raw(f"{folder}/raw.pt", plain)
         raw = {name: tensor for name, tensor in full_state_dict(plain, rank0_only=False).items()}
+        # Fabric's DDP resumes from the same file: the same losses
+        ddp = _fabric("ddp_find_unused_parameters_true", world)
+        model, optimizer = _setup(ddp, seed=1)
+        ddp.load(f"{folder}/ckpt", {"model": model, "optimizer": optimizer})
+        raw["ddp_continued"] = _steps(ddp, model, optimizer, 2, 2)[0]
     return {"continued": continued, "iteration": state["iteration"], "raw": raw}
 
 
@@ -125,6 +130,7 @@ def test_fabric_checkpoints_round_trip_and_resume_at_another_world_size(tmp_path
     assert resumed["continued"] == pytest.approx(saved["straight"][2:], rel=1e-5, abs=1e-6)  # at world 3
     assert resumed["iteration"] == 2
     if state_dict_type == "full":
+        assert resumed["raw"].pop("ddp_continued") == pytest.approx(saved["straight"][2:], rel=1e-5, abs=1e-6)
         stored = torch.load(Path(folder) / "raw.pt")
         assert set(resumed["raw"]) == set(stored)
         assert all(torch.equal(resumed["raw"][name], stored[name]) for name in stored)
