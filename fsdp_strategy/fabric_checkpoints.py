@@ -91,19 +91,20 @@ class FabricCheckpoints:
             return {}
         module_key, module = _the_module(state, "load")
         optimizers = {key: value for key, value in state.items() if isinstance(value, Optimizer)}
-        if storage.isdir(where):
+        requested = state.keys() - {module_key} - optimizers.keys()
+        if storage.isdir(where):  # every check before the first tensor is copied: a failed load changes nothing
             meta = layout.folder_meta(where)
             rest = sharded_load.read_rest(where, meta, weights_only)
+            _validate_keys_for_strict_loading(requested, rest.keys(), strict=strict)
             keys = (module_key, list(optimizers))
             sharded_load.load_tensors(where, module, list(optimizers.values()), rest, strict, meta=meta, keys=keys)
         else:
             rest = full.load_file(where, weights_only)
             weights, optimizer_states = _full_parts(rest, module_key, list(optimizers), where)
+            _validate_keys_for_strict_loading(requested, rest.keys(), strict=strict)
             full.load_full_state_dict(module, weights, strict=strict, source=str(where))
             for optimizer, optimizer_state in zip(optimizers.values(), optimizer_states):
                 full.load_full_optimizer_state_dict(module, optimizer, optimizer_state, source=where)
-        requested = state.keys() - {module_key} - optimizers.keys()
-        _validate_keys_for_strict_loading(requested, rest.keys(), strict=strict)
         for key in requested & rest.keys():
             value = rest.pop(key)
             if isinstance(state[key], _Stateful):
@@ -153,4 +154,12 @@ def _load_raw(where: storage.Location, module: nn.Module, strict: bool, weights_
             where, module, [], sharded_load.read_rest(where, meta, weights_only), strict, meta=meta
         )
         return
-    full.load_full_state_dict(module, full.load_file(where, weights_only), strict=strict, source=str(where))
+    weights = full.load_file(where, weights_only)
+    own = set(module.state_dict())
+    holders = sorted(key for key, value in weights.items() if isinstance(value, dict) and own & set(value))
+    if holders and not own & set(weights):
+        raise CheckpointError(
+            f"{where.url}: a checkpoint holding the model under {holders}, not a plain state dict: load it with "
+            f"fabric.load(path, {{{holders[0]!r}: model, ...}}); load_raw takes a file of the model's state dict"
+        )
+    full.load_full_state_dict(module, weights, strict=strict, source=str(where))

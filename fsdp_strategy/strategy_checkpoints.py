@@ -133,6 +133,11 @@ class CheckpointHooks:
         else:
             meta = None
             checkpoint = full.load_file(path, weights_only)
+        if "pytorch-lightning_version" not in checkpoint:  # Lightning would fail on the key itself, unexplained
+            raise ckpt.CheckpointError(
+                f"{path.url}: not a Lightning checkpoint (it holds {sorted(checkpoint)[:8]}): one written by Fabric or "
+                "by hand? Resume it with Fabric (fabric.load), or take its weights with fsdp-consolidate --weights-only"
+            )
         self._checkpoint_to_load = _CheckpointToLoad(path, is_folder, meta, checkpoint)
         self._take_data_position(checkpoint)
         return checkpoint

@@ -18,7 +18,7 @@ from models import Block, TiedLM, lm_loss, make_batches
 from test_strategy import LIGHTNING_ENV
 
 from fsdp_strategy import FSDPCustomFabricStrategy
-from fsdp_strategy.checkpoint import full_state_dict
+from fsdp_strategy.checkpoint import CheckpointError, full_state_dict, load_folder
 
 ACCUMULATE = 2  # micro-batches per optimizer step
 GLOBAL = 12  # samples per micro-batch over all ranks (splits evenly over 1, 2, 3 ranks)
@@ -101,6 +101,14 @@ def _save_body(rank: int, world: int, folder: str, state_dict_type: str) -> dict
 def _resume_body(rank: int, world: int, folder: str, state_dict_type: str) -> dict:
     fabric = _fabric(_strategy(state_dict_type), world)
     model, optimizer = _setup(fabric, seed=1)
+    before = full_state_dict(model, rank0_only=False)
+    refused = ""
+    try:  # a key the checkpoint lacks: refused before anything is loaded
+        fabric.load(f"{folder}/ckpt", {"model": model, "optimizer": optimizer, "iteration": 0, "extra": 5})
+    except KeyError as error:
+        refused = str(error)
+    after = full_state_dict(model, rank0_only=False)
+    unchanged = all(torch.equal(before[name], after[name]) for name in before) and not optimizer.state
     state = {"model": model, "optimizer": optimizer, "iteration": 0}
     fabric.load(f"{folder}/ckpt", state)
     continued = _steps(fabric, model, optimizer, 2, 2)[0]
@@ -110,6 +118,8 @@ def _resume_body(rank: int, world: int, folder: str, state_dict_type: str) -> di
             torch.save(torch.load(f"{folder}/ckpt", weights_only=True)["model"], f"{folder}/raw.pt")
         fabric.barrier()
         plain = fabric.setup_module(TiedLM())
+        with pytest.raises(CheckpointError, match=r"holding the model under \['model'\], not a plain state dict"):
+            fabric.load_raw(f"{folder}/ckpt", plain)
         fabric.load_raw(f"{folder}/raw.pt", plain)
         raw = {name: tensor for name, tensor in full_state_dict(plain, rank0_only=False).items()}
         # Fabric's DDP resumes from the same file: the same losses
@@ -117,7 +127,7 @@ def _resume_body(rank: int, world: int, folder: str, state_dict_type: str) -> di
         model, optimizer = _setup(ddp, seed=1)
         ddp.load(f"{folder}/ckpt", {"model": model, "optimizer": optimizer})
         raw["ddp_continued"] = _steps(ddp, model, optimizer, 2, 2)[0]
-    return {"continued": continued, "iteration": state["iteration"], "raw": raw}
+    return {"continued": continued, "iteration": state["iteration"], "raw": raw, "refused": refused, "kept": unchanged}
 
 
 @pytest.mark.parametrize("state_dict_type", ["sharded", "full"])
@@ -129,6 +139,7 @@ def test_fabric_checkpoints_round_trip_and_resume_at_another_world_size(tmp_path
     resumed = run_ranks(_resume_body, 3, tmp_path, folder, state_dict_type, env=LIGHTNING_ENV, timeout=300)[0]
     assert resumed["continued"] == pytest.approx(saved["straight"][2:], rel=1e-5, abs=1e-6)  # at world 3
     assert resumed["iteration"] == 2
+    assert "extra" in resumed["refused"] and resumed["kept"]  # a failed strict load changed nothing
     if state_dict_type == "full":
         assert resumed["raw"].pop("ddp_continued") == pytest.approx(saved["straight"][2:], rel=1e-5, abs=1e-6)
         stored = torch.load(Path(folder) / "raw.pt")
@@ -321,3 +332,34 @@ def test_fabric_loads_fabric_fsdps_layouts_at_another_world_size(tmp_path, name)
     assert set(loaded["optimizer"]["state"]) == set(ddp["optimizer"]["state"])
     for position, entry in ddp["optimizer"]["state"].items():
         assert torch.equal(loaded["optimizer"]["state"][position]["exp_avg_sq"], entry["exp_avg_sq"]), position
+
+
+def _trainer_resumes_fabric_folder_body(rank: int, world: int, folder: str) -> str:
+    from test_strategy import LitLM, quiet_trainer
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from fsdp_strategy import FSDPCustomStrategy
+
+    fabric = _fabric(FSDPCustomFabricStrategy(auto_wrap_policy={Block}), world)
+    torch.manual_seed(0)
+    model = fabric.setup_module(LitLM())
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    fabric.save(f"{folder}/fabric.ckpt", {"model": model, "optimizer": optimizer, "step": 0})
+    try:  # the engine's own loader, in the Trainer's names: the optimizer state is not left behind silently
+        load_folder(f"{folder}/fabric.ckpt", fabric.strategy.model, [optimizer.optimizer])
+    except CheckpointError as error:
+        engine_told = str(error)
+    fabric.strategy.teardown()
+    trainer = quiet_trainer(strategy=FSDPCustomStrategy(auto_wrap_policy={Block}), devices=world, max_steps=2)
+    try:
+        loader = DataLoader(TensorDataset(make_batches(4, 2).reshape(8, -1)), batch_size=2)
+        trainer.fit(LitLM(), loader, ckpt_path=f"{folder}/fabric.ckpt")
+    except CheckpointError as error:
+        return engine_told + "\n" + str(error)
+    return "resumed"
+
+
+def test_the_trainer_refuses_a_fabric_checkpoint_with_a_message(tmp_path):
+    told = run_ranks(_trainer_resumes_fabric_folder_body, 2, tmp_path, str(tmp_path), env=LIGHTNING_ENV)[0]
+    assert "fabric.ckpt: not a Lightning checkpoint (it holds ['step']): one written by Fabric" in told, told
+    assert "holds no optimizer_0 but ['optimizer']: a checkpoint written by Fabric?" in told, told

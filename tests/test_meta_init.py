@@ -149,6 +149,38 @@ def test_modules_nothing_can_initialize_are_named():
         shard_model(model)
 
 
+class IndexMix(nn.Module):
+    """A linear layer with an integer permutation and a bool mask made in __init__; its
+    reset_parameters() resets the layer and, with ``writes``, the buffers too (in place)."""
+
+    def __init__(self, writes: bool) -> None:
+        super().__init__()
+        self.writes = writes
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("perm", torch.arange(7, -1, -1))
+        self.register_buffer("mask", torch.ones(8, dtype=torch.bool))
+
+    def reset_parameters(self) -> None:
+        self.lin.reset_parameters()
+        if self.writes:
+            self.perm.copy_(torch.arange(7, -1, -1))
+            self.mask.fill_(True)
+
+    def forward(self, x):
+        return self.lin(x[:, self.perm] * self.mask)
+
+
+def test_integer_and_bool_buffers_nothing_initialized_are_named_not_zeroed():
+    with torch.device("meta"):
+        model = IndexMix(writes=False)
+    with pytest.raises(ValueError, match=r"\['perm', 'mask'\].*param_init_fn"):  # were silently all 0 / False
+        shard_model(model)
+    with torch.device("meta"):
+        model = IndexMix(writes=True)
+    shard_model(model)
+    assert model.perm.tolist() == list(range(7, -1, -1)) and bool(model.mask.all())
+
+
 def test_param_init_fn_initializes_what_reset_parameters_cannot():
     def init(module: nn.Module) -> None:
         module.to_empty(device=torch.device("cpu"), recurse=False)

@@ -253,6 +253,12 @@ def _resolve_keys(
         saved_count = len({top for top in tops if top.startswith("optimizer_")})
         if count and saved_count not in (0, count):
             raise CheckpointError(f"{folder}: holds {saved_count} optimizers, the model configures {count}")
+        others = sorted(tops - {"model", "averaged_model"} - set(optimizer_keys(saved_count)))
+        if count and not saved_count and others:  # Fabric's names: its optimizer state would be left behind
+            raise CheckpointError(
+                f"{folder}: holds no {', '.join(optimizer_keys(count))} but {others}: a checkpoint written by "
+                "Fabric? Resume it with Fabric (fabric.load), or take its weights with fsdp-consolidate --weights-only"
+            )
         return "model", optimizer_keys(count if saved_count else 0)
     missing = [key for key in (keys[0], *keys[1]) if key not in tops]
     if missing:

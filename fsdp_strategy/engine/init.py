@@ -10,8 +10,9 @@ is sharded (so peak memory is about one unit's full size, not the model's), by:
    Face's ``initialize_weights`` does, the ``_init_weights`` of the nearest enclosing module that
    defines one is called on every module of the unit whose subtree was on the meta device,
    children before parents, so a parent's rescaling of its children (GPT-2's ``c_proj``) happens
-   after the children's own initialization. A floating tensor still NaN afterwards was
-   initialized by nothing: that is an error naming it, as is a module neither can initialize.
+   after the children's own initialization. A floating tensor still NaN afterwards, or another
+   (integer, bool) still the allocated one, unwritten, was initialized by nothing: that is an
+   error naming it, as is a module neither can initialize.
 An ``_init_weights`` that changes tensors of another unit (a parent whose child is a unit of its
 own) cannot reach them: keep such a child in its parent's unit.
 """
@@ -56,9 +57,11 @@ def weight_initializers(root: nn.Module) -> dict[int, Callable[[nn.Module], None
     return found
 
 
-def _allocate_meta(module: nn.Module, device: torch.device) -> list[str]:
-    """Replace the module's own meta tensors by NaN-filled ones on ``device``; return their names."""
-    allocated = []
+def _allocate_meta(module: nn.Module, device: torch.device) -> dict[str, tuple[torch.Tensor, int]]:
+    """Replace the module's own meta tensors by fresh ones on ``device`` (floating: NaN; others:
+    zero); return ``name -> (tensor, its version now)``: a non-floating tensor nothing wrote to
+    has the same object and version afterwards."""
+    allocated = {}
     with torch.no_grad():
         for store in (module._parameters, module._buffers):
             for name, tensor in store.items():
@@ -72,7 +75,7 @@ def _allocate_meta(module: nn.Module, device: torch.device) -> list[str]:
                 if isinstance(tensor, nn.Parameter):
                     fresh = nn.Parameter(fresh, requires_grad=tensor.requires_grad)
                 store[name] = fresh
-                allocated.append(name)
+                allocated[name] = (fresh, fresh._version)
     return allocated
 
 
@@ -131,7 +134,7 @@ def materialize(
             stuck.extend(_meta_names(_dotted(prefix), module))
         _raise_if_stuck(stuck)
         return
-    allocated: list[tuple[str, nn.Module, list[str]]] = []
+    allocated: list[tuple[str, nn.Module, dict[str, tuple[torch.Tensor, int]]]] = []
     for prefix, module in on_meta:
         reset = getattr(module, "reset_parameters", None)
         if not callable(reset) and id(module) not in initializers:
@@ -145,14 +148,19 @@ def materialize(
                 reset()
     tied_later = {(id(use.module), use.name) for places in (uses or {}).values() for use in places[1:]}
     _run_initializers([m for _, m in modules], {id(m) for _, m, _ in allocated}, initializers, order, tied_later)
-    for prefix, module, names in allocated:
+    for prefix, module, fresh in allocated:
         tensors = {**module._parameters, **module._buffers}
-        stuck.extend(
-            f"{_dotted(prefix)}{name}"
-            for name in names
-            if tensors[name].is_floating_point() and torch.isnan(tensors[name]).any()
-        )
+        stuck.extend(f"{_dotted(prefix)}{name}" for name, made in fresh.items() if _unwritten(tensors[name], *made))
     _raise_if_stuck(stuck)
+
+
+def _unwritten(tensor: torch.Tensor, fresh: torch.Tensor, version: int) -> bool:
+    """Whether nothing initialized an allocated tensor: a floating one is still NaN somewhere; any
+    other is still the allocated object, unchanged since (its version counter: an integer
+    permutation or a bool mask zero-filled would otherwise pass as initialized)."""
+    if tensor.is_floating_point():
+        return bool(torch.isnan(tensor).any())
+    return tensor is fresh and tensor._version == version
 
 
 def _run_initializers(
