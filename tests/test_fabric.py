@@ -263,7 +263,10 @@ def _job(command: list[str], cwd: Path) -> tuple[int, str, float]:
     "launch",
     [
         ["python", FABRIC_JOB],
-        ["python", "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29597", FABRIC_JOB],
+        # torchrun ends the other ranks 0.1 s after one dies (its default monitor interval), often before
+        # they print; 2 s lets rank 0 say what it saw, which is what this test reads
+        ["python", "-m", "torch.distributed.run", "--nproc_per_node=2", "--monitor-interval=2", "--master_port=29597"]
+        + [FABRIC_JOB],
     ],
     ids=["fabric.launch", "torchrun"],
 )
