@@ -14,6 +14,7 @@ import inspect
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from jsonargparse import ArgumentError, ArgumentParser
 from omegaconf import DictConfig, OmegaConf
@@ -133,6 +134,46 @@ def load(argv: list[str], default: Path, open_sections: OpenSections) -> DictCon
     for name, (target, reserved) in open_sections.items():
         _check_open_section(name, config[name], target, reserved)
     return config
+
+
+def build_or_exit(config: DictConfig, builders: dict[str, Callable[[dict], Any]]) -> list[Any]:
+    """``builders[name](section as a dict)`` for each named section, before anything starts; a value
+    the built object refuses (``TypeError``/``ValueError``) ends the script naming the section."""
+    built = []
+    for name, build in builders.items():
+        try:
+            built.append(build(OmegaConf.to_container(config[name])))
+        except (TypeError, ValueError) as error:
+            exit_with(f"{name}: {error}")
+    return built
+
+
+def positive_ints_or_exit(config: DictConfig, section: str, keys: tuple[str, ...], need: str) -> None:
+    """End the script unless each ``section.key`` is a positive int (``need``: what the message says
+    the script needs, and why)."""
+    for key in keys:
+        value = config[section].get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            exit_with(f"{section}.{key}={value!r}: this script needs {need}")
+
+
+def resume_or_exit(
+    config: DictConfig, last: Path, step_key: str, max_steps_key: str, read_state: Callable[[Path], dict]
+) -> Path | None:
+    """The checkpoint ``resume`` names (``"last"``: ``last``), or None; the script ends when there is
+    none, or when its step (``read_state(path)[step_key]``) has reached ``max_steps_key``."""
+    if config.resume is None:
+        return None
+    path = last if config.resume == "last" else Path(str(config.resume))
+    if not path.exists():
+        exit_with(f"resume={config.resume}: no checkpoint at {path}; run without resume first")
+    step, limit = int(read_state(path)[step_key]), OmegaConf.select(config, max_steps_key)
+    if step >= limit:
+        exit_with(
+            f"{path} is at step {step} and {max_steps_key}={limit}: nothing to train. Continue with a larger "
+            f"max_steps: python examples/{Path(sys.argv[0]).name} resume={config.resume} {max_steps_key}={step + limit}"
+        )
+    return path
 
 
 def exit_with(message: str) -> None:

@@ -38,41 +38,19 @@ from fsdp_strategy import FSDPCustomFabricStrategy
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "fabric_gpt.yaml"
 
 
-def settings_or_exit(config: DictConfig) -> tuple[FSDPCustomFabricStrategy, GPTConfig, OptimizerSettings]:
+def settings_or_exit(config: DictConfig) -> list:
     """The strategy, model shape and optimizer settings, built before anything starts; a value they
     refuse ends the script with its message (status 2)."""
-    built = []
-    for name, build in (
-        ("strategy", lambda values: FSDPCustomFabricStrategy(**{"auto_wrap_policy": {Block}, **values})),
-        ("model", lambda values: GPTConfig(**values)),
-        ("optimizer", lambda values: OptimizerSettings(**values)),
-    ):
-        try:
-            built.append(build(OmegaConf.to_container(config[name])))
-        except (TypeError, ValueError) as error:
-            example_config.exit_with(f"{name}: {error}")
-    for key in ("max_steps", "accumulate", "log_every_n_steps", "save_every_n_steps"):
-        value = config.train[key]
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            example_config.exit_with(f"train.{key}={value!r}: must be a positive int")
-    strategy, model_config, optimizer = built
-    return strategy, model_config, optimizer
-
-
-def resume_path(config: DictConfig, checkpoint: Path) -> Path | None:
-    """The checkpoint to continue (``resume``), or None; a missing one ends the script."""
-    if config.resume is None:
-        return None
-    path = checkpoint if config.resume == "last" else Path(str(config.resume))
-    if not path.exists():
-        example_config.exit_with(f"resume={config.resume}: no checkpoint at {path}; run without resume first")
-    step = int(checkpoint_state(path)["step"])
-    if step >= config.train.max_steps:
-        example_config.exit_with(
-            f"{path} is at step {step} and train.max_steps={config.train.max_steps}: nothing to train. Continue with "
-            f"a larger max_steps: python examples/fabric_gpt.py resume={config.resume} train.max_steps={2 * step}"
-        )
-    return path
+    keys = ("max_steps", "accumulate", "log_every_n_steps", "save_every_n_steps")
+    example_config.positive_ints_or_exit(config, "train", keys, "a positive int")
+    return example_config.build_or_exit(
+        config,
+        {
+            "strategy": lambda values: FSDPCustomFabricStrategy(**{"auto_wrap_policy": {Block}, **values}),
+            "model": lambda values: GPTConfig(**values),
+            "optimizer": lambda values: OptimizerSettings(**values),
+        },
+    )
 
 
 def endless(loader: Iterator) -> Iterator[torch.Tensor]:
@@ -94,7 +72,7 @@ def main(argv: list[str]) -> None:
     )
     strategy, model_config, settings = settings_or_exit(config)
     train, out = config.train, Path(config.train.out_dir)
-    resume = resume_path(config, out / "last.ckpt")
+    resume = example_config.resume_or_exit(config, out / "last.ckpt", "step", "train.max_steps", checkpoint_state)
     run_id = checkpoint_state(resume).get("wandb_run_id") if resume is not None else None
     logger = WandbLogger(
         project=config.logger.project, save_dir=str(out.resolve()), offline=config.logger.offline, id=run_id

@@ -50,23 +50,6 @@ class WandbRunInCheckpoint(Callback):
         checkpoint["wandb_run_id"] = self.logger.version
 
 
-def resume_path(config: DictConfig, checkpoint_dir: Path) -> Path | None:
-    """The checkpoint to resume from; exits with a message when there is none or nothing to train."""
-    if config.resume is None:
-        return None
-    path = checkpoint_dir / "last.ckpt" if config.resume == "last" else Path(str(config.resume))
-    if not path.exists():
-        example_config.exit_with(f"resume={config.resume}: no checkpoint at {path}; run without resume first")
-    step = int(checkpoint_state(path)["global_step"])
-    if step >= config.trainer.max_steps:
-        example_config.exit_with(
-            f"{path} is at step {step} and trainer.max_steps={config.trainer.max_steps}: "
-            f"nothing to train. Continue with a larger max_steps: python examples/train_gpt.py "
-            f"resume={config.resume} trainer.max_steps={step + config.trainer.max_steps}"
-        )
-    return path
-
-
 def wandb_logger(config: DictConfig, root: Path, resume: Path | None) -> WandbLogger:
     """The W&B logger; a resumed run continues the W&B run that saved the checkpoint (same id)."""
     run_id = checkpoint_state(resume).get("wandb_run_id") if resume is not None else None
@@ -79,29 +62,23 @@ def wandb_logger(config: DictConfig, root: Path, resume: Path | None) -> WandbLo
     )
 
 
-def settings_or_exit(config: DictConfig) -> tuple[fsdp_strategy.FSDPCustomStrategy, GPTConfig, OptimizerSettings]:
+def settings_or_exit(config: DictConfig) -> list:
     """The strategy, model shape and optimizer settings the config describes, built before anything
     starts; a value they refuse (or a step count the schedule cannot use) ends the script with its
     message."""
-    for key in ("max_steps", "val_check_interval"):
-        value = config.trainer.get(key)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            example_config.exit_with(
-                f"trainer.{key}={value!r}: this script needs a positive number of steps "
-                "(the learning-rate schedule spans max_steps; checkpoints are written every val_check_interval)"
-            )
-    built = []
-    for name, build in (
-        ("strategy", lambda values: fsdp_strategy.FSDPCustomStrategy(**{"auto_wrap_policy": {Block}, **values})),
-        ("model", lambda values: GPTConfig(**values)),
-        ("optimizer", lambda values: OptimizerSettings(**values)),
-    ):
-        try:
-            built.append(build(OmegaConf.to_container(config[name])))
-        except (TypeError, ValueError) as error:
-            example_config.exit_with(f"{name}: {error}")
-    strategy, model_config, optimizer = built
-    return strategy, model_config, optimizer
+    need = (
+        "a positive number of steps (the learning-rate schedule spans max_steps; checkpoints are written "
+        "every val_check_interval)"
+    )
+    example_config.positive_ints_or_exit(config, "trainer", ("max_steps", "val_check_interval"), need)
+    return example_config.build_or_exit(
+        config,
+        {
+            "strategy": lambda values: fsdp_strategy.FSDPCustomStrategy(**{"auto_wrap_policy": {Block}, **values}),
+            "model": lambda values: GPTConfig(**values),
+            "optimizer": lambda values: OptimizerSettings(**values),
+        },
+    )
 
 
 def main(argv: list[str]) -> None:
@@ -118,7 +95,9 @@ def main(argv: list[str]) -> None:
     strategy, model_config, optimizer = settings_or_exit(config)
     root = Path(config.trainer.default_root_dir)
     checkpoint_dir = root / "checkpoints"
-    resume = resume_path(config, checkpoint_dir)
+    resume = example_config.resume_or_exit(
+        config, checkpoint_dir / "last.ckpt", "global_step", "trainer.max_steps", checkpoint_state
+    )
     L.seed_everything(config.seed)
     logger = wandb_logger(config, root, resume)
     every = config.monitors.log_every_n_steps

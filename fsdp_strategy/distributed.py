@@ -19,10 +19,21 @@ from lightning.fabric.utilities.distributed import (
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
 )
+from lightning.fabric.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
 from fsdp_strategy.arguments import init_process_group_kwargs
 from fsdp_strategy.config import ShardingStrategy
 from fsdp_strategy.engine import watchdog
+
+
+def set_world_ranks(strategy: Any) -> None:
+    """Tell the cluster environment this process's global rank and the world size (node-major), and
+    Lightning's rank-zero utilities the rank."""
+    if strategy.cluster_environment is not None:
+        strategy.cluster_environment.set_global_rank(strategy.node_rank * strategy.num_processes + strategy.local_rank)
+        strategy.cluster_environment.set_world_size(strategy.num_nodes * strategy.num_processes)
+    rank_zero_only.rank = utils_rank_zero_only.rank = strategy.global_rank
 
 
 def mesh_shape(device_mesh: Any, sharding_strategy: ShardingStrategy, num_nodes: int, num_processes: int) -> Any:

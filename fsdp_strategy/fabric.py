@@ -30,9 +30,7 @@ from lightning.fabric.strategies.strategy import (
     _BackwardSyncControl,
     _Sharded,
 )
-from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.fabric.utilities.types import Optimizable, ReduceOp
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
@@ -43,7 +41,7 @@ from fsdp_strategy.arguments import (
 )
 from fsdp_strategy.checkpoint.writer import CheckpointWriter
 from fsdp_strategy.config import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
-from fsdp_strategy.distributed import build_mesh, connect, mesh_shape
+from fsdp_strategy.distributed import build_mesh, connect, mesh_shape, set_world_ranks
 from fsdp_strategy.engine import get_scheduler, is_sharded, shard_with_options
 from fsdp_strategy.engine.watchdog import Watchdog
 from fsdp_strategy.fabric_checkpoints import FabricCheckpoints
@@ -153,10 +151,7 @@ class FSDPCustomFabricStrategy(StrategyArguments, WatchdogHooks, FabricCheckpoin
     def setup_environment(self) -> None:
         """Set ranks, check the mesh against the world size, create the process group(s)."""
         super().setup_environment()
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        set_world_ranks(self)
         self._device_mesh = mesh_shape(self._device_mesh, self.sharding_strategy, self.num_nodes, self.num_processes)
         assert self.cluster_environment is not None
         self._process_group_backend = connect(

@@ -27,8 +27,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
 from fsdp_strategy import averaging
@@ -40,7 +39,7 @@ from fsdp_strategy.arguments import (
 )
 from fsdp_strategy.checkpoint.writer import CheckpointWriter
 from fsdp_strategy.config import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
-from fsdp_strategy.distributed import build_mesh, connect, mesh_shape
+from fsdp_strategy.distributed import build_mesh, connect, mesh_shape, set_world_ranks
 from fsdp_strategy.engine import Scheduler, get_scheduler, is_sharded, shard_with_options
 from fsdp_strategy.engine.ledger import CommLedger
 from fsdp_strategy.engine.watchdog import Watchdog
@@ -224,10 +223,7 @@ class FSDPCustomStrategy(StrategyArguments, WatchdogHooks, CheckpointHooks, Para
         self._device_mesh = build_mesh(self._device_mesh, self.root_device.type)
 
     def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        set_world_ranks(self)
 
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None

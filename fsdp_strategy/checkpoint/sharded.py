@@ -188,16 +188,15 @@ def optimizer_keys(count: int) -> list[str]:
 
 
 def prepare_state(
-    model: nn.Module | ShardsView,
-    optimizers: list[torch.optim.Optimizer],
-    model_key: str = "model",
-    optimizer_names: list[str] | None = None,
+    model: nn.Module | ShardsView, optimizers: list[torch.optim.Optimizer], keys: tuple[str, list[str]] | None = None
 ) -> dict[str, Any]:
-    """The tensors (and param groups) DCP writes ([Note: Lightning's sharded layout]); Fabric's
-    layout names them as the saved state does (``model_key``, ``optimizer_names``)."""
+    """The tensors (and param groups) DCP writes ([Note: Lightning's sharded layout]) under
+    ``keys`` (the model's and each optimizer's; default the Trainer's ``model``, ``optimizer_<i>``;
+    Fabric's layout names them as the saved state does)."""
     view = ShardsView.of(model)
+    model_key, optimizer_names = keys or ("model", optimizer_keys(len(optimizers)))
     state: dict[str, Any] = {model_key: model_state(view)}
-    for key, optimizer in zip(optimizer_names or optimizer_keys(len(optimizers)), optimizers):
+    for key, optimizer in zip(optimizer_names, optimizers):
         state[key] = optimizer_state(view, optimizer)
     return state
 

@@ -92,7 +92,7 @@ class CheckpointWriter:
         try:  # what one rank may fail at alone, agreed before DCP's collectives begin
             storage.makedirs(temporary)
             view = ShardsView.of(module)  # read once for the whole save
-            state = {**sharded.prepare_state(view, optimizers, *(keys or ("model", None))), **(extra_tensors or {})}
+            state = {**sharded.prepare_state(view, optimizers, keys), **(extra_tensors or {})}
         except Exception as caught:
             error = caught
         _agree(error, final, temporary, None, self.watchdog)

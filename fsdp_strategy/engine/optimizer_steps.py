@@ -38,6 +38,7 @@ class OptimizerSteps:
         self._replaced = {
             id(p.replaced()): (p.replaced, p.fqn) for unit in units for p in unit.params if p.replaced() is not None
         }
+        self._checked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> its groups then
         self._stepping: dict[int, list[FSDPUnit]] = {}  # optimizer id -> gathered units its step changes
         self._handles: list[Any] = []
         self.open()
@@ -97,7 +98,11 @@ class OptimizerSteps:
 
     def _refuse_replaced(self, optimizer: Any) -> None:
         """An optimizer created before sharding holds the model's old parameters: its steps would
-        change tensors the model no longer uses (silently nothing). Costs: a dict lookup per parameter."""
+        change tensors the model no longer uses (silently nothing). Costs: a dict lookup per
+        parameter, at an optimizer's first step and after it gains a param group."""
+        groups = len(optimizer.param_groups)
+        if not self._replaced or self._checked.get(optimizer) == groups:
+            return
         replaced = self._replaced
         stale = [
             replaced[id(p)][1]
@@ -112,6 +117,7 @@ class OptimizerSteps:
                 "steps would change nothing. Create the optimizer after sharding (shard_model, fabric.setup_module), "
                 "or set both up together with fabric.setup(model, optimizer)"
             )
+        self._checked[optimizer] = groups
 
     def _after_step(self, optimizer: Any) -> None:
         self._device_layer.check_optimizer_step(optimizer)
