@@ -13,13 +13,13 @@ import numbers
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from fsdp_strategy.config import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy, validate_device_mesh
-from fsdp_strategy.wrap import as_policy_fn
+from fsdp_strategy.wrap import ModuleNames, as_policy_fn
 
 # keyword -> (value accepted as is, or None: any value refused; why)
 FSDP_KEYWORDS: dict[str, tuple[Any, str]] = {
@@ -71,7 +71,8 @@ def checkpointing_policy(activation_checkpointing: Any, policy: Any) -> Any:
                 f"activation_checkpointing must be a module class or a list of them, got {activation_checkpointing!r}"
             )
         policy = set(classes)
-    as_policy_fn(policy, argument="activation_checkpointing_policy")
+    if not isinstance(policy, ModuleNames):  # names are checked against the model when applied
+        as_policy_fn(policy, argument="activation_checkpointing_policy")
     return policy
 
 
@@ -256,14 +257,88 @@ def options_from(arguments: Mapping[str, Any]) -> ShardingOptions:
     return ShardingOptions.validate(**{name: arguments[name] for name in OPTION_NAMES})
 
 
+_KEPT_BY_PLAN = ("sharding_strategy", "mixed_precision", "forward_prefetch", "backward_prefetch", "device_mesh")
+
+
+class BudgetRequest(NamedTuple):
+    """``auto_wrap_policy="auto"``: the settings are chosen by a memory plan ([Note: wrapping by
+    budget] in ``plan/budget.py``) within ``budget`` bytes per rank, on one ``example_batch``."""
+
+    budget: int
+    example_batch: Any
+
+    @classmethod
+    def from_arguments(cls, arguments: Mapping[str, Any]) -> BudgetRequest | None:
+        """The request in a strategy's arguments, or None; a clear error for a half-given one."""
+        from fsdp_strategy.plan.result import parse_bytes
+
+        auto = isinstance(arguments["auto_wrap_policy"], str) and arguments["auto_wrap_policy"] == "auto"
+        budget, batch = arguments.get("memory_budget"), arguments.get("example_batch")
+        if not auto:
+            if budget is not None or batch is not None:
+                raise ValueError("memory_budget and example_batch are read with auto_wrap_policy='auto' only")
+            return None
+        if "memory_budget" not in arguments:
+            raise ValueError(
+                "auto_wrap_policy='auto' chooses settings before Trainer.fit creates the process group; in Fabric "
+                "call fsdp_strategy.plan(model, batch, world_size=..., auto_wrap_policy='auto', memory_budget=...) "
+                "before fabric.launch() and pass its plan.strategy_kwargs to the strategy"
+            )
+        if budget is None or batch is None:
+            raise ValueError(
+                "auto_wrap_policy='auto' needs memory_budget (bytes per rank, e.g. '70GiB') and example_batch (one "
+                f"batch as training_step receives it; meta tensors work), got memory_budget={budget!r}"
+            )
+        given = [name for name in ("activation_checkpointing", "activation_checkpointing_policy") if arguments[name]]
+        if given:
+            raise ValueError(f"auto_wrap_policy='auto' chooses activation checkpointing itself; drop {given}")
+        if arguments["ignored_modules"] is not None:
+            raise ValueError("auto_wrap_policy='auto' plans a copy of the model, which ignored_modules cannot name")
+        return cls(parse_bytes(budget), batch)
+
+    def choose(self, model: Any, world_size: int, num_nodes: int, precision: str, given: dict[str, Any]) -> Any:
+        """The MemoryPlan of the fastest settings that fit (every rank computes the same one)."""
+        from fsdp_strategy.plan import plan
+
+        kept = {name: given[name] for name in _KEPT_BY_PLAN if name in given}
+        return plan(
+            model,
+            self.example_batch,
+            world_size=world_size,
+            num_nodes=num_nodes,
+            precision=precision,
+            auto_wrap_policy="auto",
+            memory_budget=self.budget,
+            **kept,
+        )
+
+
 class StrategyArguments:
     """The constructor arguments both strategies (Trainer and Fabric) take, checked once, kept
     under Lightning's names (read-only views of the sharding options) and private ones."""
 
+    def _choose_by_budget(self, model: Any, world_size: int, num_nodes: int, precision: str) -> Any:
+        """``auto_wrap_policy="auto"``: plan, then take the chosen units, checkpointing, sharding
+        strategy and offload as if given; returns the MemoryPlan. Costs: a few plans (seconds
+        each for small models; see ``fsdp_strategy.plan``), on every rank alike."""
+        assert self._budget is not None
+        chosen = self._budget.choose(model, world_size, num_nodes, precision, self._given_options)
+        arguments = {**self._given_options, **chosen.strategy_kwargs}
+        self._options = options_from(arguments)
+        for name in OPTION_NAMES:
+            setattr(self, name, getattr(self._options, name))
+        self.activation_checkpointing_policy = chosen.strategy_kwargs.get("activation_checkpointing_policy")
+        self._budget = None
+        return chosen
+
     def _take_arguments(self, arguments: Mapping[str, Any], async_save: bool = False) -> None:
         """Check ``arguments`` (the constructor's ``locals()``) and keep them; a bad one raises
         naming the argument, the value and what is accepted."""
+        self._budget = BudgetRequest.from_arguments(arguments)
+        if self._budget is not None:
+            arguments = {**arguments, "auto_wrap_policy": None}  # chosen before the model is sharded
         self._options = options_from(arguments)
+        self._given_options = {name: arguments[name] for name in (*OPTION_NAMES, "device_mesh")}
         for name in OPTION_NAMES:
             setattr(self, name, getattr(self._options, name))
         self.activation_checkpointing_policy = checkpointing_policy(

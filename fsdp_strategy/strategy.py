@@ -69,7 +69,12 @@ class FSDPCustomStrategy(StrategyArguments, WatchdogHooks, CheckpointHooks, Para
             "_HYBRID_SHARD_ZERO2" (SHARD_GRAD_OP within the shard group), or the enum (ours or torch's).
         auto_wrap_policy: which modules become units: a set of classes, an int (minimum
             parameter count) or a callable ``(module, recurse, nonwrapped_numel) -> bool``.
-            None: the whole model is one unit.
+            None: the whole model is one unit. "auto" (with ``memory_budget`` and ``example_batch``):
+            the units, activation checkpointing per unit, SHARD_GRAD_OP or FULL_SHARD and CPU
+            offload are chosen by a memory plan before the process group is created: the fastest
+            that fits, printed with why ([Note: wrapping by budget]; costs a few plans on every rank).
+        memory_budget: bytes per rank for "auto" (an int or a string like "70GiB").
+        example_batch: one batch as ``training_step`` receives it, for "auto" (meta tensors work).
         mixed_precision: :class:`MixedPrecision` (or torch's, or a dict); overrides the one
             derived from ``Trainer(precision=...)``.
         cpu_offload: True or :class:`CPUOffload`: shards, gradients and optimizer state on CPU.
@@ -136,6 +141,8 @@ class FSDPCustomStrategy(StrategyArguments, WatchdogHooks, CheckpointHooks, Para
         ignored_modules: list[torch.nn.Module] | None = None,
         collective_timeout: float | timedelta | None = None,
         check_collective_order: bool = True,
+        memory_budget: int | str | None = None,
+        example_batch: Any = None,
         **fsdp_kwargs: Any,
     ) -> None:
         check_fsdp_keywords(fsdp_kwargs, list(inspect.signature(FSDPCustomStrategy.__init__).parameters)[1:-1])
@@ -211,6 +218,14 @@ class FSDPCustomStrategy(StrategyArguments, WatchdogHooks, CheckpointHooks, Para
         self.set_world_ranks()
         self._device_mesh = mesh_shape(self._device_mesh, self.sharding_strategy, self.num_nodes, self.num_processes)
         assert self.cluster_environment is not None
+        if self._budget is not None and self.lightning_module is not None:  # before the process group exists
+            chosen = self._choose_by_budget(
+                self.lightning_module,
+                self.num_nodes * self.num_processes,
+                self.num_nodes,
+                self.precision_plugin.precision,
+            )
+            rank_zero_info(f"fsdp_custom: auto_wrap_policy='auto' chose\n{chosen}")
         if self.lightning_module is not None and self.lightning_module._trainer is not None:
             callbacks = self.lightning_module.trainer.callbacks
             refuse_whole_model_averaging(callbacks)  # before the callbacks' setup copies anything

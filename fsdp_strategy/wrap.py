@@ -30,6 +30,21 @@ _ACCEPTED = (
 )
 
 
+class ModuleNames(frozenset):
+    """An activation checkpointing policy naming modules by their qualified names in the module it
+    is applied to (``ModuleNames(["model.blocks.0", "model.blocks.1"])``): what a memory plan
+    chooses per unit (``auto_wrap_policy="auto"``). A name the model lacks is an error."""
+
+    def policy_for(self, root: nn.Module) -> PolicyFn:
+        """The policy function selecting these modules of ``root``."""
+        found = {name: module for name, module in root.named_modules() if name in self}
+        missing = sorted(self - found.keys())
+        if missing:
+            raise ValueError(f"activation_checkpointing_policy names modules {missing} that the model does not have")
+        ids = {id(module) for module in found.values()}
+        return lambda module, recurse, nonwrapped_numel: True if recurse else id(module) in ids
+
+
 def _class_policy(
     classes: tuple[type[nn.Module], ...], module: nn.Module, recurse: bool, nonwrapped_numel: int
 ) -> bool:
@@ -46,6 +61,8 @@ def as_policy_fn(policy: Any, argument: str = "auto_wrap_policy") -> PolicyFn | 
     """Validate a user policy and return it as a callable, or None for "no units below the root"."""
     if policy is None:
         return None
+    if isinstance(policy, ModuleNames):
+        raise TypeError(f"{argument}: ModuleNames selects modules for activation_checkpointing_policy only")
     module_classes = getattr(policy, "_module_classes", None)
     if module_classes is not None:
         policy = set(module_classes)
@@ -116,7 +133,10 @@ def apply_activation_checkpointing(root: nn.Module, policy: Any) -> list[nn.Modu
     The module's ``forward`` is replaced on the instance (no wrapper module), so parameter names
     do not change. Costs: one extra forward of those modules during backward.
     """
-    policy_fn = as_policy_fn(policy, argument="activation_checkpointing_policy")
+    if isinstance(policy, ModuleNames):
+        policy_fn = policy.policy_for(root)
+    else:
+        policy_fn = as_policy_fn(policy, argument="activation_checkpointing_policy")
     modules = select_unit_modules(root, policy_fn)
     for module in modules:
         module.forward = functools.partial(checkpoint, module.forward, use_reentrant=False)

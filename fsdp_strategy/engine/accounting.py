@@ -45,6 +45,7 @@ class MemoryAccount:
     peak: int = 0
     by_kind: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     timeline: list[MemoryEvent] | None = None
+    last_unit: str = ""  # the unit of the latest event (what a memory plan names at its peak)
     _t0: float = 0.0
 
     def allocated(self, unit: str, nbytes: int, kind: str = "params") -> None:
@@ -75,5 +76,6 @@ class MemoryAccount:
         return events
 
     def _note(self, unit: str, event: str) -> None:
+        self.last_unit = unit
         if self.timeline is not None:
             self.timeline.append(MemoryEvent(time.perf_counter() - self._t0, unit, event, self.current))

@@ -1,0 +1,245 @@
+"""How close ``fsdp_strategy.plan`` comes to the peak of a real run: predicted vs measured per rank.
+
+    python benchmarks/plan_accuracy.py                      # the full table (5 models x 3 strategies
+                                                            # x 2 precisions x checkpointing on/off, world 2 and 3)
+    python benchmarks/plan_accuracy.py --models gpt gpt2 --worlds 2
+
+For each configuration the plan runs in this process (fake tensors, fake process group) and a
+real ``Trainer.fit`` of two steps runs on forked CPU ranks over gloo. The measured peak is the
+highest bytes of live tensor storage on rank 0 during the second step (``LiveBytes`` on real
+tensors: the shards, gradients, optimizer state and batch alive at its start, and every tensor
+the step allocates). HYBRID_SHARD runs as 2 replicas x ``world / 2`` shards where the world
+divides by 2, else as one replica. Results: a Markdown table on stdout and
+``benchmarks/results/plan_accuracy.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "examples"), str(ROOT / "tests")]
+from dist_utils import run_ranks  # noqa: E402
+
+from fsdp_strategy import FSDPCustomStrategy  # noqa: E402
+from fsdp_strategy.plan import plan  # noqa: E402
+from fsdp_strategy.plan.run import STEPS, forward, loss_of  # noqa: E402
+from fsdp_strategy.plan.tracker import LiveBytes  # noqa: E402
+
+LIGHTNING_ENV = {"LOCAL_RANK": "{rank}", "NODE_RANK": "0"}
+
+
+class Wrapped(L.LightningModule):
+    """An ``nn.Module`` trained on its own loss (``loss_of(forward(...))``) with AdamW."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return loss_of(forward(self.model, batch))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def _gpt(d_model: int, n_layers: int, seq_len: int, batch: int) -> tuple[L.LightningModule, Any, set]:
+    from gpt import Block, GPTConfig
+    from lit_gpt import GPTModule, OptimizerSettings
+
+    config = GPTConfig(d_model=d_model, n_layers=n_layers, n_heads=4, seq_len=seq_len)
+    module = GPTModule(config, OptimizerSettings(), max_steps=STEPS, batch_size=batch)
+    return module, torch.zeros(batch, seq_len + 1, dtype=torch.long), {Block}
+
+
+def _hf_gpt2() -> tuple[L.LightningModule, Any, set]:
+    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    config = GPT2Config(vocab_size=512, n_positions=64, n_embd=96, n_layer=3, n_head=4)
+    tokens = torch.zeros(4, 64, dtype=torch.long)
+    return Wrapped(GPT2LMHeadModel(config)), {"input_ids": tokens, "labels": tokens}, {GPT2Block}
+
+
+def _hf_llama() -> tuple[L.LightningModule, Any, set]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    config = LlamaConfig(
+        vocab_size=512,
+        hidden_size=96,
+        intermediate_size=256,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    tokens = torch.zeros(4, 64, dtype=torch.long)
+    return Wrapped(LlamaForCausalLM(config)), {"input_ids": tokens, "labels": tokens}, {LlamaDecoderLayer}
+
+
+def _hf_vit() -> tuple[L.LightningModule, Any, set]:
+    from transformers import ViTConfig, ViTForImageClassification
+    from transformers.models.vit.modeling_vit import ViTLayer
+
+    config = ViTConfig(
+        image_size=32,
+        patch_size=4,
+        hidden_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        intermediate_size=256,
+        num_labels=10,
+    )
+    batch = {"pixel_values": torch.zeros(8, 3, 32, 32), "labels": torch.zeros(8, dtype=torch.long)}
+    return Wrapped(ViTForImageClassification(config)), batch, {ViTLayer}
+
+
+MODELS = {
+    "gpt": lambda: _gpt(128, 4, 64, 8),  # the GPT example (examples/lit_gpt.py)
+    "gpt-heavy": lambda: _gpt(192, 2, 256, 8),  # activation-heavy: long sequences, few wide blocks
+    "gpt2": _hf_gpt2,  # Hugging Face GPT-2 from a config
+    "llama": _hf_llama,  # Hugging Face Llama from a config
+    "vit": _hf_vit,  # Hugging Face ViT from a config
+}
+
+
+def configurations(models: list[str], worlds: list[int]) -> list[dict[str, Any]]:
+    """Every (model, world, sharding strategy, precision, activation checkpointing) asked for."""
+    grid = []
+    for model in models:
+        for world in worlds:
+            for sharding in ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD"):
+                for precision in ("32-true", "bf16-mixed"):
+                    for checkpointing in (False, True):
+                        grid.append(
+                            {
+                                "model": model,
+                                "world": world,
+                                "sharding": sharding,
+                                "precision": precision,
+                                "checkpointing": checkpointing,
+                            }
+                        )
+    return grid
+
+
+def strategy_kwargs(config: dict[str, Any], blocks: set) -> dict[str, Any]:
+    """The ``FSDPCustomStrategy`` arguments of ``config``."""
+    kwargs: dict[str, Any] = {"sharding_strategy": config["sharding"], "auto_wrap_policy": blocks}
+    if config["sharding"] == "HYBRID_SHARD":
+        world = config["world"]
+        kwargs["device_mesh"] = (2, world // 2) if world % 2 == 0 else (1, world)
+    if config["checkpointing"]:
+        kwargs["activation_checkpointing_policy"] = blocks
+    return kwargs
+
+
+def predict(config: dict[str, Any]) -> int:
+    """The plan's peak per rank for ``config`` (in this process)."""
+    module, batch, blocks = MODELS[config["model"]]()
+    result = plan(
+        module, batch, world_size=config["world"], precision=config["precision"], **strategy_kwargs(config, blocks)
+    )
+    return result.peak_bytes
+
+
+class PeakOfLastStep(L.Callback):
+    """Rank 0's peak of live tensor bytes during the last training step (``LiveBytes``)."""
+
+    def __init__(self) -> None:
+        self.tracker: LiveBytes | None = None
+        self.peak = 0
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if trainer.global_step != STEPS - 1:
+            return
+        self.tracker = LiveBytes()
+        optimizer_state = [t for state in trainer.optimizers[0].state.values() for t in state.values()]
+        grads = [p.grad for p in pl_module.parameters()]
+        self.tracker.track([*pl_module.parameters(), *grads, *optimizer_state, *pl_module.buffers()])
+        self.tracker.track(torch.utils._pytree.tree_leaves(batch))
+        self.tracker.__enter__()
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self.tracker is not None:
+            self.tracker.__exit__(None, None, None)
+            self.peak, self.tracker = self.tracker.peak.bytes, None
+
+
+def measure_body(rank: int, world: int, configs: list[dict[str, Any]]) -> list[int]:
+    """Run ``configs`` one after another on this rank (a real ``Trainer.fit`` each); rank 0's peaks."""
+    peaks = []
+    for config in configs:
+        torch.manual_seed(0)
+        module, batch, blocks = MODELS[config["model"]]()
+        peak = PeakOfLastStep()
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=world,
+            strategy=FSDPCustomStrategy(**strategy_kwargs(config, blocks)),
+            precision=config["precision"],
+            max_steps=STEPS,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[peak],
+            use_distributed_sampler=False,
+        )
+        trainer.fit(module, DataLoader([batch] * STEPS, batch_size=None))
+        peaks.append(peak.peak)
+    return peaks
+
+
+def measure(configs: list[dict[str, Any]], world: int, folder: Path) -> list[int]:
+    """Rank 0's measured peaks of ``configs`` (all at world ``world``), one group of forked ranks."""
+    return run_ranks(measure_body, world, folder, configs, env=LIGHTNING_ENV, timeout=60 + 30 * len(configs))[0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--worlds", nargs="+", type=int, default=[2, 3])
+    args = parser.parse_args()
+    grid = configurations(args.models, args.worlds)
+    start = time.monotonic()
+    for config in grid:
+        config["predicted"] = predict(config)
+    with tempfile.TemporaryDirectory() as folder:
+        for world in args.worlds:
+            at_world = [config for config in grid if config["world"] == world]
+            for config, measured in zip(at_world, measure(at_world, world, Path(folder))):
+                config["measured"] = measured
+    print("| model | ranks | sharding | precision | act. ckpt | predicted MiB | measured MiB | error |")
+    print("|---|---|---|---|---|---|---|---|")
+    for c in grid:
+        error = (c["predicted"] - c["measured"]) / c["measured"]
+        checkpointing = "on" if c["checkpointing"] else "off"
+        print(
+            f"| {c['model']} | {c['world']} | {c['sharding']} | {c['precision']} | {checkpointing} "
+            f"| {c['predicted'] / 2**20:.2f} | {c['measured'] / 2**20:.2f} | {100 * error:+.1f} % |"
+        )
+    worst = max(abs(c["predicted"] - c["measured"]) / c["measured"] for c in grid)
+    print(f"\n{len(grid)} configurations, worst error {100 * worst:.1f} %, {time.monotonic() - start:.0f} s")
+    out = ROOT / "benchmarks" / "results" / "plan_accuracy.json"
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(grid, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+"""Settings chosen by a memory budget: the fastest that fits ([Note: wrapping by budget]).
+
+[Note: wrapping by budget]
+The choices are the units (the root alone, or one unit per instance of the model's repeated
+block class: the class whose instances hold the most parameters), activation checkpointing of
+the first k of those blocks (k = 0, L/4, L/2, 3L/4, L), SHARD_GRAD_OP or FULL_SHARD, and CPU
+offload. Each candidate gets an estimated step time from nominal hardware rates (below): the
+step's FLOPs (measured once by the baseline plan) plus the forward of the recomputed blocks,
+the bytes each rank sends (a second gather per step under FULL_SHARD), the host copies and the
+CPU optimizer step of offload, and a fixed latency per collective. Candidates are planned in
+that order, fastest first, and the first whose peak fits is chosen; a candidate at least as
+heavy in every choice as one that did not fit is skipped without planning (memory only grows
+with coarser units, fewer recomputed blocks, SHARD_GRAD_OP and no offload). When nothing fits,
+the lightest candidate's peak is the smallest budget that would fit, and doubling the world
+size finds the smallest world (up to 64 times larger) at which it fits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from typing import Any, NamedTuple
+
+from torch import nn
+
+from fsdp_strategy.plan.result import MemoryPlan, _size
+from fsdp_strategy.plan.run import Planned, _meta_copy, run
+from fsdp_strategy.wrap import ModuleNames
+
+FLOPS_PER_SECOND = {"32": 60e12, "16": 400e12, "bf16": 400e12}  # nominal dense rates (H100-class, TF32 for fp32)
+NETWORK_BYTES_PER_SECOND = 100e9  # what one rank sends per second in a ring collective
+HOST_BYTES_PER_SECOND = 25e9  # PCIe, each way
+HOST_ADAM_BYTES_PER_SECOND = 20e9  # a CPU optimizer step streams parameters, gradients and two states
+LATENCY_PER_COLLECTIVE = 30e-6
+
+
+class Candidate(NamedTuple):
+    """One choice: unit boundaries, checkpointed blocks, sharding, offload."""
+
+    per_block: bool
+    checkpointed: int
+    sharding: str
+    offload: bool
+
+    def heavier_or_equal(self, other: Candidate) -> bool:
+        """Whether this choice holds at least as much memory as ``other`` in every dimension."""
+        return (
+            (not self.per_block) >= (not other.per_block)
+            and self.checkpointed <= other.checkpointed
+            and (self.sharding == "SHARD_GRAD_OP") >= (other.sharding == "SHARD_GRAD_OP")
+            and (not self.offload) >= (not other.offload)
+        )
+
+
+def block_class(model: nn.Module) -> tuple[type[nn.Module], list[str]]:
+    """The repeated block class (most parameters over its instances, at least two of them) and
+    the qualified names of its instances in module order; a clear error if the model has none."""
+    counts: Counter = Counter()
+    params: Counter = Counter()
+    for module in model.modules():
+        if list(module.children()) and not isinstance(module, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
+            counts[type(module)] += 1
+            params[type(module)] += sum(p.numel() for p in module.parameters())
+    repeated = [cls for cls, n in counts.items() if n >= 2]
+    if not repeated:
+        raise ValueError(
+            f"auto_wrap_policy='auto' looks for a block class repeated in the model (a transformer layer); "
+            f"{type(model).__name__} has none. Give auto_wrap_policy (e.g. a set of module classes) instead"
+        )
+    chosen = max(repeated, key=lambda cls: params[cls])
+    return chosen, [name for name, module in model.named_modules() if type(module) is chosen]
+
+
+def choose(model: nn.Module, example_input: Any, planned: Planned, budget: int) -> MemoryPlan:
+    """The plan of the fastest candidate whose peak fits ``budget`` bytes per rank, with reasons;
+    a ValueError naming the smallest budget and world size that would fit when none does."""
+    blocks_of, names = block_class(_meta_copy(model))
+    fixed = {key: value for key, value in planned.strategy_kwargs.items() if key not in _CHOSEN}
+    fixed_sharding = planned.strategy_kwargs.get("sharding_strategy")
+    shardings = ["SHARD_GRAD_OP", "FULL_SHARD"]
+    if str(getattr(fixed_sharding, "value", fixed_sharding) or "").upper() in (
+        "HYBRID_SHARD",
+        "NO_SHARD",
+        "_HYBRID_SHARD_ZERO2",
+    ):
+        shardings = [str(getattr(fixed_sharding, "value", fixed_sharding)).upper()]
+    steps = sorted({0, len(names) // 4, len(names) // 2, 3 * len(names) // 4, len(names)})
+    candidates = [
+        Candidate(per_block, k, sharding, offload)
+        for per_block in (False, True)
+        for k in (steps if per_block else [0])
+        for sharding in shardings
+        for offload in (False, True)
+    ]
+
+    def kwargs_of(candidate: Candidate) -> dict[str, Any]:
+        chosen = {"sharding_strategy": candidate.sharding, "cpu_offload": candidate.offload}
+        chosen["auto_wrap_policy"] = {blocks_of} if candidate.per_block else None
+        if candidate.checkpointed:
+            chosen["activation_checkpointing_policy"] = ModuleNames(names[: candidate.checkpointed])
+        return {**fixed, **chosen}
+
+    def plan_of(candidate: Candidate, world_size: int | None = None) -> MemoryPlan:
+        at = dataclasses.replace(planned, strategy_kwargs=kwargs_of(candidate))
+        if world_size is not None:
+            at = dataclasses.replace(at, world_size=world_size)
+        return run(model, example_input, at)
+
+    lightest = Candidate(True, len(names), shardings[-1], True)
+    baseline = plan_of(lightest)
+    if baseline.peak_bytes > budget:
+        raise ValueError(_nothing_fits(budget, baseline, lambda world: plan_of(lightest, world), planned))
+    estimate = _Estimate(baseline, planned, len(names))
+    tried: list[str] = []
+    failed: list[Candidate] = []
+    for candidate in sorted(candidates, key=estimate.seconds):
+        if any(candidate.heavier_or_equal(other) for other in failed):
+            continue
+        result = baseline if candidate == lightest else plan_of(candidate)
+        line = f"{_describe(candidate, blocks_of, len(names))}: {_size(result.peak_bytes)}"
+        if result.peak_bytes > budget:
+            failed.append(candidate)
+            tried.append(f"{line} (over)")
+            continue
+        reasons = [f"budget {_size(budget)} per rank; candidates planned fastest first (estimated step time):"]
+        reasons += [f"  {entry}" for entry in tried]
+        reasons.append(f"  {line}: fits, chosen")
+        return dataclasses.replace(result, reasons=reasons, strategy_kwargs=kwargs_of(candidate))
+    raise AssertionError("the lightest candidate fits, so one candidate fits")
+
+
+_CHOSEN = ("auto_wrap_policy", "activation_checkpointing_policy", "activation_checkpointing", "cpu_offload")
+
+
+class _Estimate:
+    """Estimated step seconds of a candidate from nominal rates ([Note: wrapping by budget])."""
+
+    def __init__(self, baseline: MemoryPlan, planned: Planned, blocks: int) -> None:
+        low = planned.precision.split("-")[0]
+        self.rate = FLOPS_PER_SECOND.get(low, FLOPS_PER_SECOND["32"])
+        forward = baseline.flops_per_step / 4  # forward + backward (2x) + every block's forward again
+        self.flops = 3 * forward
+        self.block_forward = forward / max(blocks, 1)
+        self.param_bytes = baseline.shard_bytes
+        self.world = planned.world_size
+        self.blocks = blocks
+
+    def seconds(self, candidate: Candidate) -> float:
+        compute = (self.flops + candidate.checkpointed * self.block_forward) / self.rate
+        full = self.param_bytes * self.world  # the model's parameters, as one rank's shard times N
+        ring = (self.world - 1) / max(self.world, 1)
+        gathers = 2 if candidate.sharding in ("FULL_SHARD", "HYBRID_SHARD") else 1
+        network = (gathers + 1) * full * ring / NETWORK_BYTES_PER_SECOND
+        units = 1 + (self.blocks if candidate.per_block else 0)
+        latency = 3 * units * LATENCY_PER_COLLECTIVE
+        offload = 0.0
+        if candidate.offload:
+            offload = 3 * self.param_bytes / HOST_BYTES_PER_SECOND + 4 * self.param_bytes / HOST_ADAM_BYTES_PER_SECOND
+        return compute + network + latency + offload
+
+
+def _describe(candidate: Candidate, blocks_of: type, blocks: int) -> str:
+    units = f"one unit per {blocks_of.__name__}" if candidate.per_block else "the whole model one unit"
+    checkpointing = (
+        f"{candidate.checkpointed} of {blocks} blocks recomputed" if candidate.checkpointed else "no recomputation"
+    )
+    offload = "CPU offload" if candidate.offload else "no offload"
+    return f"{units}, {checkpointing}, {candidate.sharding}, {offload}"
+
+
+def _nothing_fits(budget: int, lightest: MemoryPlan, plan_at: Any, planned: Planned) -> str:
+    world = planned.world_size
+    fits_at = None
+    for factor in (2, 4, 8, 16, 32, 64):
+        if plan_at(world * factor).peak_bytes <= budget:
+            fits_at = world * factor
+            break
+    larger = f"it fits at {fits_at} ranks" if fits_at else f"it does not fit at {64 * world} ranks either"
+    return (
+        f"nothing fits memory_budget={_size(budget)} per rank at {world} ranks: the lightest settings (one unit "
+        f"per block, every block recomputed, FULL_SHARD, CPU offload) peak at {_size(lightest.peak_bytes)} per rank, "
+        f"the smallest budget that would fit; {larger}. A smaller batch also lowers the peak"
+    )

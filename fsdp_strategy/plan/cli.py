@@ -1,0 +1,134 @@
+"""``fsdp-plan``: will it fit? The per-rank memory of a training step, planned on this CPU.
+
+    fsdp-plan llama-7b --world-size 64 --precision bf16-mixed --batch 1 --seq-len 4096
+    fsdp-plan llama-70b --world-size 512 --precision bf16-mixed --activation-checkpointing
+    fsdp-plan llama-7b --world-size 8 --precision bf16-mixed --budget 70GiB
+    fsdp-plan mypackage.models:build --input 8x1024:long --world-size 16 --wrap mypackage.models.Block
+
+A preset (``llama-7b``, ``llama-13b``, ``llama-70b``, ``gpt2``, ``gpt2-xl``: Hugging Face shapes
+built from a config on the meta device, trained on their own language-model loss) or
+``module:function`` returning an ``nn.Module`` (or a LightningModule). Presets are units per
+decoder layer unless ``--wrap`` says otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama-7b": ("llama", {"hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+                           "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32000}),
+    "llama-13b": ("llama", {"hidden_size": 5120, "intermediate_size": 13824, "num_hidden_layers": 40,
+                            "num_attention_heads": 40, "num_key_value_heads": 40, "vocab_size": 32000}),
+    "llama-70b": ("llama", {"hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+                            "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 32000}),
+    "gpt2": ("gpt2", {"n_embd": 768, "n_layer": 12, "n_head": 12}),
+    "gpt2-xl": ("gpt2", {"n_embd": 1600, "n_layer": 48, "n_head": 25}),
+}  # fmt: skip
+DTYPES = {"long": torch.long, "int": torch.int, "float": torch.float, "bf16": torch.bfloat16, "half": torch.half}
+
+
+def preset(name: str, seq_len: int, batch: int) -> tuple[torch.nn.Module, Any, set]:
+    """A preset's model (meta device), its batch (meta tokens; labels are the tokens) and block class."""
+    try:
+        import transformers
+    except ImportError:
+        raise SystemExit(
+            f"fsdp-plan: the preset {name!r} builds a Hugging Face model; pip install transformers"
+        ) from None
+    family, sizes = PRESETS[name]
+    if family == "llama":
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+        config = transformers.LlamaConfig(**sizes, max_position_embeddings=max(seq_len, 2048))
+        build, block = transformers.LlamaForCausalLM, LlamaDecoderLayer
+    else:
+        from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+        config = transformers.GPT2Config(**sizes, n_positions=max(seq_len, 1024))
+        build, block = transformers.GPT2LMHeadModel, GPT2Block
+    with torch.device("meta"):
+        model = build(config)
+        tokens = torch.zeros(batch, seq_len, dtype=torch.long)
+    return model, {"input_ids": tokens, "labels": tokens}, {block}
+
+
+def factory(path: str) -> Callable[[], torch.nn.Module]:
+    """``"package.module:function"`` -> the function."""
+    module_name, _, function = path.partition(":")
+    if not module_name or not function:
+        raise SystemExit(f"fsdp-plan: model {path!r} is neither a preset ({', '.join(PRESETS)}) nor module:function")
+    try:
+        return getattr(importlib.import_module(module_name), function)
+    except (ImportError, AttributeError) as error:
+        raise SystemExit(f"fsdp-plan: cannot import {path!r}: {error}") from None
+
+
+def parse_input(text: str) -> torch.Tensor:
+    """``8x1024:long`` -> a meta tensor of that shape and dtype (default float)."""
+    shape, _, dtype = text.partition(":")
+    try:
+        sizes = [int(size) for size in shape.lower().split("x")]
+    except ValueError:
+        raise SystemExit(f"fsdp-plan: --input {text!r}: give a shape like 8x1024 or 8x1024:long") from None
+    if dtype and dtype not in DTYPES:
+        raise SystemExit(f"fsdp-plan: --input {text!r}: dtype {dtype!r}; accepted: {', '.join(DTYPES)}")
+    return torch.empty(sizes, dtype=DTYPES[dtype or "float"], device="meta")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse the command line, plan, print; returns the exit status."""
+    parser = argparse.ArgumentParser(
+        prog="fsdp-plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("model", help=f"a preset ({', '.join(PRESETS)}) or module:function returning the model")
+    parser.add_argument("--world-size", type=int, required=True, help="ranks (all nodes together)")
+    parser.add_argument("--num-nodes", type=int, default=1, help="nodes (HYBRID_SHARD shards within one)")
+    parser.add_argument("--precision", default="32-true", help='"32-true", "bf16-mixed", "bf16-true", ...')
+    parser.add_argument("--optimizer", default="adamw", help="adamw, adam or sgd")
+    parser.add_argument("--sharding-strategy", default="FULL_SHARD")
+    parser.add_argument("--wrap", nargs="+", help="dotted paths of the module classes that become units")
+    parser.add_argument(
+        "--activation-checkpointing", nargs="*", help="dotted class paths to recompute (none given: the units)"
+    )
+    parser.add_argument("--cpu-offload", action="store_true")
+    parser.add_argument("--budget", help="bytes per rank (e.g. 70GiB): choose the fastest settings that fit")
+    parser.add_argument("--input", action="append", help="module:function models: an input shape, 8x1024:long")
+    parser.add_argument("--batch", type=int, default=1, help="presets: sequences per rank")
+    parser.add_argument("--seq-len", type=int, default=2048, help="presets: tokens per sequence")
+    args = parser.parse_args(argv)
+    if args.model in PRESETS:
+        model, batch, blocks = preset(args.model, args.seq_len, args.batch)
+    else:
+        model = factory(args.model)()
+        batch, blocks = tuple(parse_input(text) for text in args.input or []), set()
+    wrap = set(args.wrap) if args.wrap else blocks or None
+    kwargs: dict[str, Any] = {"sharding_strategy": args.sharding_strategy, "cpu_offload": args.cpu_offload}
+    if args.budget is not None:
+        kwargs = {"auto_wrap_policy": "auto", "memory_budget": args.budget}
+    else:
+        kwargs["auto_wrap_policy"] = wrap
+        if args.activation_checkpointing is not None:
+            kwargs["activation_checkpointing_policy"] = set(args.activation_checkpointing) or wrap
+    from fsdp_strategy.plan import plan
+
+    try:
+        result = plan(
+            model, batch, world_size=args.world_size, num_nodes=args.num_nodes, precision=args.precision,
+            optimizer=args.optimizer, **kwargs,
+        )  # fmt: skip
+    except (ValueError, TypeError, RuntimeError) as error:
+        print(f"fsdp-plan: {error}", file=sys.stderr)
+        return 2
+    print(result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

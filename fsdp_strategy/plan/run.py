@@ -1,0 +1,286 @@
+"""One planned run: the engine's own build and schedule, on fake tensors and a fake process group.
+
+[Note: memory plan]
+``plan`` copies the model onto the meta device (no weights are read or allocated), honours a
+LightningModule's ``configure_model``, and then does what ``FSDPCustomStrategy`` does in
+``setup``: convert the module for the precision, apply activation checkpointing, and shard it
+with ``shard_with_options`` (materializing each unit with ``to_empty``). Under torch's
+``FakeTensorMode``, on rank 0 of a fake process group of the requested size, it then runs two
+training steps (forward, backward, optimizer step) while ``LiveBytes`` counts every storage.
+Nothing here models the units, buffers or schedule a second time: the engine allocates what it
+allocates in training, and the fake collectives keep the schedule's order. The engine skips
+the two checks that read values (order stamps, edits of gathered parameters) on fake tensors.
+
+A model whose forward reads tensor values (``.item()``, ``nonzero``, data-dependent routing)
+cannot be planned on fake tensors; that is reported as such.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import gc
+import itertools
+import warnings
+from collections.abc import Callable
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
+from torch.utils._pytree import tree_map
+from torch.utils.flop_counter import FlopCounterMode
+
+from fsdp_strategy.plan.result import PARTS, MemoryPlan
+from fsdp_strategy.plan.tracker import ACTIVATIONS, LiveBytes
+from fsdp_strategy.plan.world import fake_world
+
+SHARDS, GRADIENTS, OPTIMIZER = "parameter shards", "gradients", "optimizer state"
+OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
+STEPS = 2  # the second step is the steady state (the optimizer state exists)
+
+
+def optimizer_factory(optimizer: Any) -> Callable[[Any], torch.optim.Optimizer]:
+    """``"adamw"``, ``"adam"``, ``"sgd"``, an optimizer class or a callable ``params -> optimizer``."""
+    if isinstance(optimizer, str):
+        if optimizer.lower() not in OPTIMIZERS:
+            raise ValueError(
+                f"optimizer={optimizer!r}; accepted: {sorted(OPTIMIZERS)}, an optimizer class or a callable"
+            )
+        optimizer = OPTIMIZERS[optimizer.lower()]
+    if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
+        cls = optimizer
+        return lambda params: cls(params, lr=1e-3)
+    if callable(optimizer):
+        return optimizer
+    raise TypeError(f"optimizer={optimizer!r}; accepted: {sorted(OPTIMIZERS)}, an optimizer class or a callable")
+
+
+def loss_of(output: Any) -> torch.Tensor:
+    """The scalar to call ``backward`` on: a scalar output, ``output["loss"]`` / ``output.loss``, or
+    the mean of the first floating tensor in the output."""
+    if isinstance(output, torch.Tensor) and output.numel() == 1:
+        return output.reshape(())
+    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    values = output.values() if isinstance(output, dict) else output if isinstance(output, (tuple, list)) else [output]
+    for value in values:
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            return value.float().mean()
+    raise TypeError(f"cannot find a loss in the model's output ({type(output).__name__}): return a tensor or a 'loss'")
+
+
+def forward(model: nn.Module, batch: Any) -> Any:
+    """A LightningModule's ``training_step(batch, 0)`` (through the module's own call, as the
+    strategy runs it), else ``model(*batch)`` / ``model(**batch)`` / ``model(batch)``."""
+    from lightning.pytorch import LightningModule
+    from lightning.pytorch.strategies.strategy import _ForwardRedirection
+
+    if isinstance(model, LightningModule):
+        return _ForwardRedirection()(model, model, "training_step", batch, 0)
+    if isinstance(batch, dict):
+        return model(**batch)
+    if isinstance(batch, (tuple, list)):
+        return model(*batch)
+    return model(batch)
+
+
+@dataclasses.dataclass
+class Planned:
+    """What one run needs: the arguments as ``FSDPCustomStrategy`` takes them, checked."""
+
+    world_size: int
+    num_nodes: int
+    precision: str
+    optimizer: Any
+    strategy_kwargs: dict[str, Any]
+
+    def settings(self) -> dict[str, Any]:
+        """The settings a MemoryPlan reports (strategy arguments as given, classes by name)."""
+        shown = {"world_size": self.world_size, "precision": self.precision}
+        for key, value in self.strategy_kwargs.items():
+            shown[key] = _short(value)
+        return shown
+
+
+def run(model: nn.Module, example_input: Any, planned: Planned) -> MemoryPlan:
+    """Plan one configuration ([Note: memory plan]); the model given is not changed."""
+    from fsdp_strategy.distributed import build_mesh, mesh_shape
+    from fsdp_strategy.precision import FSDPCustomPrecision
+    from fsdp_strategy.strategy import FSDPCustomStrategy
+
+    strategy = FSDPCustomStrategy(**planned.strategy_kwargs)  # checks every argument as training would
+    precision = FSDPCustomPrecision(planned.precision)
+    make_optimizer = optimizer_factory(planned.optimizer)
+    nodes = planned.num_nodes
+    shape = mesh_shape(strategy._device_mesh, strategy.sharding_strategy, nodes, planned.world_size // nodes)
+    module = _meta_copy(model)
+    with fake_world(planned.world_size), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # self.log() without a trainer, and the like
+        mesh = build_mesh(shape, "cpu")  # outside fake mode: the mesh reads its rank layout
+        result = _PlannedSteps(strategy, precision, mesh).run(module, example_input, make_optimizer)
+    return dataclasses.replace(result, settings=planned.settings(), strategy_kwargs=dict(planned.strategy_kwargs))
+
+
+class _PlannedSteps:
+    """Shard a meta model as the strategy's ``setup`` does and run ``STEPS`` steps on fake tensors."""
+
+    def __init__(self, strategy: Any, precision: Any, mesh: Any) -> None:
+        self.strategy, self.precision, self.mesh = strategy, precision, mesh
+        self.device = torch.device("cpu")  # byte counts do not depend on the device type
+        self.offload = strategy.cpu_offload.offload_params
+        self.state = _State()
+        host = (SHARDS, OPTIMIZER, GRADIENTS) if self.offload else ()
+        self.tracker = LiveBytes(self.state.describe, host_tags=host, collect_garbage=True)
+
+    def run(self, module: nn.Module, example_input: Any, make_optimizer: Callable) -> MemoryPlan:
+        """Shard ``module`` (on the meta device) and run the steps; the plan of what they held."""
+        gc.freeze()  # what exists now is never garbage: collections at peaks traverse the plan's objects only
+        try:
+            with FakeTensorMode(allow_non_fake_inputs=True), self.tracker:
+                return self._run(module, example_input, make_optimizer)
+        finally:
+            gc.unfreeze()
+
+    def _run(self, module: nn.Module, example_input: Any, make_optimizer: Callable) -> MemoryPlan:
+        from fsdp_strategy.engine import shard_with_options
+        from fsdp_strategy.wrap import apply_activation_checkpointing
+
+        tracker, state, precision, device = self.tracker, self.state, self.precision, self.device
+        flops = FlopCounterMode(display=False)
+        module = precision.convert_module(module)
+        if self.strategy.activation_checkpointing_policy is not None:
+            apply_activation_checkpointing(module, self.strategy.activation_checkpointing_policy)
+        options = dataclasses.replace(
+            self.strategy._options,
+            mixed_precision=self.strategy.mixed_precision or precision.mixed_precision_config,
+            param_init_fn=lambda m: _allocate(m, device),
+            sync_module_states=False,
+        )
+        scheduler = shard_with_options(module, options, device, device_mesh=self.mesh)
+        try:
+            shards = list(module.parameters())
+            tracker.retag(shards, SHARDS)
+            state.account = scheduler.memory
+            state.grads_of = lambda: tracker.bytes_of(p.grad for p in shards)
+            optimizer = make_optimizer([p for p in shards if p.requires_grad])
+            precision.attach(device.type)
+            batch = precision.convert_input(tree_map(lambda t: _fake_like(t, device), example_input))
+            for step in range(STEPS):
+                last = step == STEPS - 1
+                if last:
+                    scheduler.ledger.start_step()
+                with flops if last else nullcontext():
+                    state.phase = "forward"
+                    with precision.forward_context():
+                        loss = loss_of(_planned_forward(module, batch))
+                    state.phase = "backward"
+                    loss.backward()
+                del loss
+                tracker.retag([p.grad for p in shards if p.grad is not None], GRADIENTS)
+                state.phase, tracker.tag = "optimizer step", OPTIMIZER
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                tracker.tag = ACTIVATIONS
+            sent = sum(totals.wire_bytes for totals in scheduler.ledger.current.values())
+        finally:
+            scheduler.close()
+        peak = tracker.peak
+        return MemoryPlan(
+            peak_bytes=peak.bytes,
+            parts=_parts(peak.bytes, peak.by_tag, peak.moment, self.offload),
+            phase=peak.moment.get("phase", "setup"),
+            unit=peak.moment.get("unit", ""),
+            host_bytes=sum(tracker.by_tag[tag] for tag in (SHARDS, OPTIMIZER, GRADIENTS)) if self.offload else 0,
+            sent_bytes_per_step=sent,
+            flops_per_step=flops.get_total_flops(),
+            shard_bytes=tracker.bytes_of(shards),
+        )
+
+
+class _State:
+    """What the tracker's ``describe`` reads at a new peak: the phase, the engine's account."""
+
+    def __init__(self) -> None:
+        self.phase = "setup"
+        self.account: Any = None
+        self.grads_of: Callable[[], int] = lambda: 0
+
+    def describe(self) -> dict[str, Any]:
+        engine = dict(self.account.by_kind) if self.account is not None else {}
+        unit = self.account.last_unit if self.account is not None else ""
+        return {"phase": self.phase, "unit": unit, "engine": engine, "grads": self.grads_of()}
+
+
+def _parts(peak: int, by_tag: dict[str, int], moment: dict[str, Any], offload: bool) -> dict[str, int]:
+    """The parts of the peak: tags, the engine's account of its buffers, and the rest as activations."""
+    engine = moment.get("engine", {})
+    parts = dict.fromkeys(PARTS, 0)
+    if not offload:
+        parts[SHARDS] = by_tag.get(SHARDS, 0)
+        parts[OPTIMIZER] = by_tag.get(OPTIMIZER, 0)
+        parts[GRADIENTS] = by_tag.get(GRADIENTS, 0)
+    parts[GRADIENTS] += max(moment.get("grads", 0) - by_tag.get(GRADIENTS, 0), 0) + engine.get("stashed_grads", 0)
+    parts["gathered parameters"] = engine.get("params", 0)
+    parts["gather/reduce buffers"] = engine.get("gather_buffer", 0) + engine.get("reduce_buffer", 0)
+    known = sum(value for name, value in parts.items() if name != "activations")
+    parts["activations"] = max(peak - known, 0)
+    return parts
+
+
+def _planned_forward(module: nn.Module, batch: Any) -> Any:
+    try:
+        return forward(module, batch)
+    except (DataDependentOutputException, DynamicOutputShapeException) as error:
+        raise RuntimeError(
+            f"the model's forward reads tensor values ({error}), which a plan on fake tensors does not have "
+            "(e.g. .item(), nonzero or data-dependent routing); measure such a model in a short real run "
+            "with the MemoryMonitor callback instead"
+        ) from error
+
+
+def _meta_copy(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` with every parameter and buffer on the meta device (ties kept, nothing
+    allocated), a LightningModule's ``configure_model`` run on the meta device, no trainer attached."""
+    from lightning.pytorch import LightningModule
+
+    memo: dict[int, Any] = {}
+    for tensor in itertools.chain(model.parameters(), model.buffers()):
+        meta = tensor.detach().to("meta")
+        memo[id(tensor)] = nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
+    for attribute in ("_trainer", "_fabric"):
+        attached = getattr(model, attribute, None)
+        if attached is not None:
+            memo[id(attached)] = None
+    copied = copy.deepcopy(model, memo)
+    if isinstance(copied, LightningModule):
+        with torch.device("meta"):
+            copied.configure_model()
+    return copied
+
+
+def _allocate(module: nn.Module, device: torch.device) -> None:
+    """Give ``module``'s own meta parameters and buffers (fake) storage on ``device``; values are never
+    read. New objects, not ``to_empty``'s swap: the fake mode holds weak references to the meta ones."""
+    for name, param in module._parameters.items():
+        if param is not None and param.is_meta:
+            module._parameters[name] = nn.Parameter(torch.empty_like(param, device=device), param.requires_grad)
+    for name, buffer in module._buffers.items():
+        if buffer is not None and buffer.is_meta:
+            module._buffers[name] = torch.empty_like(buffer, device=device)
+
+
+def _fake_like(value: Any, device: torch.device) -> Any:
+    if not isinstance(value, torch.Tensor):
+        return value
+    return torch.zeros(value.shape, dtype=value.dtype, device=device)
+
+
+def _short(value: Any) -> Any:
+    if isinstance(value, type):
+        return value.__name__
+    if isinstance(value, (set, frozenset, list, tuple)):
+        return "{" + ", ".join(str(_short(v)) for v in value) + "}"
+    return value

@@ -1,0 +1,156 @@
+"""The memory plan: its parts against the exact formula, its peak against real runs (world 2), the
+settings a budget chooses against a real Lightning job, the command, and bad input."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "benchmarks")]
+from plan_accuracy import MODELS, configurations, measure, predict, strategy_kwargs  # noqa: E402
+
+from fsdp_strategy import FSDPCustomStrategy  # noqa: E402
+from fsdp_strategy.plan import plan  # noqa: E402
+from fsdp_strategy.plan.cli import main as fsdp_plan  # noqa: E402
+from fsdp_strategy.wrap import ModuleNames  # noqa: E402
+
+
+class Layer(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class Stack(nn.Module):
+    def __init__(self, width: int = 48, depth: int = 3) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*[Layer(width) for _ in range(depth)])
+        self.head = nn.Linear(width, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.layers(x)).logsumexp(-1).mean()
+
+
+@pytest.mark.parametrize("world", [1, 3, 1024])
+def test_shards_and_optimizer_state_are_the_exact_bytes(world):
+    model = Stack()
+    result = plan(model, torch.empty(512, 48, device="meta"), world_size=world, auto_wrap_policy={Layer})
+    # dim-0 shards: ceil(rows / N) rows each ([Note: shard layout])
+    shard_numels = [math.ceil(p.shape[0] / world) * math.prod(p.shape[1:]) for p in model.parameters()]
+    assert result.phase == "backward", result  # the activations make backward the peak
+    assert result.parts["parameter shards"] == 4 * sum(shard_numels) == result.shard_bytes
+    assert result.parts["optimizer state"] == 4 * (2 * sum(shard_numels) + len(shard_numels))  # AdamW: 2 moments + step
+    assert sum(result.parts.values()) == result.peak_bytes
+    assert all(p.device.type == "cpu" for p in model.parameters())  # the model given is not touched
+
+
+def test_bf16_true_halves_the_shards_and_a_plan_reports_its_settings():
+    full = plan(Stack(), torch.empty(512, 48), world_size=2, auto_wrap_policy={Layer})
+    half = plan(Stack(), torch.empty(512, 48), world_size=2, precision="bf16-true", auto_wrap_policy={Layer})
+    assert half.parts["parameter shards"] * 2 == full.parts["parameter shards"]
+    assert "precision=bf16-true" in str(half) and "peak per rank" in str(half)
+
+
+def test_plan_predicts_the_peak_of_real_runs_within_ten_percent(tmp_path):
+    # two models (the GPT example's LightningModule, Hugging Face GPT-2 from a config) at world 2
+    grid = [
+        c
+        for c in configurations(["gpt", "gpt2"], [2])
+        if (c["sharding"], c["precision"], c["checkpointing"])
+        in {
+            ("FULL_SHARD", "32-true", False),
+            ("SHARD_GRAD_OP", "bf16-mixed", True),
+            ("HYBRID_SHARD", "bf16-mixed", True),
+        }
+    ]
+    predicted = [predict(c) for c in grid]
+    measured = measure(grid, 2, tmp_path)
+    for config, want, got in zip(grid, measured, predicted):
+        assert abs(got - want) <= 0.10 * want, (config, got, want)
+
+
+def test_a_budget_between_two_configurations_chooses_one_that_fits_and_is_not_exceeded(tmp_path):
+    module, batch, blocks = MODELS["gpt"]()
+    fastest = plan(module, batch, world_size=2, sharding_strategy="SHARD_GRAD_OP")  # one unit, nothing recomputed
+    lighter = plan(
+        module, batch, world_size=2, auto_wrap_policy=blocks, activation_checkpointing_policy=blocks
+    )  # per block, every block recomputed
+    budget = (fastest.peak_bytes + lighter.peak_bytes) // 2
+    job = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "budget_job.py"), str(budget)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
+    chosen = json.loads(job.stdout.split("CHOSEN ")[1].splitlines()[0])
+    assert chosen["measured"] <= budget, (chosen, budget)
+    assert chosen["per_block"] and chosen["units"] == 5  # the whole model as one unit does not fit
+    assert "auto_wrap_policy='auto' chose" in job.stdout + job.stderr and "fits, chosen" in job.stdout + job.stderr
+
+
+def test_nothing_fits_names_the_smallest_budget_and_world():
+    with pytest.raises(ValueError, match=r"nothing fits memory_budget=1.00 KiB per rank at 2 ranks.*peak at"):
+        plan(Stack(), torch.empty(64, 48), world_size=2, auto_wrap_policy="auto", memory_budget="1KiB")
+
+
+def test_fsdp_plan_command_prints_a_plan_and_refuses_bad_input(capsys):
+    assert fsdp_plan(["gpt2", "--world-size", "8", "--seq-len", "64", "--precision", "bf16-mixed"]) == 0
+    out = capsys.readouterr().out
+    assert "peak per rank" in out and "world_size=8" in out and "GPT2Block" in out
+    assert fsdp_plan(["gpt2", "--world-size", "0"]) == 2
+    assert "world_size=0" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="neither a preset"):
+        fsdp_plan(["nonsense", "--world-size", "2"])
+
+
+class ReadsValues(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x[x > 0].reshape(-1, 4)).sum()
+
+
+def test_bad_input_is_a_clear_error():
+    x = torch.empty(8, 48)
+    with pytest.raises(ValueError, match="world_size=0 must be a positive int"):
+        plan(Stack(), x, world_size=0)
+    with pytest.raises(ValueError, match="memory_budget='lots' is not a size"):
+        plan(Stack(), x, world_size=2, auto_wrap_policy="auto", memory_budget="lots")
+    with pytest.raises(ValueError, match="auto_wrap_policy='auto' needs memory_budget"):
+        plan(Stack(), x, world_size=2, auto_wrap_policy="auto")
+    with pytest.raises(ValueError, match="precision='fp8'"):
+        plan(Stack(), x, world_size=2, precision="fp8")
+    with pytest.raises(RuntimeError, match="reads tensor values"):
+        plan(ReadsValues(), torch.empty(8, 4), world_size=2)
+    with pytest.raises(ValueError, match="needs memory_budget .* and example_batch"):
+        FSDPCustomStrategy(auto_wrap_policy="auto", memory_budget="1GiB")
+    with pytest.raises(ValueError, match="read with auto_wrap_policy='auto' only"):
+        FSDPCustomStrategy(memory_budget="1GiB")
+    with pytest.raises(ValueError, match="names modules \\['layers.9'\\]"):
+        plan(Stack(), x, world_size=2, activation_checkpointing_policy=ModuleNames(["layers.9"]))
+    from fsdp_strategy import FSDPCustomFabricStrategy
+
+    with pytest.raises(ValueError, match="in Fabric call fsdp_strategy.plan"):
+        FSDPCustomFabricStrategy(auto_wrap_policy="auto")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(RuntimeError, match="already has a process group"):
+            plan(Stack(), x, world_size=2)
+    finally:
+        dist.destroy_process_group()
+    assert strategy_kwargs({"sharding": "FULL_SHARD", "checkpointing": False, "world": 2}, {Layer})
