@@ -10,6 +10,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from fsdp_strategy.config import CPUOffload, MixedPrecision, ShardingStrategy
 from fsdp_strategy.engine import summon_full_params
 from fsdp_strategy.fabric import FSDPCustomFabricStrategy
+from fsdp_strategy.plan import MemoryPlan, plan  # the function: fsdp_strategy.plan(...)
 from fsdp_strategy.precision import FSDPCustomFabricPrecision, FSDPCustomPrecision
 from fsdp_strategy.strategy import FSDPCustomStrategy
 
@@ -19,8 +20,10 @@ __all__ = [
     "FSDPCustomFabricStrategy",
     "FSDPCustomPrecision",
     "FSDPCustomStrategy",
+    "MemoryPlan",
     "MixedPrecision",
     "ShardingStrategy",
+    "plan",
     "summon_full_params",
 ]
 __version__ = "0.2.0"

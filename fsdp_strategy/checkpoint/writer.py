@@ -10,6 +10,7 @@ it. Costs of async: a CPU copy of this rank's shards while it is written.
 
 from __future__ import annotations
 
+import atexit
 import copy
 import logging
 import os
@@ -44,9 +45,24 @@ class CheckpointWriter:
         self._error: BaseException | None = None
 
     def setup(self) -> None:
-        """Create the background writer's own process group (a collective: every rank calls it)."""
+        """Create the background writer's own process group (a collective: every rank calls it),
+        released by ``teardown`` or, for a save after the end of a run, at interpreter exit."""
         if self.async_save and self._group is None:
             self._group = collectives.new_gloo_group()
+            atexit.register(self._release)
+
+    def _release(self) -> None:
+        """Finish the save in flight and destroy the background group while the interpreter is whole:
+        a gloo group left to interpreter shutdown can free its last collective's tensors from a
+        worker thread after the interpreter is gone, which aborts a healthy process ("terminate
+        called without an active exception"). Registered after the process group's own exit hook
+        (Lightning's), so it runs before it."""
+        atexit.unregister(self._release)
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join()
+        collectives.destroy_group(self._group)
+        self._group = None
 
     def wait(self) -> None:
         """Block until the checkpoint being written in the background is committed; re-raise its error."""
@@ -139,8 +155,7 @@ class CheckpointWriter:
     def teardown(self) -> None:
         """Finish the save in flight and release the background process group."""
         self.wait()
-        collectives.destroy_group(self._group)
-        self._group = None
+        self._release()
 
 
 def save_targets(

@@ -5,7 +5,7 @@
     fsdp-plan llama-7b --world-size 8 --precision bf16-mixed --budget 70GiB
     fsdp-plan mypackage.models:build --input 8x1024:long --world-size 16 --wrap mypackage.models.Block
 
-A preset (``llama-7b``, ``llama-13b``, ``llama-70b``, ``gpt2``, ``gpt2-xl``: Hugging Face shapes
+A preset (``llama-7b``, ``llama-13b``, ``llama3-8b``, ``llama-70b``, ``gpt2``, ``gpt2-xl``: Hugging Face shapes
 built from a config on the meta device, trained on their own language-model loss) or
 ``module:function`` returning an ``nn.Module`` (or a LightningModule). Presets are units per
 decoder layer unless ``--wrap`` says otherwise.
@@ -26,6 +26,8 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
                            "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32000}),
     "llama-13b": ("llama", {"hidden_size": 5120, "intermediate_size": 13824, "num_hidden_layers": 40,
                             "num_attention_heads": 40, "num_key_value_heads": 40, "vocab_size": 32000}),
+    "llama3-8b": ("llama", {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+                            "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256}),
     "llama-70b": ("llama", {"hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
                             "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 32000}),
     "gpt2": ("gpt2", {"n_embd": 768, "n_layer": 12, "n_head": 12}),
