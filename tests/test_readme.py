@@ -1,8 +1,8 @@
 """README's quick start shows what the example prints and what its W&B run holds: run the example
 exactly as README says (150 steps, about 40 s on 2 CPU cores) and compare every figure README
-quotes from it, to within one unit of its last quoted digit (the sums of another machine's thread
-count may move a last digit). When the example's numbers change, this test names each figure to
-update."""
+quotes from it, to within one unit of its last quoted digit, 0.001 or 0.1 % (the sums of another
+machine's CPU and thread count move the fourth digit of a perplexity: 19.3452 on one machine,
+19.3357 on another). When the example's numbers change, this test names each figure to update."""
 
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ def test_readme_quick_start_figures_are_what_the_example_prints(tmp_path):
     wrong = [
         f"{name}: README {value}, run {run:.4g}"
         for name, value, run in pairs
-        if abs(float(value) - run) > max(10.0 ** -len(value.partition(".")[2]), 1e-3)
+        if abs(float(value) - run) > max(10.0 ** -len(value.partition(".")[2]), 1e-3, 1e-3 * abs(run))
     ]
     assert not wrong, f"update README's quick start to the run's figures: {wrong}; the run printed {printed!r}"
 
