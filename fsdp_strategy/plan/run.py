@@ -6,7 +6,8 @@ LightningModule's ``configure_model``, and then does what ``FSDPCustomStrategy``
 ``setup``: convert the module for the precision, apply activation checkpointing, and shard it
 with ``shard_with_options`` (materializing each unit with ``to_empty``). Under torch's
 ``FakeTensorMode``, on rank 0 of a fake process group of the requested size, it then runs two
-training steps (forward, backward, optimizer step) while ``LiveBytes`` counts every storage.
+training steps in Lightning's order (forward, ``zero_grad``, backward, optimizer step: the last
+step's gradients are alive during the forward) while ``LiveBytes`` counts every storage.
 Nothing here models the units, buffers or schedule a second time: the engine allocates what it
 allocates in training, and the fake collectives keep the schedule's order. The engine skips
 the two checks that read values (order stamps, edits of gathered parameters) on fake tensors.
@@ -176,13 +177,13 @@ class _PlannedSteps:
                     state.phase = "forward"
                     with precision.forward_context():
                         loss = loss_of(_planned_forward(module, batch))
+                    optimizer.zero_grad(set_to_none=True)  # Lightning's order: last step's gradients live to here
                     state.phase = "backward"
                     loss.backward()
                 del loss
                 tracker.retag([p.grad for p in shards if p.grad is not None], GRADIENTS)
                 state.phase, tracker.tag = "optimizer step", OPTIMIZER
                 optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
                 tracker.tag = ACTIVATIONS
             sent = sum(totals.wire_bytes for totals in scheduler.ledger.current.values())
         finally:
