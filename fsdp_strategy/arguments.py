@@ -257,6 +257,7 @@ def options_from(arguments: Mapping[str, Any]) -> ShardingOptions:
     return ShardingOptions.validate(**{name: arguments[name] for name in OPTION_NAMES})
 
 
+_CHOSEN_SHARDINGS = ("SHARD_GRAD_OP", "SHARDINGSTRATEGY.SHARD_GRAD_OP")  # FULL_SHARD is the default: not "given"
 _KEPT_BY_PLAN = ("sharding_strategy", "mixed_precision", "forward_prefetch", "backward_prefetch", "device_mesh")
 
 
@@ -292,6 +293,12 @@ class BudgetRequest(NamedTuple):
         given = [name for name in ("activation_checkpointing", "activation_checkpointing_policy") if arguments[name]]
         if given:
             raise ValueError(f"auto_wrap_policy='auto' chooses activation checkpointing itself; drop {given}")
+        chosen = {"cpu_offload": arguments["cpu_offload"], "sharding_strategy": arguments["sharding_strategy"]}
+        if chosen["cpu_offload"] not in (None, False) or str(chosen["sharding_strategy"]).upper() in _CHOSEN_SHARDINGS:
+            raise ValueError(
+                f"auto_wrap_policy='auto' chooses cpu_offload and SHARD_GRAD_OP/FULL_SHARD itself; drop {chosen} "
+                "(a HYBRID_SHARD or NO_SHARD sharding_strategy is kept)"
+            )
         if arguments["ignored_modules"] is not None:
             raise ValueError("auto_wrap_policy='auto' plans a copy of the model, which ignored_modules cannot name")
         return cls(parse_bytes(budget), batch)

@@ -35,6 +35,12 @@ class ModuleNames(frozenset):
     is applied to (``ModuleNames(["model.blocks.0", "model.blocks.1"])``): what a memory plan
     chooses per unit (``auto_wrap_policy="auto"``). A name the model lacks is an error."""
 
+    def __new__(cls, names: Any = ()) -> ModuleNames:
+        names = [names] if isinstance(names, str) else list(names)
+        if not all(isinstance(name, str) for name in names):
+            raise TypeError(f"ModuleNames takes qualified module names (strings), got {names!r}")
+        return super().__new__(cls, names)
+
     def policy_for(self, root: nn.Module) -> PolicyFn:
         """The policy function selecting these modules of ``root``."""
         found = {name: module for name, module in root.named_modules() if name in self}

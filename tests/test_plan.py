@@ -57,6 +57,14 @@ def test_shards_and_optimizer_state_are_the_exact_bytes(world):
     assert all(p.device.type == "cpu" for p in model.parameters())  # the model given is not touched
 
 
+def test_an_optimizer_that_makes_its_state_at_construction_is_counted_as_optimizer_state():
+    model = Stack()
+    result = plan(model, torch.empty(512, 48), world_size=1, optimizer=torch.optim.Adagrad, auto_wrap_policy={Layer})
+    numels = [p.numel() for p in model.parameters()]
+    assert result.phase == "backward"
+    assert result.parts["optimizer state"] == 4 * (sum(numels) + len(numels))  # Adagrad: a sum per element + step
+
+
 def test_bf16_true_halves_the_shards_and_a_plan_reports_its_settings():
     full = plan(Stack(), torch.empty(512, 48), world_size=2, auto_wrap_policy={Layer})
     half = plan(Stack(), torch.empty(512, 48), world_size=2, precision="bf16-true", auto_wrap_policy={Layer})
@@ -110,10 +118,18 @@ def test_fsdp_plan_command_prints_a_plan_and_refuses_bad_input(capsys):
     assert fsdp_plan(["gpt2", "--world-size", "8", "--seq-len", "64", "--precision", "bf16-mixed"]) == 0
     out = capsys.readouterr().out
     assert "peak per rank" in out and "world_size=8" in out and "GPT2Block" in out
-    assert fsdp_plan(["gpt2", "--world-size", "0"]) == 2
-    assert "world_size=0" in capsys.readouterr().err
-    with pytest.raises(SystemExit, match="neither a preset"):
-        fsdp_plan(["nonsense", "--world-size", "2"])
+    for argv, words in (
+        (["gpt2", "--world-size", "0"], "world_size=0"),
+        (["nonsense", "--world-size", "2"], "neither a preset"),
+        (["gpt2", "--world-size", "2", "--batch", "0"], "--batch=0 must be at least 1"),
+        (["test_plan:Stack", "--world-size", "2", "--input", "8x-4"], "positive sizes"),
+        (
+            ["test_plan:Stack", "--world-size", "2", "--input", "8x48", "--activation-checkpointing"],
+            "needs class",
+        ),
+    ):
+        assert fsdp_plan(argv) == 2, argv
+        assert words in capsys.readouterr().err, argv
 
 
 class ReadsValues(nn.Module):
@@ -143,6 +159,16 @@ def test_bad_input_is_a_clear_error():
         FSDPCustomStrategy(memory_budget="1GiB")
     with pytest.raises(ValueError, match="names modules \\['layers.9'\\]"):
         plan(Stack(), x, world_size=2, activation_checkpointing_policy=ModuleNames(["layers.9"]))
+    for budget in (float("inf"), "0.1", 0):
+        with pytest.raises(ValueError, match="is not a size"):
+            plan(Stack(), x, world_size=2, auto_wrap_policy="auto", memory_budget=budget)
+    with pytest.raises(ValueError, match="ignored_modules cannot name its modules"):
+        model = Stack()
+        plan(model, x, world_size=2, ignored_modules=[model.head])
+    with pytest.raises(TypeError, match="qualified module names"):
+        ModuleNames([1, 2])
+    with pytest.raises(ValueError, match="chooses cpu_offload and SHARD_GRAD_OP/FULL_SHARD itself"):
+        FSDPCustomStrategy(auto_wrap_policy="auto", memory_budget="1GiB", example_batch=x, cpu_offload=True)
     from fsdp_strategy import FSDPCustomFabricStrategy
 
     with pytest.raises(ValueError, match="in Fabric call fsdp_strategy.plan"):

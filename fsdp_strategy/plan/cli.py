@@ -33,6 +33,12 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
     "gpt2": ("gpt2", {"n_embd": 768, "n_layer": 12, "n_head": 12}),
     "gpt2-xl": ("gpt2", {"n_embd": 1600, "n_layer": 48, "n_head": 25}),
 }  # fmt: skip
+
+
+class UsageError(ValueError):
+    """A command-line mistake: printed as one ``fsdp-plan:`` line, exit status 2."""
+
+
 DTYPES = {"long": torch.long, "int": torch.int, "float": torch.float, "bf16": torch.bfloat16, "half": torch.half}
 
 
@@ -65,11 +71,11 @@ def factory(path: str) -> Callable[[], torch.nn.Module]:
     """``"package.module:function"`` -> the function."""
     module_name, _, function = path.partition(":")
     if not module_name or not function:
-        raise SystemExit(f"fsdp-plan: model {path!r} is neither a preset ({', '.join(PRESETS)}) nor module:function")
+        raise UsageError(f"model {path!r} is neither a preset ({', '.join(PRESETS)}) nor module:function")
     try:
         return getattr(importlib.import_module(module_name), function)
     except (ImportError, AttributeError) as error:
-        raise SystemExit(f"fsdp-plan: cannot import {path!r}: {error}") from None
+        raise UsageError(f"cannot import {path!r}: {error}") from None
 
 
 def parse_input(text: str) -> torch.Tensor:
@@ -78,9 +84,11 @@ def parse_input(text: str) -> torch.Tensor:
     try:
         sizes = [int(size) for size in shape.lower().split("x")]
     except ValueError:
-        raise SystemExit(f"fsdp-plan: --input {text!r}: give a shape like 8x1024 or 8x1024:long") from None
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise UsageError(f"--input {text!r}: give a shape of positive sizes like 8x1024 or 8x1024:long")
     if dtype and dtype not in DTYPES:
-        raise SystemExit(f"fsdp-plan: --input {text!r}: dtype {dtype!r}; accepted: {', '.join(DTYPES)}")
+        raise UsageError(f"--input {text!r}: dtype {dtype!r}; accepted: {', '.join(DTYPES)}")
     return torch.empty(sizes, dtype=DTYPES[dtype or "float"], device="meta")
 
 
@@ -105,22 +113,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=1, help="presets: sequences per rank")
     parser.add_argument("--seq-len", type=int, default=2048, help="presets: tokens per sequence")
     args = parser.parse_args(argv)
-    if args.model in PRESETS:
-        model, batch, blocks = preset(args.model, args.seq_len, args.batch)
-    else:
-        model = factory(args.model)()
-        batch, blocks = tuple(parse_input(text) for text in args.input or []), set()
-    wrap = set(args.wrap) if args.wrap else blocks or None
-    kwargs: dict[str, Any] = {"sharding_strategy": args.sharding_strategy, "cpu_offload": args.cpu_offload}
-    if args.budget is not None:
-        kwargs = {"auto_wrap_policy": "auto", "memory_budget": args.budget}
-    else:
-        kwargs["auto_wrap_policy"] = wrap
-        if args.activation_checkpointing is not None:
-            kwargs["activation_checkpointing_policy"] = set(args.activation_checkpointing) or wrap
     from fsdp_strategy.plan import plan
 
     try:
+        model, batch, kwargs = _what_to_plan(args)
         result = plan(
             model, batch, world_size=args.world_size, num_nodes=args.num_nodes, precision=args.precision,
             optimizer=args.optimizer, **kwargs,
@@ -130,6 +126,32 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(result)
     return 0
+
+
+def _what_to_plan(args: argparse.Namespace) -> tuple[torch.nn.Module, Any, dict[str, Any]]:
+    """The model, its batch and the strategy arguments the command line asks for."""
+    for name in ("batch", "seq_len"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')}={getattr(args, name)} must be at least 1")
+    if args.model in PRESETS:
+        model, batch, blocks = preset(args.model, args.seq_len, args.batch)
+    else:
+        model = factory(args.model)()
+        if not isinstance(model, torch.nn.Module):
+            raise UsageError(f"{args.model} returned {type(model).__name__}, not an nn.Module")
+        batch, blocks = tuple(parse_input(text) for text in args.input or []), set()
+    wrap = set(args.wrap) if args.wrap else blocks or None
+    if args.budget is not None:
+        return model, batch, {"auto_wrap_policy": "auto", "memory_budget": args.budget}
+    kwargs: dict[str, Any] = {"sharding_strategy": args.sharding_strategy, "cpu_offload": args.cpu_offload}
+    kwargs["auto_wrap_policy"] = wrap
+    if args.activation_checkpointing is not None:
+        if not (args.activation_checkpointing or wrap):
+            raise UsageError(
+                "--activation-checkpointing needs class paths here (or --wrap, whose classes it then takes)"
+            )
+        kwargs["activation_checkpointing_policy"] = set(args.activation_checkpointing) or wrap
+    return model, batch, kwargs
 
 
 if __name__ == "__main__":

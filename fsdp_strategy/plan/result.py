@@ -84,9 +84,9 @@ def parse_bytes(value: Any, argument: str = "memory_budget") -> int:
         number, unit = (float(digits) if digits else float("nan")), text[len(digits) :]
     else:
         number, unit = float("nan"), ""
-    if unit not in units or not number > 0:
+    if unit not in units or not 1 <= number * units.get(unit, 1) < float("inf"):
         raise ValueError(
-            f"{argument}={value!r} is not a size; give bytes as a positive number or a string like '70GiB', "
+            f"{argument}={value!r} is not a size; give bytes (at least 1, finite) or a string like '70GiB', "
             "'512MiB', '80GB'"
         )
     return int(number * units[unit])

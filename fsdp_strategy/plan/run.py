@@ -112,6 +112,11 @@ def run(model: nn.Module, example_input: Any, planned: Planned) -> MemoryPlan:
     from fsdp_strategy.precision import FSDPCustomPrecision
     from fsdp_strategy.strategy import FSDPCustomStrategy
 
+    if planned.strategy_kwargs.get("ignored_modules") is not None:
+        raise ValueError(
+            "plan() copies the model, so ignored_modules cannot name its modules; plan without them and add "
+            "their parameters, gradients and optimizer state (whole, on every rank) to the peak"
+        )
     strategy = FSDPCustomStrategy(**planned.strategy_kwargs)  # checks every argument as training would
     precision = FSDPCustomPrecision(planned.precision)
     make_optimizer = optimizer_factory(planned.optimizer)
@@ -138,12 +143,15 @@ class _PlannedSteps:
 
     def run(self, module: nn.Module, example_input: Any, make_optimizer: Callable) -> MemoryPlan:
         """Shard ``module`` (on the meta device) and run the steps; the plan of what they held."""
-        gc.freeze()  # what exists now is never garbage: collections at peaks traverse the plan's objects only
+        freeze = gc.get_freeze_count() == 0  # a caller's own frozen objects are left as they are
+        if freeze:
+            gc.freeze()  # what exists now is never garbage: collections at peaks traverse the plan's objects only
         try:
             with FakeTensorMode(allow_non_fake_inputs=True), self.tracker:
                 return self._run(module, example_input, make_optimizer)
         finally:
-            gc.unfreeze()
+            if freeze:
+                gc.unfreeze()
 
     def _run(self, module: nn.Module, example_input: Any, make_optimizer: Callable) -> MemoryPlan:
         from fsdp_strategy.engine import shard_with_options
@@ -166,7 +174,9 @@ class _PlannedSteps:
             tracker.retag(shards, SHARDS)
             state.account = scheduler.memory
             state.grads_of = lambda: tracker.bytes_of(p.grad for p in shards)
+            tracker.tag = OPTIMIZER  # an optimizer that makes its state at construction (Adagrad)
             optimizer = make_optimizer([p for p in shards if p.requires_grad])
+            tracker.tag = ACTIVATIONS
             precision.attach(device.type)
             batch = precision.convert_input(tree_map(lambda t: _fake_like(t, device), example_input))
             for step in range(STEPS):
