@@ -62,30 +62,23 @@ def _gpt(d_model: int, n_layers: int, seq_len: int, batch: int) -> tuple[L.Light
     return module, torch.zeros(batch, seq_len + 1, dtype=torch.long), {Block}
 
 
-def _hf_gpt2() -> tuple[L.LightningModule, Any, set]:
-    from transformers import GPT2Config, GPT2LMHeadModel
+def _hf_causal_lm(family: str) -> tuple[L.LightningModule, Any, set]:
+    """A small Hugging Face causal LM of ``family`` ("gpt2" or "llama") from a config, trained on its own loss."""
+    import transformers
     from transformers.models.gpt2.modeling_gpt2 import GPT2Block
-
-    config = GPT2Config(vocab_size=512, n_positions=64, n_embd=96, n_layer=3, n_head=4)
-    tokens = torch.zeros(4, 64, dtype=torch.long)
-    return Wrapped(GPT2LMHeadModel(config)), {"input_ids": tokens, "labels": tokens}, {GPT2Block}
-
-
-def _hf_llama() -> tuple[L.LightningModule, Any, set]:
-    from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    config = LlamaConfig(
-        vocab_size=512,
-        hidden_size=96,
-        intermediate_size=256,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
+    if family == "gpt2":
+        config = transformers.GPT2Config(vocab_size=512, n_positions=64, n_embd=96, n_layer=3, n_head=4)
+        build, block = transformers.GPT2LMHeadModel, GPT2Block
+    else:
+        config = transformers.LlamaConfig(
+            vocab_size=512, hidden_size=96, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64,
+        )  # fmt: skip
+        build, block = transformers.LlamaForCausalLM, LlamaDecoderLayer
     tokens = torch.zeros(4, 64, dtype=torch.long)
-    return Wrapped(LlamaForCausalLM(config)), {"input_ids": tokens, "labels": tokens}, {LlamaDecoderLayer}
+    return Wrapped(build(config)), {"input_ids": tokens, "labels": tokens}, {block}
 
 
 def _hf_vit() -> tuple[L.LightningModule, Any, set]:
@@ -108,8 +101,8 @@ def _hf_vit() -> tuple[L.LightningModule, Any, set]:
 MODELS = {
     "gpt": lambda: _gpt(128, 4, 64, 8),  # the GPT example (examples/lit_gpt.py)
     "gpt-heavy": lambda: _gpt(192, 2, 256, 8),  # activation-heavy: long sequences, few wide blocks
-    "gpt2": _hf_gpt2,  # Hugging Face GPT-2 from a config
-    "llama": _hf_llama,  # Hugging Face Llama from a config
+    "gpt2": lambda: _hf_causal_lm("gpt2"),  # Hugging Face GPT-2 from a config
+    "llama": lambda: _hf_causal_lm("llama"),  # Hugging Face Llama from a config
     "vit": _hf_vit,  # Hugging Face ViT from a config
 }
 

@@ -257,7 +257,6 @@ def options_from(arguments: Mapping[str, Any]) -> ShardingOptions:
     return ShardingOptions.validate(**{name: arguments[name] for name in OPTION_NAMES})
 
 
-_CHOSEN_SHARDINGS = ("SHARD_GRAD_OP", "SHARDINGSTRATEGY.SHARD_GRAD_OP")  # FULL_SHARD is the default: not "given"
 _KEPT_BY_PLAN = ("sharding_strategy", "mixed_precision", "forward_prefetch", "backward_prefetch", "device_mesh")
 
 
@@ -294,7 +293,8 @@ class BudgetRequest(NamedTuple):
         if given:
             raise ValueError(f"auto_wrap_policy='auto' chooses activation checkpointing itself; drop {given}")
         chosen = {"cpu_offload": arguments["cpu_offload"], "sharding_strategy": arguments["sharding_strategy"]}
-        if chosen["cpu_offload"] not in (None, False) or str(chosen["sharding_strategy"]).upper() in _CHOSEN_SHARDINGS:
+        grad_op = ShardingStrategy.from_any(chosen["sharding_strategy"]) is ShardingStrategy.SHARD_GRAD_OP
+        if chosen["cpu_offload"] not in (None, False) or grad_op:  # FULL_SHARD is the default: not "given"
             raise ValueError(
                 f"auto_wrap_policy='auto' chooses cpu_offload and SHARD_GRAD_OP/FULL_SHARD itself; drop {chosen} "
                 "(a HYBRID_SHARD or NO_SHARD sharding_strategy is kept)"

@@ -42,7 +42,7 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import is_fake
+from torch._subclasses.fake_tensor import FakeTensor
 
 from fsdp_strategy.engine import collectives
 from fsdp_strategy.engine.accounting import MemoryAccount
@@ -93,7 +93,7 @@ class LostEditCheck(NamedTuple):
 
 def raise_for_lost_edits(checks: list[LostEditCheck]) -> None:
     """Raise for the changes that could not be kept (one device sync for all of them, if any)."""
-    if not checks or is_fake(checks[0].lost):  # a memory plan's tensors carry no values ([Note: memory plan])
+    if not checks or isinstance(checks[0].lost, FakeTensor):  # a memory plan carries no values ([Note: memory plan])
         return
     flags = torch.stack([check.lost for check in checks]).tolist()
     lossy = [check for check, lost in zip(checks, flags) if lost]

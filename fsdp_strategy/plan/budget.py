@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 
 from torch import nn
 
+from fsdp_strategy.config import ShardingStrategy
 from fsdp_strategy.plan.result import MemoryPlan, _size
 from fsdp_strategy.plan.run import Planned, _meta_copy, run
 from fsdp_strategy.wrap import ModuleNames
@@ -76,14 +77,9 @@ def choose(model: nn.Module, example_input: Any, planned: Planned, budget: int) 
     a ValueError naming the smallest budget and world size that would fit when none does."""
     blocks_of, names = block_class(_meta_copy(model))
     fixed = {key: value for key, value in planned.strategy_kwargs.items() if key not in _CHOSEN}
-    fixed_sharding = planned.strategy_kwargs.get("sharding_strategy")
-    shardings = ["SHARD_GRAD_OP", "FULL_SHARD"]
-    if str(getattr(fixed_sharding, "value", fixed_sharding) or "").upper() in (
-        "HYBRID_SHARD",
-        "NO_SHARD",
-        "_HYBRID_SHARD_ZERO2",
-    ):
-        shardings = [str(getattr(fixed_sharding, "value", fixed_sharding)).upper()]
+    given = ShardingStrategy.from_any(planned.strategy_kwargs.get("sharding_strategy", "FULL_SHARD"))
+    kept = given.hybrid or given is ShardingStrategy.NO_SHARD  # chosen by the mesh or the user, not the budget
+    shardings = [given.value] if kept else ["SHARD_GRAD_OP", "FULL_SHARD"]
     steps = sorted({0, len(names) // 4, len(names) // 2, 3 * len(names) // 4, len(names)})
     candidates = [
         Candidate(per_block, k, sharding, offload)
