@@ -5,7 +5,9 @@
     python benchmarks/plan_accuracy.py --models gpt gpt2 --worlds 2
 
 For each configuration the plan runs in this process (fake tensors, fake process group) and a
-real ``Trainer.fit`` of two steps runs on forked CPU ranks over gloo. The measured peak is the
+real ``Trainer.fit`` of two steps runs on forked CPU ranks over gloo, with gloo's own collectives
+(``FSDP_CUSTOM_GLOO_P2P=0``: the calls NCCL gets, no receive buffers of the point-to-point
+exchange, which a GPU run does not have). The measured peak is the
 highest bytes of live tensor storage on rank 0 during the second step (``LiveBytes`` on real
 tensors: the shards, gradients, optimizer state and batch alive at its start, and every tensor
 the step allocates). HYBRID_SHARD runs as 2 replicas x ``world / 2`` shards where the world
@@ -36,7 +38,9 @@ from fsdp_strategy.plan import plan  # noqa: E402
 from fsdp_strategy.plan.run import STEPS, forward, loss_of  # noqa: E402
 from fsdp_strategy.plan.tracker import LiveBytes  # noqa: E402
 
-LIGHTNING_ENV = {"LOCAL_RANK": "{rank}", "NODE_RANK": "0"}
+# gloo's own collectives, the calls NCCL gets: the point-to-point exchange (gloo's default here)
+# also holds N - 2 received slices per reduce-scatter, which no GPU run allocates
+LIGHTNING_ENV = {"LOCAL_RANK": "{rank}", "NODE_RANK": "0", "FSDP_CUSTOM_GLOO_P2P": "0"}
 
 
 class Wrapped(L.LightningModule):

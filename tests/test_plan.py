@@ -55,6 +55,29 @@ def test_shards_and_optimizer_state_are_the_exact_bytes(world):
     assert result.parts["optimizer state"] == 4 * (2 * sum(shard_numels) + len(shard_numels))  # AdamW: 2 moments + step
     assert sum(result.parts.values()) == result.peak_bytes
     assert all(p.device.type == "cpu" for p in model.parameters())  # the model given is not touched
+    # every rank runs the whole batch: 2*B*in*out per matmul, forward, grad input (not for the first
+    # layer, whose input needs none) and grad weight
+    matmuls = [m.in_features * m.out_features for m in model.modules() if isinstance(m, nn.Linear)]
+    assert result.flops_per_step == 2 * 512 * (3 * sum(matmuls) - matmuls[0])
+
+
+class Attention(nn.Module):
+    def __init__(self, heads: int = 4, width: int = 32) -> None:
+        super().__init__()
+        self.heads, self.qkv = heads, nn.Linear(width, 3 * width, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, w = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, w // self.heads).permute(2, 0, 3, 1, 4)
+        return nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).float().square().mean()
+
+
+def test_flops_count_attention_as_its_matmuls():
+    # the CPU flash kernel by the CUDA kernels' formula: two matmuls forward, five backward (the scores
+    # are recomputed), 2*b*h*s*s*d each (h*d = w); the projection: forward and grad weight
+    b, s, w = 2, 64, 32
+    result = plan(Attention(), torch.empty(b, s, w), world_size=2)
+    assert result.flops_per_step == 14 * b * s * s * w + 2 * 2 * b * s * w * 3 * w
 
 
 def test_an_optimizer_that_makes_its_state_at_construction_is_counted_as_optimizer_state():
@@ -72,7 +95,7 @@ def test_bf16_true_halves_the_shards_and_a_plan_reports_its_settings():
     assert "precision=bf16-true" in str(half) and "peak per rank" in str(half)
 
 
-def test_plan_predicts_the_peak_of_real_runs_within_ten_percent(tmp_path):
+def test_plan_predicts_the_peak_of_real_runs_within_two_percent(tmp_path):
     # two models (the GPT example's LightningModule, Hugging Face GPT-2 from a config) at world 2
     grid = [
         c
@@ -87,7 +110,9 @@ def test_plan_predicts_the_peak_of_real_runs_within_ten_percent(tmp_path):
     predicted = [predict(c) for c in grid]
     measured = measure(grid, 2, tmp_path)
     for config, want, got in zip(grid, measured, predicted):
-        assert abs(got - want) <= 0.10 * want, (config, got, want)
+        # the issue's bound is 10 %; the plan is within 0.1 % (benchmarks/plan_accuracy.py), and 2 % catches
+        # held activations (a FLOP counter's module hooks once kept recomputed blocks' saved tensors: +7 % here)
+        assert abs(got - want) <= 0.02 * want, (config, got, want)
 
 
 def test_a_budget_between_two_configurations_chooses_one_that_fits_and_is_not_exceeded(tmp_path):

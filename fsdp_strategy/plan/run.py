@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import gc
 import itertools
 import warnings
 from collections.abc import Callable
@@ -31,8 +30,8 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
 from torch.utils._pytree import tree_map
-from torch.utils.flop_counter import FlopCounterMode
 
+from fsdp_strategy.plan.flops import FlopCount
 from fsdp_strategy.plan.result import PARTS, MemoryPlan
 from fsdp_strategy.plan.tracker import ACTIVATIONS, LiveBytes
 from fsdp_strategy.plan.world import fake_world
@@ -139,26 +138,19 @@ class _PlannedSteps:
         self.offload = strategy.cpu_offload.offload_params
         self.state = _State()
         host = (SHARDS, OPTIMIZER, GRADIENTS) if self.offload else ()
-        self.tracker = LiveBytes(self.state.describe, host_tags=host, collect_garbage=True)
+        self.tracker = LiveBytes(self.state.describe, host_tags=host)
 
     def run(self, module: nn.Module, example_input: Any, make_optimizer: Callable) -> MemoryPlan:
         """Shard ``module`` (on the meta device) and run the steps; the plan of what they held."""
-        freeze = gc.get_freeze_count() == 0  # a caller's own frozen objects are left as they are
-        if freeze:
-            gc.freeze()  # what exists now is never garbage: collections at peaks traverse the plan's objects only
-        try:
-            with FakeTensorMode(allow_non_fake_inputs=True), self.tracker:
-                return self._run(module, example_input, make_optimizer)
-        finally:
-            if freeze:
-                gc.unfreeze()
+        with FakeTensorMode(allow_non_fake_inputs=True), self.tracker:
+            return self._run(module, example_input, make_optimizer)
 
     def _run(self, module: nn.Module, example_input: Any, make_optimizer: Callable) -> MemoryPlan:
         from fsdp_strategy.engine import shard_with_options
         from fsdp_strategy.wrap import apply_activation_checkpointing
 
         tracker, state, precision, device = self.tracker, self.state, self.precision, self.device
-        flops = FlopCounterMode(display=False)
+        flops = FlopCount()
         module = precision.convert_module(module)
         if self.strategy.activation_checkpointing_policy is not None:
             apply_activation_checkpointing(module, self.strategy.activation_checkpointing_policy)
@@ -206,7 +198,7 @@ class _PlannedSteps:
             unit=peak.moment.get("unit", ""),
             host_bytes=sum(tracker.by_tag[tag] for tag in (SHARDS, OPTIMIZER, GRADIENTS)) if self.offload else 0,
             sent_bytes_per_step=sent,
-            flops_per_step=flops.get_total_flops(),
+            flops_per_step=flops.total,
             shard_bytes=tracker.bytes_of(shards),
         )
 

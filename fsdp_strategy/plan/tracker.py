@@ -18,7 +18,6 @@ or before ``__enter__`` are counted only if given to ``track``.
 
 from __future__ import annotations
 
-import gc
 import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterable
@@ -48,10 +47,8 @@ class LiveBytes(TorchDispatchMode):
         self,
         describe: Callable[[], dict[str, Any]] | None = None,
         host_tags: Iterable[str] = (),
-        collect_garbage: bool = False,
     ) -> None:
         super().__init__()
-        self._collect = collect_garbage
         self.tag = ACTIVATIONS
         self.by_tag: dict[str, int] = defaultdict(int)
         self.peak = Peak()
@@ -137,8 +134,6 @@ class LiveBytes(TorchDispatchMode):
         self._note_peak()
 
     def _note_peak(self) -> None:
-        if self.current > self.peak.bytes and self._collect:
-            gc.collect()  # garbage in reference cycles is not memory a run would hold ([Note: fake garbage])
         current = self.current
         if current > self.peak.bytes:
             self.peak = Peak(current, dict(self.by_tag), self._describe())
