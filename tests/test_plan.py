@@ -134,6 +134,21 @@ def test_a_budget_between_two_configurations_chooses_one_that_fits_and_is_not_ex
     assert "auto_wrap_policy='auto' chose" in job.stdout + job.stderr and "fits, chosen" in job.stdout + job.stderr
 
 
+def test_a_budget_is_met_where_recomputing_every_block_is_not_the_lightest():
+    # Llama: recomputing the last block too adds its recomputation and saves nothing, so 3 of 3 blocks
+    # recomputed peaks above 2 of 3; a budget between the two must not be told that nothing fits
+    module, batch, blocks = MODELS["llama"]()
+    names = [name for name, m in module.named_modules() if type(m) in blocks]
+    light = {"auto_wrap_policy": blocks, "cpu_offload": True}
+    two = plan(module, batch, world_size=2, activation_checkpointing_policy=ModuleNames(names[:2]), **light)
+    three = plan(module, batch, world_size=2, activation_checkpointing_policy=ModuleNames(names), **light)
+    assert two.peak_bytes < three.peak_bytes
+    budget = (two.peak_bytes + three.peak_bytes) // 2
+    chosen = plan(module, batch, world_size=2, auto_wrap_policy="auto", memory_budget=budget)
+    assert chosen.peak_bytes == two.peak_bytes and chosen.strategy_kwargs["cpu_offload"]
+    assert chosen.strategy_kwargs["activation_checkpointing_policy"] == ModuleNames(names[:2])
+
+
 def test_nothing_fits_names_the_smallest_budget_and_world():
     with pytest.raises(ValueError, match=r"nothing fits memory_budget=1.00 KiB per rank at 2 ranks.*peak at"):
         plan(Stack(), torch.empty(64, 48), world_size=2, auto_wrap_policy="auto", memory_budget="1KiB")

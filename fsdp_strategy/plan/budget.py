@@ -10,14 +10,18 @@ the bytes each rank sends (a second gather per step under FULL_SHARD), the host 
 CPU optimizer step of offload, and a fixed latency per collective. Candidates are planned in
 that order, fastest first, and the first whose peak fits is chosen; a candidate at least as
 heavy in every choice as one that did not fit is skipped without planning (memory only grows
-with coarser units, fewer recomputed blocks, SHARD_GRAD_OP and no offload). When nothing fits,
-the lightest candidate's peak is the smallest budget that would fit, and doubling the world
-size finds the smallest world (up to 64 times larger) at which it fits.
+with coarser units, SHARD_GRAD_OP and no offload). Not with fewer recomputed blocks: recomputing
+the last block saves nothing (its backward runs right after the forward) and adds its
+recomputation, so k = L can peak above k = 3L/4; candidates are compared only at equal k, and
+the lightest settings are the lightest over k (per-block units, FULL_SHARD, offload), each
+planned first. When nothing fits, the lightest peak is the smallest budget that would fit, and
+doubling the world size finds the smallest world (up to 64 times larger) at which it fits.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import Counter
 from typing import Any, NamedTuple
 
@@ -47,7 +51,7 @@ class Candidate(NamedTuple):
         """Whether this choice holds at least as much memory as ``other`` in every dimension."""
         return (
             (not self.per_block) >= (not other.per_block)
-            and self.checkpointed <= other.checkpointed
+            and self.checkpointed == other.checkpointed
             and (self.sharding == "SHARD_GRAD_OP") >= (other.sharding == "SHARD_GRAD_OP")
             and (not self.offload) >= (not other.offload)
         )
@@ -102,17 +106,20 @@ def choose(model: nn.Module, example_input: Any, planned: Planned, budget: int) 
             at = dataclasses.replace(at, world_size=world_size)
         return run(model, example_input, at)
 
-    lightest = Candidate(True, len(names), shardings[-1], True)
-    baseline = plan_of(lightest)
-    if baseline.peak_bytes > budget:
-        raise ValueError(_nothing_fits(budget, baseline, lambda world: plan_of(lightest, world), planned))
+    light = {c: plan_of(c) for c in candidates if c.per_block and c.sharding == shardings[-1] and c.offload}
+    lightest = min(light, key=lambda c: light[c].peak_bytes)  # over k: not always every block recomputed
+    if light[lightest].peak_bytes > budget:
+        described = _describe(lightest, blocks_of, len(names))
+        at_world = functools.partial(plan_of, lightest)
+        raise ValueError(_nothing_fits(budget, light[lightest], described, at_world, planned))
+    baseline = light[Candidate(True, len(names), shardings[-1], True)]  # its FLOPs: every block recomputed
     estimate = _Estimate(baseline, planned, len(names))
     tried: list[str] = []
     failed: list[Candidate] = []
     for candidate in sorted(candidates, key=estimate.seconds):
         if any(candidate.heavier_or_equal(other) for other in failed):
             continue
-        result = baseline if candidate == lightest else plan_of(candidate)
+        result = light[candidate] if candidate in light else plan_of(candidate)
         line = f"{_describe(candidate, blocks_of, len(names))}: {_size(result.peak_bytes)}"
         if result.peak_bytes > budget:
             failed.append(candidate)
@@ -164,7 +171,7 @@ def _describe(candidate: Candidate, blocks_of: type, blocks: int) -> str:
     return f"{units}, {checkpointing}, {candidate.sharding}, {offload}"
 
 
-def _nothing_fits(budget: int, lightest: MemoryPlan, plan_at: Any, planned: Planned) -> str:
+def _nothing_fits(budget: int, lightest: MemoryPlan, described: str, plan_at: Any, planned: Planned) -> str:
     world = planned.world_size
     fits_at = None
     for factor in (2, 4, 8, 16, 32, 64):
@@ -173,7 +180,7 @@ def _nothing_fits(budget: int, lightest: MemoryPlan, plan_at: Any, planned: Plan
             break
     larger = f"it fits at {fits_at} ranks" if fits_at else f"it does not fit at {64 * world} ranks either"
     return (
-        f"nothing fits memory_budget={_size(budget)} per rank at {world} ranks: the lightest settings (one unit "
-        f"per block, every block recomputed, FULL_SHARD, CPU offload) peak at {_size(lightest.peak_bytes)} per rank, "
-        f"the smallest budget that would fit; {larger}. A smaller batch also lowers the peak"
+        f"nothing fits memory_budget={_size(budget)} per rank at {world} ranks: the lightest settings ({described}) "
+        f"peak at {_size(lightest.peak_bytes)} per rank, the smallest budget that would fit; {larger}. A smaller "
+        "batch also lowers the peak"
     )
