@@ -288,5 +288,5 @@ def test_the_failure_message_puts_the_headline_and_first_report_before_the_peers
     message = diagnosis.failure_message("headline", "rank 1 raised X", ["peer line"], ["dump line"])
     assert message == "headline\n  First report: rank 1 raised X\n  peer line\n  dump line"
     assert "First report" not in diagnosis.failure_message("same", "same", [], [])
-    line = diagnosis.store_unreachable_line("StoreLost: Broken pipe", [0])
-    assert line.startswith("the store is unreachable (StoreLost: Broken pipe)") and "rank 0 LOST" in line
+    line = diagnosis.store_unreachable_line("StoreLost: Broken pipe")
+    assert line.startswith("the store is unreachable (StoreLost: Broken pipe)") and "torchrun agent" in line

@@ -88,12 +88,12 @@ def peer_line(peer: Peer, mine: dict[str, Any] | None, silence: float) -> str:
     return f"{name}: alive, sent no report"
 
 
-def store_unreachable_line(error: str, gone: list[int]) -> str:
-    """The line that replaces the peers' lines when the store cannot be read."""
-    lost = "".join(f"; rank {rank} LOST, its process has exited" for rank in gone)
+def store_unreachable_line(error: str) -> str:
+    """The line that replaces the peers' reports when the store cannot be read (the lines of the
+    peers known to be gone on this host follow it)."""
     return (
         f"the store is unreachable ({error}): the process that hosts it (global rank 0 under Lightning's launcher "
-        f"or env://, the torchrun agent of node 0 under torchrun) has ended{lost}"
+        "or env://, the torchrun agent of node 0 under torchrun) has ended"
     )
 
 

@@ -85,8 +85,10 @@ class Reports:
         try:
             peers = self.peers_after_grace()
             lines = [diagnosis.peer_line(peer, mine.as_dict() if mine else None, GRACE) for peer in peers]
-        except StoreLost as error:
-            lines = [diagnosis.store_unreachable_line(str(error), sorted(self.gone_locally()))]
+        except StoreLost as error:  # what this host can still see: which processes have exited
+            gone = [Peer(rank, self.identities.get(rank), PeerState.GONE) for rank in sorted(self.gone_locally())]
+            lines = [diagnosis.store_unreachable_line(str(error))]
+            lines += [diagnosis.peer_line(peer, None, GRACE) for peer in gone]
         every = os.path.join(self.dump_dir, "fsdp_custom_flight_rank*.json")
         dumps = [f"Flight recorder rings: {every} (this rank: {self.dump_path})"]
         nccl_dump = _nccl_dump_prefix()
