@@ -12,10 +12,11 @@ that order, fastest first, and the first whose peak fits is chosen; a candidate 
 heavy in every choice as one that did not fit is skipped without planning (memory only grows
 with coarser units, SHARD_GRAD_OP and no offload). Not with fewer recomputed blocks: recomputing
 the last block saves nothing (its backward runs right after the forward) and adds its
-recomputation, so k = L can peak above k = 3L/4; candidates are compared only at equal k, and
-the lightest settings are the lightest over k (per-block units, FULL_SHARD, offload), each
-planned first. When nothing fits, the lightest peak is the smallest budget that would fit, and
-doubling the world size finds the smallest world (up to 64 times larger) at which it fits.
+recomputation, so k = L can peak above k = 3L/4. So the lightest settings at each k (per-block
+units, FULL_SHARD, offload) are planned first, those over the budget rule out every candidate at
+their k, and candidates are compared only at equal k. When nothing fits, the lightest of them
+gives the smallest budget that would fit, and doubling the world size finds the smallest world
+(up to 64 times larger) at which it fits.
 """
 
 from __future__ import annotations
@@ -114,8 +115,8 @@ def choose(model: nn.Module, example_input: Any, planned: Planned, budget: int) 
         raise ValueError(_nothing_fits(budget, light[lightest], described, at_world, planned))
     baseline = light[Candidate(True, len(names), shardings[-1], True)]  # its FLOPs: every block recomputed
     estimate = _Estimate(baseline, planned, len(names))
-    tried: list[str] = []
-    failed: list[Candidate] = []
+    failed = [c for c in light if light[c].peak_bytes > budget]  # everything heavier at their k is skipped
+    tried = [f"{_describe(c, blocks_of, len(names))}: {_size(light[c].peak_bytes)} (over)" for c in failed]
     for candidate in sorted(candidates, key=estimate.seconds):
         if any(candidate.heavier_or_equal(other) for other in failed):
             continue
@@ -125,7 +126,10 @@ def choose(model: nn.Module, example_input: Any, planned: Planned, budget: int) 
             failed.append(candidate)
             tried.append(f"{line} (over)")
             continue
-        reasons = [f"budget {_size(budget)} per rank; candidates planned fastest first (estimated step time):"]
+        reasons = [
+            f"budget {_size(budget)} per rank; the lightest settings at each number of recomputed blocks, then the "
+            "candidates fastest first (estimated step time):"
+        ]
         reasons += [f"  {entry}" for entry in tried]
         reasons.append(f"  {line}: fits, chosen")
         return dataclasses.replace(result, reasons=reasons, strategy_kwargs=kwargs_of(candidate))
