@@ -183,6 +183,10 @@ class ReadsValues(nn.Module):
 
 def test_bad_input_is_a_clear_error():
     x = torch.empty(8, 48)
+    manual = MODELS["gpt"]()[0]
+    manual.automatic_optimization = False
+    with pytest.raises(ValueError, match="uses manual optimization"):
+        plan(manual, torch.zeros(2, 65, dtype=torch.long), world_size=2)
     with pytest.raises(ValueError, match="world_size=0 must be a positive int"):
         plan(Stack(), x, world_size=0)
     with pytest.raises(ValueError, match="memory_budget='lots' is not a size"):

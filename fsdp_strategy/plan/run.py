@@ -116,6 +116,12 @@ def run(model: nn.Module, example_input: Any, planned: Planned) -> MemoryPlan:
             "plan() copies the model, so ignored_modules cannot name its modules; plan without them and add "
             "their parameters, gradients and optimizer state (whole, on every rank) to the peak"
         )
+    if not getattr(model, "automatic_optimization", True):
+        raise ValueError(
+            f"{type(model).__name__} uses manual optimization (automatic_optimization=False): its training_step "
+            "runs its own optimizers and backward, which a plan does not have; plan the module it trains (e.g. each "
+            "network of a GAN with its own batch) instead"
+        )
     strategy = FSDPCustomStrategy(**planned.strategy_kwargs)  # checks every argument as training would
     precision = FSDPCustomPrecision(planned.precision)
     make_optimizer = optimizer_factory(planned.optimizer)
