@@ -115,13 +115,17 @@ def choose(model: nn.Module, example_input: Any, planned: Planned, budget: int) 
         raise ValueError(_nothing_fits(budget, light[lightest], described, at_world, planned))
     baseline = light[Candidate(True, len(names), shardings[-1], True)]  # its FLOPs: every block recomputed
     estimate = _Estimate(baseline, planned, len(names))
+
+    def line_of(candidate: Candidate, result: MemoryPlan) -> str:
+        return f"{_describe(candidate, blocks_of, len(names))}: {_size(result.peak_bytes)}"
+
     failed = [c for c in light if light[c].peak_bytes > budget]  # everything heavier at their k is skipped
-    tried = [f"{_describe(c, blocks_of, len(names))}: {_size(light[c].peak_bytes)} (over)" for c in failed]
+    tried = [f"{line_of(c, light[c])} (over)" for c in failed]
     for candidate in sorted(candidates, key=estimate.seconds):
         if any(candidate.heavier_or_equal(other) for other in failed):
             continue
         result = light[candidate] if candidate in light else plan_of(candidate)
-        line = f"{_describe(candidate, blocks_of, len(names))}: {_size(result.peak_bytes)}"
+        line = line_of(candidate, result)
         if result.peak_bytes > budget:
             failed.append(candidate)
             tried.append(f"{line} (over)")
