@@ -1,16 +1,17 @@
 """Soak: the GPT example for many steps, watching for leaks and checking that runs repeat bitwise.
 
     python benchmarks/soak.py --steps 2000        # the README table (about 10 minutes here)
-    python benchmarks/soak.py --steps 200         # the CI version (tests/test_soak.py)
+    python benchmarks/soak.py --steps 200 --repeat-steps 40   # the CI version (tests/test_soak.py)
 
 Three fits of the example's GPT (examples/configs/gpt_small.yaml, 2 CPU ranks, fsdp_custom with
 the memory, throughput and communication monitors and an offline W&B logger):
 1. ``--steps`` steps, sampling every ``--every`` steps on every rank: RSS, threads, open file
    descriptors, the flight recorder's ring, the ledger's and the memory account's entries, and
    the entries the monitors keep;
-2. the same run again (same seed): its final weights must equal run 1's bit for bit;
-3. half the steps with a checkpoint at the end, then a resume to ``--steps``: its final weights
-   must equal run 1's bit for bit.
+2. the same run again (same seed, same LR schedule) to ``--repeat-steps`` (default: ``--steps``):
+   its final weights must equal run 1's at that step bit for bit;
+3. half of ``--repeat-steps`` with a checkpoint at the end, then a resume to ``--repeat-steps``:
+   its final weights must equal run 1's at that step bit for bit.
 Rank 0 prints one JSON line ``SOAK {...}`` with the samples, the growth after warm-up and the
 three weight hashes.
 """
@@ -77,23 +78,44 @@ class Probe(Callback):
 
 
 class WeightHash(Callback):
-    """The SHA-256 of every full parameter at the end of training (a collective: all ranks)."""
+    """The SHA-256 of every full parameter after step ``at_step``, or at the end of training when
+    None (a collective: all ranks)."""
 
-    digest = ""
+    def __init__(self, at_step: int | None = None) -> None:
+        self.at_step = at_step
+        self.digest = ""
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.at_step:
+            self.digest = self.weights(trainer, module)
 
     def on_train_end(self, trainer, module) -> None:
+        if self.at_step is None:
+            self.digest = self.weights(trainer, module)
+
+    @staticmethod
+    def weights(trainer, module) -> str:
         digest = hashlib.sha256()
         with summon_full_params(trainer.strategy.model):
             for name, param in sorted(module.named_parameters()):
                 digest.update(name.encode())
                 digest.update(param.detach().cpu().clone().view(torch.uint8).numpy().tobytes())
-        self.digest = digest.hexdigest()
+        return digest.hexdigest()
 
 
-def fit(steps: int, stop: int, root: Path, callbacks: list, logger=False, resume: str | None = None) -> WeightHash:
-    """Train the example's GPT (its LR schedule for ``steps``) until step ``stop``."""
+def fit(
+    steps: int,
+    stop: int,
+    root: Path,
+    callbacks: list,
+    logger=False,
+    resume: str | None = None,
+    hash_at: int | None = None,
+) -> WeightHash:
+    """Train the example's GPT (its LR schedule for ``steps``) until step ``stop``; the weights'
+    hash after step ``hash_at`` (default: at the end)."""
     L.seed_everything(0)
-    weights = WeightHash()
+    weights = WeightHash(hash_at)
     trainer = L.Trainer(
         strategy=FSDPCustomStrategy(auto_wrap_policy={Block}, state_dict_type="sharded"),
         accelerator="cpu",
@@ -124,6 +146,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--every", type=int, default=50, help="steps between samples")
+    parser.add_argument("--repeat-steps", type=int, default=None, help="steps of the repeated and resumed runs")
     parser.add_argument("--root", default=None, help="run folder (default: a new temporary one)")
     args = parser.parse_args()
     noise.quiet_known_noise()
@@ -133,12 +156,15 @@ def main() -> None:
     probe = Probe(args.every)
     monitors = [MemoryMonitor(log_every_n_steps=10), ThroughputMonitor(log_every_n_steps=10), CommunicationMonitor()]
     logger = WandbLogger(project="fsdp-soak", save_dir=str(root), offline=True)
-    first = fit(args.steps, args.steps, root / "first", [probe, *monitors], logger)
-    again = fit(args.steps, args.steps, root / "again", [])
-    half = args.steps // 2
+    repeat = args.repeat_steps or args.steps
+    if not 2 <= repeat <= args.steps:
+        parser.error(f"--repeat-steps={repeat}: expected 2 to --steps={args.steps}")
+    first = fit(args.steps, args.steps, root / "first", [probe, *monitors], logger, hash_at=repeat)
+    again = fit(args.steps, repeat, root / "again", [])
+    half = repeat // 2
     checkpoint = ModelCheckpoint(dirpath=root / "ckpt", every_n_train_steps=half, save_last=True)
     fit(args.steps, half, root / "half", [checkpoint])
-    resumed = fit(args.steps, args.steps, root / "half", [ModelCheckpoint(dirpath=root / "ckpt")], resume="last")
+    resumed = fit(args.steps, repeat, root / "half", [ModelCheckpoint(dirpath=root / "ckpt")], resume="last")
     rank = int(os.environ.get("LOCAL_RANK", 0))
     (root / f"samples_rank{rank}.json").write_text(json.dumps(probe.samples))
     if rank != 0:
@@ -147,6 +173,7 @@ def main() -> None:
     keys = ("rss_mib", "threads", "fds", "flight_ring", "ledger_units", "memory_timeline", "monitor_entries")
     report = {
         "steps": args.steps,
+        "repeat_steps": repeat,
         "warmup": warmup,
         "growth": {key: growth(probe.samples, key, warmup) for key in keys},
         "samples": probe.samples,

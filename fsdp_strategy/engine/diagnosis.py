@@ -97,6 +97,11 @@ def store_unreachable_line(error: str) -> str:
     )
 
 
+def peers_message(rank: int, node: int, lines: list[str], dumps: list[str]) -> str:
+    """What this rank knows of the others (the message less its headline), logged as soon as known."""
+    return "\n  ".join([f"fsdp_custom: rank {rank} (node {node}) sees the other ranks:", *lines, *dumps])
+
+
 def failure_message(headline: str, first: str | None, lines: list[str], dumps: list[str]) -> str:
     """The whole message: this rank's headline, the first report if another, a line per peer, the dumps."""
     parts = [headline]

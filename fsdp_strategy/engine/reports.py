@@ -94,6 +94,9 @@ class Reports:
         nccl_dump = _nccl_dump_prefix()
         if nccl_dump is not None:
             dumps.append(f"torch's NCCL flight recorder, dumped on its own timeout: {nccl_dump}<rank>")
+        # at once too: the exception's text is printed only after Lightning's teardown, which
+        # restores the default SIGTERM action, and torchrun's agent sends SIGTERM when a rank dies
+        log.error("%s", diagnosis.peers_message(self.rank, self.node, lines, dumps))
         return diagnosis.failure_message(headline, first, lines, dumps)
 
     def peers_after_grace(self) -> list[Peer]:
