@@ -20,6 +20,7 @@ from jsonargparse import ArgumentError, ArgumentParser
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+VARIADIC = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
 OpenSections = dict[str, tuple[Callable, set[str]]]  # section -> (callable it configures, reserved keys)
 
 
@@ -50,7 +51,9 @@ def _accepted(section: DictConfig) -> str:
 
 
 def _check_open_section(name: str, values: DictConfig, target: Callable, reserved: set[str]) -> None:
-    parameters = set(inspect.signature(target).parameters) - {"self", "args", "kwargs"} - reserved
+    passed_through = set(getattr(target, "fsdp_keywords", ()))  # **kwargs the target checks itself
+    named = [p.name for p in inspect.signature(target).parameters.values() if p.kind not in VARIADIC]
+    parameters = (set(named) | passed_through) - {"self"} - reserved
     taken = sorted(set(map(str, values)) & reserved)
     if taken:
         raise ConfigError(f"{', '.join(f'{name}.{key}' for key in taken)} cannot be set here: the script sets them")
@@ -60,7 +63,8 @@ def _check_open_section(name: str, values: DictConfig, target: Callable, reserve
             f"unknown key(s) {', '.join(f'{name}.{key}' for key in unknown)}: {name} takes the arguments of "
             f"{target.__qualname__}: {', '.join(sorted(parameters))}"
         )
-    _check_argument_types(name, OmegaConf.to_container(values), target)
+    typed = {key: value for key, value in OmegaConf.to_container(values).items() if key not in passed_through}
+    _check_argument_types(name, typed, target)
 
 
 def _check_argument_types(name: str, values: dict, target: Callable) -> None:

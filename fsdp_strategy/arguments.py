@@ -324,6 +324,8 @@ class StrategyArguments:
     """The constructor arguments both strategies (Trainer and Fabric) take, checked once, kept
     under Lightning's names (read-only views of the sharding options) and private ones."""
 
+    fsdp_keywords: tuple[str, ...] = tuple(FSDP_KEYWORDS)  # taken through **kwargs, as Lightning's FSDPStrategy
+
     def _choose_by_budget(self, model: Any, world_size: int, num_nodes: int, precision: str) -> Any:
         """``auto_wrap_policy="auto"``: plan, then take the chosen units, checkpointing, sharding
         strategy and offload as if given; returns the MemoryPlan. Costs: a few plans (seconds
