@@ -1,9 +1,10 @@
 """Soak: the GPT example for many steps, watching for leaks and checking that runs repeat bitwise.
 
     python benchmarks/soak.py --steps 2000        # the README table (about 10 minutes here)
-    python benchmarks/soak.py --steps 200 --repeat-steps 40   # the CI version (tests/test_soak.py)
+    python benchmarks/soak.py --steps 200 --repeat-steps 40 --small   # the CI version (tests/test_soak.py)
 
-Three fits of the example's GPT (examples/configs/gpt_small.yaml, 2 CPU ranks, fsdp_custom with
+Three fits of the example's GPT (examples/configs/gpt_small.yaml, or with ``--small`` a 2-layer
+model of width 32 on sequences of 32 bytes, as the example's tests train; 2 CPU ranks, fsdp_custom with
 the memory, throughput and communication monitors and an offline W&B logger):
 1. ``--steps`` steps, sampling every ``--every`` steps on every rank: RSS, threads, open file
    descriptors, the flight recorder's ring, the ledger's and the memory account's entries, and
@@ -43,6 +44,7 @@ from fsdp_strategy import FSDPCustomStrategy  # noqa: E402
 from fsdp_strategy.engine import get_scheduler, summon_full_params  # noqa: E402
 
 CONFIG = OmegaConf.load(Path(__file__).resolve().parents[1] / "examples" / "configs" / "gpt_small.yaml")
+SMALL = {"d_model": 32, "n_layers": 2, "n_heads": 2, "seq_len": 32}  # --small: what the example's tests train
 
 
 def _entries(value: object) -> int:
@@ -147,8 +149,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--every", type=int, default=50, help="steps between samples")
     parser.add_argument("--repeat-steps", type=int, default=None, help="steps of the repeated and resumed runs")
+    parser.add_argument("--small", action="store_true", help="a 2-layer model of width 32 (the CI version)")
     parser.add_argument("--root", default=None, help="run folder (default: a new temporary one)")
     args = parser.parse_args()
+    if args.small:
+        CONFIG.model = OmegaConf.merge(CONFIG.model, SMALL)
     noise.quiet_known_noise()
     torch.set_num_threads(1)
     root = Path(args.root or os.environ.get("SOAK_ROOT") or tempfile.mkdtemp(prefix="soak-"))

@@ -135,18 +135,15 @@ def test_consolidate_options_and_cli(saved_world2, tmp_path, capsys):
         ["fsdp-consolidate", str(folder), str(tmp_path / "cli.pt"), "--weights-only"], capture_output=True, text=True
     )
     assert cli.returncode == 0, cli.stderr
-    module = subprocess.run(
-        [sys.executable, "-m", "fsdp_strategy.consolidate", str(folder), str(tmp_path / "cli.pt")],
-        capture_output=True,
-        text=True,
-    )
-    assert module.returncode == 2 and "exists" in module.stderr  # nothing is overwritten by default
     assert torch.equal(torch.load(tmp_path / "cli.pt")["embed.weight"], saved["model"]["embed.weight"])
+    capsys.readouterr()
+    # the other cases through the command's main in this process (the installed command ran above)
+    from fsdp_strategy.consolidate import main
 
     def cli_status(*args: str) -> str:
-        from fsdp_strategy.consolidate import main
-
         return main([str(folder), *args])
+
+    assert cli_status(str(tmp_path / "cli.pt")) == 2 and "exists" in capsys.readouterr().err  # no overwrite
 
     assert cli_status(str(tmp_path / "no" / "such" / "dir" / "x.pt")) == 2  # a missing output folder: a message
     assert cli_status(str(tmp_path / "st2"), "--format", "safetensors", "--max-shard-size", "2") == 2  # no unit
@@ -165,10 +162,13 @@ def test_consolidate_options_and_cli(saved_world2, tmp_path, capsys):
         with pytest.raises(ValueError, match="must be positive|is not a size"):
             consolidate(folder, tmp_path / "st3", output_format="safetensors", max_shard_size=size)
     assert not (tmp_path / "st3").exists()
-    version = subprocess.run(["fsdp-consolidate", "--version"], capture_output=True, text=True)
-    assert version.returncode == 0 and version.stdout.startswith("fsdp-consolidate 0.")
-    helped = subprocess.run(["fsdp-consolidate", "--help"], capture_output=True, text=True).stdout
-    assert "``" not in helped and "--max-shard-size SIZE" in helped and "2GB" in helped
+    for flag in ("--version", "--help"):
+        with pytest.raises(SystemExit) as exited:
+            main([flag])
+        assert exited.value.code == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("fsdp-consolidate 0.")
+    assert "``" not in printed and "--max-shard-size SIZE" in printed and "2GB" in printed
 
 
 def test_overwrite_never_deletes_the_checkpoint_or_a_foreign_folder(saved_world2, tmp_path, capsys):

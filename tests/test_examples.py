@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from fsdp_strategy.callbacks.wandb_history import history
+from fsdp_strategy.callbacks.wandb_history import main as read_history
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "train_gpt.py"
@@ -41,7 +42,7 @@ def _run_ids(wandb_dir: Path) -> list[str]:
 
 
 @pytest.mark.slow
-def test_python_script_launch_repeat_and_resume(tmp_path):
+def test_python_script_launch_repeat_and_resume(tmp_path, capsys, monkeypatch):
     args = [*SMALL, f"trainer.default_root_dir={tmp_path}"]
     _run([sys.executable, str(EXAMPLE), "trainer.max_steps=2", *args])
     first = _run([sys.executable, str(EXAMPLE), "--trainer.max_steps=4", *args])  # a new run, same folder
@@ -51,9 +52,9 @@ def test_python_script_launch_repeat_and_resume(tmp_path):
     rows = history(tmp_path / "wandb")
     assert any("memory/sharded_params/max" in row for row in rows)
     assert any("comm/all_gather/calls" in row for row in rows)
-    reader = [sys.executable, "-m", "fsdp_strategy.callbacks.wandb_history", str(tmp_path / "wandb")]
-    csv_rows = _run([*reader, "comm/all_gather/calls"]).splitlines()
-    assert "logged keys: " in _run([*reader, "train_los"], expect=2)
+    assert read_history([str(tmp_path / "wandb"), "train_los"]) == 2 and "logged keys: " in capsys.readouterr().err
+    assert read_history([str(tmp_path / "wandb"), "comm/all_gather/calls"]) == 0
+    csv_rows = capsys.readouterr().out.splitlines()
     assert csv_rows[0] == "trainer/global_step,comm/all_gather/calls" and csv_rows[1:] == [
         f"{step},{row['comm/all_gather/calls']}"
         for step, row in enumerate(r for r in rows if "comm/all_gather/calls" in r)
@@ -76,21 +77,37 @@ def test_python_script_launch_repeat_and_resume(tmp_path):
     newest = sorted((tmp_path / "wandb").glob("offline-run-*"))[-1]
     assert steps == [0, 1, 2, 3, 4, 5] and [row["trainer/global_step"] for row in history(newest)][-1] == 5, steps
     assert all(row["trainer/global_step"] >= 4 for row in history(newest))
-    finished = _run([sys.executable, str(EXAMPLE), "trainer.max_steps=6", "resume=last", *args], expect=2)
-    assert "is at step 6 and trainer.max_steps=6: nothing to train" in finished
+    # nothing left to train: the script's main in this process (it ends before anything starts)
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+    monkeypatch.setattr(sys, "argv", [str(EXAMPLE)])
+    import train_gpt
+
+    with pytest.raises(SystemExit) as exited:
+        train_gpt.main(["trainer.max_steps=6", "resume=last", *args])
+    finished = capsys.readouterr().err
+    assert exited.value.code == 2 and "is at step 6 and trainer.max_steps=6: nothing to train" in finished
     assert "resume=last trainer.max_steps=12" in finished
     assert len(_run_ids(tmp_path / "wandb")) == 3  # no empty W&B run
 
 
-def test_example_config_mistakes_are_errors_that_list_what_is_accepted(tmp_path):
-    def run(*args: str, expect: int = 2) -> str:
-        return _run([sys.executable, str(EXAMPLE), *args], expect=expect, timeout=120)
-
-    helped = run("--help", expect=0)
+def test_example_config_mistakes_are_errors_that_list_what_is_accepted(tmp_path, monkeypatch, capsys):
+    helped = _run([sys.executable, str(EXAMPLE), "--help"], timeout=120)  # as a user runs it
     assert "trainer.max_steps" in helped and "max_steps: 150" in helped and "``" not in helped
-    assert "accepted keys of optimizer: lr, weight_decay, warmup_steps" in run("optimizer.lrr=0.1")
-    typo = run("trainer.max_stepz=5")
+    typo = _run([sys.executable, str(EXAMPLE), "trainer.max_stepz=5"], expect=2, timeout=120)
     assert "trainer.max_stepz" in typo and "max_steps" in typo and "Traceback" not in typo
+    # the other mistakes through the script's main in this process (the same code after the imports)
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+    monkeypatch.setattr(sys, "argv", [str(EXAMPLE)])
+    import train_gpt
+
+    def run(*args: str) -> str:
+        with pytest.raises(SystemExit) as exited:
+            train_gpt.main(list(args))
+        assert exited.value.code == 2
+        captured = capsys.readouterr()
+        return captured.out + captured.err
+
+    assert "accepted keys of optimizer: lr, weight_decay, warmup_steps" in run("optimizer.lrr=0.1")
     assert "no checkpoint at" in run("resume=last", f"trainer.default_root_dir={tmp_path}")
     assert "resume=1: no checkpoint at 1;" in run("resume=1", f"trainer.default_root_dir={tmp_path}")
     # values each part refuses end the script with that part's message, before anything starts
@@ -124,8 +141,16 @@ def test_example_config_accepts_every_documented_form():
         assert extra.trainer.accumulate_grad_batches == 2 and extra.strategy.cpu_offload is True
         loose = example_config.load(["optimizer.lr=1", "trainer.devices=auto"], default, sections)
         assert loose.optimizer.lr == 1 and loose.trainer.devices == "auto"
+        # the FSDP keywords Lightning's FSDPStrategy passes through **kwargs; the strategy checks their values
+        passed = example_config.load(
+            ["strategy.use_orig_params=true", "strategy.limit_all_gathers=true"], default, sections
+        )
+        assert passed.strategy.use_orig_params is True and passed.strategy.limit_all_gathers is True
+        with pytest.raises(ValueError, match="use_orig_params=False has no meaning"):
+            FSDPCustomStrategy(**{"use_orig_params": False})
         mistakes = {
             "trainer.strategy=ddp": "cannot be set here",
+            "strategy.fsdp_kwargs=1": "unknown key.*strategy.fsdp_kwargs",  # the name of **kwargs is no key
             "--monitors.log_every=5": "accepted keys of monitors: log_every_n_steps",
             "strategy.shard=1": "strategy.shard.*sharding_strategy",
             "--trainer.max_steps": "needs a value",
@@ -169,10 +194,9 @@ def test_lightning_cli_example(tmp_path):
         "--trainer.enable_progress_bar=false",
         "--data.max_bytes=100000",
     ]
-    output = _run([*command, *overrides])
-    assert "FULL_SHARD over 2 ranks, 5 units" in output  # strategy and wrap policy built from the YAML
     changed = _run([*command, *overrides, "--trainer.strategy.init_args.sharding_strategy=SHARD_GRAD_OP"])
-    assert "SHARD_GRAD_OP over 2 ranks, 5 units" in changed  # README's form keeps the YAML's wrap policy
+    # the strategy built from the YAML with README's form of an override, which keeps the YAML's wrap policy
+    assert "SHARD_GRAD_OP over 2 ranks, 5 units" in changed
 
 
 def test_lightning_cli_mistakes_come_first_and_alone(tmp_path):

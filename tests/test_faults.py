@@ -124,6 +124,8 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path, fault):
         assert "LOST, its process has exited" in output
     left = sorted(os.listdir(checkpoints))
     assert "last.ckpt" in left and any(name.startswith(".last.ckpt.tmp-") for name in left)
+    if fault == "save_kill":  # the same files as after save_kill_all, whose resume follows
+        return
     # the step-4 save never committed: "last" is step 3's, the partial one is ignored, then removed
     code, output, _ = _run("--fault", "none", "--resume", "--checkpoints", checkpoints)
     assert code == 0, output[-4000:]

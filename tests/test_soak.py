@@ -1,4 +1,4 @@
-"""The soak benchmark's short version (benchmarks/soak.py --steps 200 --repeat-steps 40): nothing
+"""The soak benchmark's short version (benchmarks/soak.py --steps 200 --repeat-steps 40 --small): nothing
 the run keeps grows after warm-up but memory within bounds, and a repeated and a resumed run give
 bitwise the weights the first had at step 40 (same LR schedule)."""
 
@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 def test_200_steps_of_the_gpt_example_leak_nothing_and_repeat_bitwise(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_SILENT": "true"}
-    steps = ["--steps", "200", "--repeat-steps", "40", "--every", "20"]
+    steps = ["--steps", "200", "--repeat-steps", "40", "--every", "20", "--small"]
     command = [sys.executable, "benchmarks/soak.py", *steps, "--root", str(tmp_path)]
     log = tmp_path / "soak.log"
     with log.open("w") as output:  # a file, not a pipe: W&B's service process outlives the job holding it
