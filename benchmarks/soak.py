@@ -161,9 +161,13 @@ def main() -> None:
     probe = Probe(args.every)
     monitors = [MemoryMonitor(log_every_n_steps=10), ThroughputMonitor(log_every_n_steps=10), CommunicationMonitor()]
     logger = WandbLogger(project="fsdp-soak", save_dir=str(root), offline=True)
-    repeat = args.repeat_steps or args.steps
-    if not 2 <= repeat <= args.steps:
-        parser.error(f"--repeat-steps={repeat}: expected 2 to --steps={args.steps}")
+    repeat = args.steps if args.repeat_steps is None else args.repeat_steps
+    warmup_steps = CONFIG.optimizer.warmup_steps  # before its end the LR does not depend on --steps
+    if not warmup_steps < repeat <= args.steps:
+        parser.error(
+            f"--repeat-steps={repeat}: expected more than the LR warmup ({warmup_steps} steps, where a wrong "
+            f"schedule would go unseen) and at most --steps={args.steps}"
+        )
     first = fit(args.steps, args.steps, root / "first", [probe, *monitors], logger, hash_at=repeat)
     again = fit(args.steps, repeat, root / "again", [])
     half = repeat // 2

@@ -54,7 +54,7 @@ def check_fsdp_keywords(kwargs: dict[str, Any], accepted: list[str]) -> None:
         )
     for name, value in kwargs.items():
         accepted_value, why = FSDP_KEYWORDS[name]
-        if accepted_value is None or value != accepted_value:
+        if accepted_value is None or value is not accepted_value:  # True only: not 1, not 1.0
             raise ValueError(f"{name}={value!r} has no meaning for fsdp_custom: {why}")
 
 

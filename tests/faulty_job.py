@@ -7,7 +7,8 @@ Faults, at ``--step`` on ``--rank``: ``kill`` (SIGKILL of itself), ``exit`` (``o
 ``raise`` (ValueError in training_step), ``hang`` (sleeps in training_step), ``drift`` (calls
 block 0 once more than the other ranks, a unit of the same size as block 1), ``save_kill``
 and ``save_kill_all`` (SIGKILL of the rank, or of the whole job, in the middle of the sharded
-save of ``last.ckpt`` into ``--checkpoints``, after the rank's shards are written).
+save of ``last.ckpt`` into ``--checkpoints``, after the rank's shards are written). The faulty
+rank prints ``FAULT at <wall time>`` as it injects one (the tests time the end from it).
 Healthy jobs that must end well: ``caught_slow`` (every rank raises ``StopTraining`` at
 ``--step``, rank 0 after 6 s of its own work; the script catches it and rank 0 post-processes
 for ``--post-seconds``), ``barrier_raise`` (rank 0 waits in a barrier while ``--rank`` raises:
@@ -42,6 +43,14 @@ class StopTraining(Exception):
     """A user's own "stop here" signal, raised on every rank."""
 
 
+INJECTED_IN_STEP = ("kill", "exit", "raise", "barrier_raise", "hang", "drift")
+
+
+def announce_fault() -> None:
+    """Print the wall time of the fault (the tests measure from it to the end of every rank)."""
+    print(f"FAULT at {time.time():.3f}", flush=True)
+
+
 class FaultyLM(L.LightningModule):
     def __init__(self, fault: str, rank: int, step: int) -> None:
         super().__init__()
@@ -51,6 +60,8 @@ class FaultyLM(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         due = self.global_rank == self.fault_rank and self.global_step == self.fault_step
+        if due and self.fault in INJECTED_IN_STEP:
+            announce_fault()
         if due and self.fault == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         if due and self.fault == "exit":
@@ -102,6 +113,7 @@ def die_during_save(trainer: L.Trainer, rank: int, step: int, whole_job: bool) -
     def write_then_die(*args, **kwargs):
         write_dcp(*args, **kwargs)
         if trainer.global_rank == rank and trainer.global_step == step:
+            announce_fault()
             if whole_job:
                 os.killpg(os.getpgid(0), signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
@@ -117,6 +129,7 @@ def fail_before_save(trainer: L.Trainer, rank: int, step: int) -> None:
 
     def failing(*args, **kwargs):
         if trainer.global_rank == rank and trainer.global_step == step:
+            announce_fault()
             raise OSError("injected failure while preparing the save")
         return prepare_state(*args, **kwargs)
 

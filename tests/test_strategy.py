@@ -240,6 +240,7 @@ def test_registered_names_and_variants():
         ({"colective_timeout": 5}, TypeError, "did you mean 'collective_timeout'.*check_collective_order"),
         ({"limit_all_gathers": False}, ValueError, "limit_all_gathers=False has no meaning.*one all-gather ahead"),
         ({"use_orig_params": False}, ValueError, "use_orig_params=False has no meaning.*flat parameters"),
+        ({"use_orig_params": 1}, ValueError, "use_orig_params=1 has no meaning"),  # True itself, as FSDP's bool
         ({"process_group": "group"}, ValueError, "process_group='group' has no meaning.*device_mesh"),
         ({"device_id": 0}, ValueError, "device_id=0 has no meaning.*devices"),
         ({"timeout": 30}, TypeError, "timeout must be a datetime.timedelta.*got 30"),

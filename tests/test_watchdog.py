@@ -284,6 +284,25 @@ def test_each_peer_state_has_its_sentence(peer, expected):
     assert expected in diagnosis.peer_line(peer, MINE, silence=5.0)
 
 
+def test_a_sigterm_while_a_report_is_written_is_handled_after_it():
+    # torchrun's agent sends SIGTERM when a rank dies; Lightning's handler then runs a collective on
+    # the failed group, which raised out of the report being written (it was lost)
+    from fsdp_strategy.engine.reports import signals_deferred
+
+    handled: list[str] = []
+    previous = signal.signal(signal.SIGTERM, lambda number, frame: handled.append("handler"))
+    try:
+        with signals_deferred((signal.SIGTERM,)):
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)
+            handled.append("report written")
+        assert handled == ["report written", "handler"]  # once, after, by the handler that was in place
+        assert signal.getsignal(signal.SIGTERM) is not previous and callable(signal.getsignal(signal.SIGTERM))
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def test_the_failure_message_puts_the_headline_and_first_report_before_the_peers():
     message = diagnosis.failure_message("headline", "rank 1 raised X", ["peer line"], ["dump line"])
     assert message == "headline\n  First report: rank 1 raised X\n  peer line\n  dump line"

@@ -8,10 +8,14 @@ on a failure (main thread) and when it hears of another rank's (its thread).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import signal
+import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch.distributed as dist
@@ -59,6 +63,7 @@ class Reports:
         """Write this rank's ring into ``dump_dir`` (one file per rank: bounded); its path."""
         path = os.path.join(self.dump_dir, f"fsdp_custom_flight_rank{self.rank}.json")
         try:
+            os.makedirs(self.dump_dir, exist_ok=True)
             with open(path, "w") as file:
                 json.dump({**report, "ring": self.recorder.snapshot()}, file, indent=1)
         except OSError as error:
@@ -73,6 +78,14 @@ class Reports:
         return json.loads(text)["reason"] if text else (self.abort_seen or fallback)
 
     def message(self, record: CollectiveRecord | None, reason: str) -> str:
+        """This rank's failure message, logged as it is learned ([Note: watchdog]). A SIGTERM that
+        arrives meanwhile is handled after it: torchrun's agent sends one as soon as a rank dies,
+        and Lightning's handler then broadcasts on the failed group, which raises out of whatever
+        the main thread runs (the report lost). Costs: up to ``GRACE`` seconds of that delay."""
+        with signals_deferred((signal.SIGTERM,)):
+            return self._message(record, reason)
+
+    def _message(self, record: CollectiveRecord | None, reason: str) -> str:
         where = record.describe() if record is not None else "no collective"
         headline = f"fsdp_custom: rank {self.rank} (node {self.node}) stopped at {where}: {reason}"
         self.check_store_host()
@@ -148,6 +161,28 @@ class Reports:
         if len(self.identities) < self.world:
             found = self.channel.read_ranks("peer", self.world)
             self.identities.update({rank: json.loads(text) for rank, text in found.items()})
+
+
+@contextlib.contextmanager
+def signals_deferred(signums: tuple[int, ...]) -> Iterator[None]:
+    """Run the body with ``signums`` recorded instead of handled, then handle each one received
+    once, with the handlers as they were. Only in the main thread (where Python runs handlers and
+    may set them); a handler installed outside Python (``signal.getsignal`` gives None) is left."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+    previous = {}
+    for signum in signums:
+        if signal.getsignal(signum) is not None:
+            previous[signum] = signal.signal(signum, lambda number, frame: received.append(number))
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        for signum in dict.fromkeys(received):
+            signal.raise_signal(signum)
 
 
 def process_gone(pid: int) -> bool:

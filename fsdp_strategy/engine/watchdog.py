@@ -338,8 +338,8 @@ class Watchdog:
         )
         limit = self.limits.collective
         log.warning(
-            "fsdp_custom: %s; this rank goes on and stops at its next collective%s",
-            self.abort,
+            "%s; this rank goes on and stops at its next collective%s",
+            self.abort if self.abort.startswith("fsdp_custom: ") else f"fsdp_custom: {self.abort}",
             f" (or in {limit:g} s if it issues none)" if math.isfinite(limit) else "",
         )
         self._end_after(f"{self.abort}; this rank issued no collective for {limit:g} s after it", limit)
