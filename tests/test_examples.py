@@ -4,6 +4,7 @@ the LightningCLI example, and the memory plot."""
 
 from __future__ import annotations
 
+import importlib
 import os
 import subprocess
 import sys
@@ -35,6 +36,20 @@ def _run(command: list[str], timeout: float = 240, expect: int = 0) -> str:
     output = done.stdout + done.stderr
     assert done.returncode == expect, output[-4000:]
     return output
+
+
+def _main_exits_2(script: Path, argv: list[str], monkeypatch, capsys) -> str:
+    """Run ``script``'s ``main(argv)`` in this process (the same code as a launch, after its
+    imports; for mistakes that end it before anything starts): it must exit with status 2; what
+    it printed."""
+    monkeypatch.syspath_prepend(str(script.parent))
+    monkeypatch.setattr(sys, "argv", [str(script)])
+    module = importlib.import_module(script.stem)
+    with pytest.raises(SystemExit) as exited:
+        module.main(argv)
+    assert exited.value.code == 2
+    captured = capsys.readouterr()
+    return captured.out + captured.err
 
 
 def _run_ids(wandb_dir: Path) -> list[str]:
@@ -77,15 +92,8 @@ def test_python_script_launch_repeat_and_resume(tmp_path, capsys, monkeypatch):
     newest = sorted((tmp_path / "wandb").glob("offline-run-*"))[-1]
     assert steps == [0, 1, 2, 3, 4, 5] and [row["trainer/global_step"] for row in history(newest)][-1] == 5, steps
     assert all(row["trainer/global_step"] >= 4 for row in history(newest))
-    # nothing left to train: the script's main in this process (it ends before anything starts)
-    monkeypatch.syspath_prepend(str(ROOT / "examples"))
-    monkeypatch.setattr(sys, "argv", [str(EXAMPLE)])
-    import train_gpt
-
-    with pytest.raises(SystemExit) as exited:
-        train_gpt.main(["trainer.max_steps=6", "resume=last", *args])
-    finished = capsys.readouterr().err
-    assert exited.value.code == 2 and "is at step 6 and trainer.max_steps=6: nothing to train" in finished
+    finished = _main_exits_2(EXAMPLE, ["trainer.max_steps=6", "resume=last", *args], monkeypatch, capsys)
+    assert "is at step 6 and trainer.max_steps=6: nothing to train" in finished
     assert "resume=last trainer.max_steps=12" in finished
     assert len(_run_ids(tmp_path / "wandb")) == 3  # no empty W&B run
 
@@ -95,17 +103,10 @@ def test_example_config_mistakes_are_errors_that_list_what_is_accepted(tmp_path,
     assert "trainer.max_steps" in helped and "max_steps: 150" in helped and "``" not in helped
     typo = _run([sys.executable, str(EXAMPLE), "trainer.max_stepz=5"], expect=2, timeout=120)
     assert "trainer.max_stepz" in typo and "max_steps" in typo and "Traceback" not in typo
-    # the other mistakes through the script's main in this process (the same code after the imports)
-    monkeypatch.syspath_prepend(str(ROOT / "examples"))
-    monkeypatch.setattr(sys, "argv", [str(EXAMPLE)])
-    import train_gpt
 
+    # the other mistakes through the script's main in this process (the same code after the imports)
     def run(*args: str) -> str:
-        with pytest.raises(SystemExit) as exited:
-            train_gpt.main(list(args))
-        assert exited.value.code == 2
-        captured = capsys.readouterr()
-        return captured.out + captured.err
+        return _main_exits_2(EXAMPLE, list(args), monkeypatch, capsys)
 
     assert "accepted keys of optimizer: lr, weight_decay, warmup_steps" in run("optimizer.lrr=0.1")
     assert "no checkpoint at" in run("resume=last", f"trainer.default_root_dir={tmp_path}")
@@ -245,12 +246,5 @@ def test_fabric_example_trains_saves_and_resumes_on_another_world_size(tmp_path,
     two_ranks = [row for row in rows if "comm/all_gather/calls" in row]  # the monitors, from the Fabric loop
     assert [row["trainer/global_step"] for row in two_ranks] == [0, 1, 2, 3]
     assert all(row["memory/sharded_params/max"] > 0 for row in rows if "memory/sharded_params/max" in row)
-    # nothing left to train: the script's main in this process (it ends before anything starts)
-    monkeypatch.syspath_prepend(str(ROOT / "examples"))
-    monkeypatch.setattr(sys, "argv", [str(FABRIC_EXAMPLE)])
-    import fabric_gpt
-
-    with pytest.raises(SystemExit) as exited:
-        fabric_gpt.main(["resume=last", "train.max_steps=6", *args])
-    finished = capsys.readouterr().err
-    assert exited.value.code == 2 and "is at step 6 and train.max_steps=6: nothing to train" in finished
+    finished = _main_exits_2(FABRIC_EXAMPLE, ["resume=last", "train.max_steps=6", *args], monkeypatch, capsys)
+    assert "is at step 6 and train.max_steps=6: nothing to train" in finished
