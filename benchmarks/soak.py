@@ -152,6 +152,13 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="a 2-layer model of width 32 (the CI version)")
     parser.add_argument("--root", default=None, help="run folder (default: a new temporary one)")
     args = parser.parse_args()
+    repeat = args.steps if args.repeat_steps is None else args.repeat_steps
+    warmup_steps = CONFIG.optimizer.warmup_steps  # before its end the LR does not depend on --steps
+    if not warmup_steps < repeat <= args.steps:
+        parser.error(
+            f"--repeat-steps={repeat}: expected more than the LR warmup ({warmup_steps} steps, where a wrong "
+            f"schedule would go unseen) and at most --steps={args.steps}"
+        )
     if args.small:
         CONFIG.model = OmegaConf.merge(CONFIG.model, SMALL)
     noise.quiet_known_noise()
@@ -161,13 +168,6 @@ def main() -> None:
     probe = Probe(args.every)
     monitors = [MemoryMonitor(log_every_n_steps=10), ThroughputMonitor(log_every_n_steps=10), CommunicationMonitor()]
     logger = WandbLogger(project="fsdp-soak", save_dir=str(root), offline=True)
-    repeat = args.steps if args.repeat_steps is None else args.repeat_steps
-    warmup_steps = CONFIG.optimizer.warmup_steps  # before its end the LR does not depend on --steps
-    if not warmup_steps < repeat <= args.steps:
-        parser.error(
-            f"--repeat-steps={repeat}: expected more than the LR warmup ({warmup_steps} steps, where a wrong "
-            f"schedule would go unseen) and at most --steps={args.steps}"
-        )
     first = fit(args.steps, args.steps, root / "first", [probe, *monitors], logger, hash_at=repeat)
     again = fit(args.steps, repeat, root / "again", [])
     half = repeat // 2
