@@ -8,10 +8,10 @@ For each configuration the plan runs in this process (fake tensors, fake process
 real ``Trainer.fit`` of two steps runs on forked CPU ranks over gloo, with gloo's own collectives
 (``FSDP_CUSTOM_GLOO_P2P=0``: the calls NCCL gets, no receive buffers of the point-to-point
 exchange, which a GPU run does not have). The measured peak is the
-highest bytes of live tensor storage on rank 0 during the second step (``LiveBytes`` on real
-tensors: the shards, gradients, optimizer state and batch alive at its start, and every tensor
-the step allocates). HYBRID_SHARD runs as 2 replicas x ``world / 2`` shards where the world
-divides by 2, else as one replica. Results: a Markdown table on stdout and
+highest bytes of live tensor storage on rank 0 during the second step, counted by torch's
+``MemTracker`` (not the plan's own counter): the shards, gradients, optimizer state and batch
+alive at its start, and every tensor the step allocates. HYBRID_SHARD runs as 2 replicas x
+``world / 2`` shards where the world divides by 2, else as one replica. Results: a Markdown table on stdout and
 ``benchmarks/results/plan_accuracy.json``.
 """
 
@@ -27,6 +27,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from torch.distributed._tools.mem_tracker import MemTracker
 from torch.utils.data import DataLoader
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,7 +37,6 @@ from dist_utils import run_ranks  # noqa: E402
 from fsdp_strategy import FSDPCustomStrategy  # noqa: E402
 from fsdp_strategy.plan import plan  # noqa: E402
 from fsdp_strategy.plan.run import STEPS, forward, loss_of  # noqa: E402
-from fsdp_strategy.plan.tracker import LiveBytes  # noqa: E402
 
 # gloo's own collectives, the calls NCCL gets: the point-to-point exchange (gloo's default here)
 # also holds N - 2 received slices per reduce-scatter, which no GPU run allocates
@@ -152,10 +152,13 @@ def predict(config: dict[str, Any]) -> int:
 
 
 class PeakOfLastStep(L.Callback):
-    """Rank 0's peak of live tensor bytes during the last training step (``LiveBytes``)."""
+    """Rank 0's peak of live tensor bytes during the last training step, counted by torch's own
+    ``MemTracker`` (torch.distributed._tools), not by the ``LiveBytes`` the plan counts with: it is
+    given what is alive when the step starts (the module's shards and buffers, the optimizer's
+    state, the batch) and the full parameters the engine frees by resizing their storage."""
 
     def __init__(self) -> None:
-        self.tracker: LiveBytes | None = None
+        self.tracker: MemTracker | None = None
         self.peak = 0
 
     def on_train_batch_start(
@@ -163,11 +166,9 @@ class PeakOfLastStep(L.Callback):
     ) -> None:
         if trainer.global_step != STEPS - 1:
             return
-        self.tracker = LiveBytes()
-        optimizer_state = [t for state in trainer.optimizers[0].state.values() for t in state.values()]
-        grads = [p.grad for p in pl_module.parameters()]
-        self.tracker.track([*pl_module.parameters(), *grads, *optimizer_state, *pl_module.buffers()])
-        self.tracker.track(torch.utils._pytree.tree_leaves(batch))
+        self.tracker = MemTracker()
+        full = [param.unsharded for param in trainer.strategy.scheduler.sharded_params()]
+        self.tracker.track_external(pl_module, *trainer.optimizers, *full, *torch.utils._pytree.tree_leaves(batch))
         self.tracker.__enter__()
 
     def on_train_batch_end(
@@ -175,7 +176,9 @@ class PeakOfLastStep(L.Callback):
     ) -> None:
         if self.tracker is not None:
             self.tracker.__exit__(None, None, None)
-            self.peak, self.tracker = self.tracker.peak.bytes, None
+            peaks = self.tracker.get_tracker_snapshot("peak")
+            self.peak = next(peak["Total"] for device, peak in peaks.items() if str(device) == "cpu")
+            self.tracker = None
 
 
 def measure_body(rank: int, world: int, configs: list[dict[str, Any]]) -> list[int]:

@@ -11,6 +11,7 @@ import io
 import multiprocessing as mp
 import os
 import queue as queue_module
+import socket
 import subprocess
 import sys
 import time
@@ -97,6 +98,13 @@ def run_ranks(
     if failures and not allow_failure:
         raise AssertionError("\n".join(f"rank {f.rank} failed:\n{f.error}" for f in failures))
     return [results[rank] for rank in range(world)]
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now (for a launcher's ``--master_port``; never a fixed one)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 class RankFailure(NamedTuple):

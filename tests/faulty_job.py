@@ -23,7 +23,6 @@ import argparse
 import os
 import signal
 import sys
-import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -182,7 +181,7 @@ def build_trainer(args: argparse.Namespace) -> L.Trainer:
         devices=args.devices,
         num_nodes=args.num_nodes,
         max_steps=8,
-        default_root_dir=os.path.join(tempfile.gettempdir(), "fsdp_faulty_job"),  # failing ranks' rings go here
+        default_root_dir=os.getcwd(),  # failing ranks' rings go here (the test's own folder)
         logger=False,
         enable_checkpointing=args.checkpoints is not None,
         enable_progress_bar=False,

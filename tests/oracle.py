@@ -8,7 +8,9 @@ Both sides see the same data; the sharded side only its own rank's batch.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -112,3 +114,83 @@ def assert_matches(result: dict, what: str, rel: float = 1e-5) -> None:
     for step, (loss, ref) in enumerate(zip(result["losses"], result["ref_losses"])):
         assert abs(loss - ref) <= rel * abs(ref), f"{what}: step {step} loss {loss} vs oracle {ref}"
     assert result["weight_error"] < rel, f"{what}: final weights differ by {result['weight_error']:.2e}"
+
+
+_LOW = {"bf16": torch.bfloat16, "16": torch.float16, "32": torch.float32}
+
+
+class PrecisionOracle:
+    """DDP semantics at a Lightning precision, in one process, computed as the engine computes:
+    the weights each rank computes with are the master weights cast to the low dtype
+    (``*-mixed``: an fp32 master, a low copy for the forward under ``torch.autocast``; ``*-true``:
+    the model itself in the low dtype); each rank's gradient comes in that dtype, micro-batches
+    and ranks are summed in the reduce dtype (fp32 for ``*-mixed``, the low dtype for ``*-true``)
+    and divided by the world size; a grad scaler's scale multiplies the loss and is divided out
+    of the reduced gradient; clipping takes the norm as the engine does (fp32 norms of each
+    gradient). A mistake in any of these (precision never applied, a reduce in the wrong dtype, a
+    lost divide) moves the result by far more than the last bits this leaves."""
+
+    def __init__(self, model: nn.Module, precision: str, make_optimizer: Callable, scale: float | None = None) -> None:
+        low = _LOW[precision.split("-")[0]]
+        self.mixed = precision.endswith("-mixed")
+        self.low, self.reduce_dtype, self.scale = low, torch.float32 if self.mixed else low, scale
+        self.master = model if self.mixed else model.to(low)
+        self.compute = copy.deepcopy(model).to(low) if self.mixed else self.master
+        self.optimizer = make_optimizer(self.master)
+        self._sums: dict[str, torch.Tensor] = {}
+
+    def micro_batch(self, loss_fn: Callable[[nn.Module, Any], torch.Tensor], batches: list, divide: int = 1) -> list:
+        """One micro-batch on every rank (``batches[r]``, the loss divided by ``divide``): the
+        ranks' losses; their gradients are added into the step's sums."""
+        if self.mixed and not self._sums:  # the weights the ranks gather for this step
+            with torch.no_grad():
+                for low, master in zip(self.compute.parameters(), self.master.parameters()):
+                    low.copy_(master)
+        losses = []
+        for rank, batch in enumerate(batches):
+            self.compute.zero_grad(set_to_none=True)
+            context = torch.autocast("cpu", dtype=self.low) if self.mixed else contextlib.nullcontext()
+            with context:
+                loss = loss_fn(self.compute, batch) / divide
+            (loss * self.scale if self.scale else loss).backward()
+            for name, param in self.compute.named_parameters():
+                if param.grad is None:
+                    continue
+                grad = param.grad.to(self.reduce_dtype)
+                key = (rank, name)
+                self._sums[key] = self._sums[key] + grad if key in self._sums else grad
+            losses.append(loss.item() * divide)
+        return losses
+
+    def step(self, world: int, clip_norm: float | None = None) -> float | None:
+        """Reduce the sums (ranks in order, then the divide), unscale, clip, step; the norm if clipped."""
+        masters = dict(self.master.named_parameters())
+        for name in {name for _, name in self._sums}:
+            ranks = [self._sums[(rank, name)] for rank in range(world) if (rank, name) in self._sums]
+            reduced = functools.reduce(torch.add, ranks) / world
+            if self.scale:
+                reduced = reduced * (1.0 / self.scale)
+            masters[name].grad = reduced.to(masters[name].dtype)
+        self._sums = {}
+        norm = None
+        if clip_norm is not None:
+            params = [p for p in self.master.parameters() if p.grad is not None]
+            norms = [torch.linalg.vector_norm(p.grad, 2.0, dtype=torch.float32) for p in params]
+            norm = torch.nn.utils.get_total_norm(norms, 2.0)
+            torch.nn.utils.clip_grads_with_norm_(params, clip_norm, norm)
+            norm = norm.item()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm
+
+
+def gathered_and_reduced_dtypes(model: nn.Module) -> dict[str, set[str]]:
+    """The dtypes the engine's all-gathers and reduce-scatters (or NO_SHARD's all-reduces of
+    gradients) of ``model`` carried, from its flight recorder: ``{"all_gather": {...}, ...}``."""
+    from fsdp_strategy.engine import get_scheduler
+
+    seen: dict[str, set[str]] = {}
+    for record in get_scheduler(model).comm.recorder.snapshot():
+        if record["dtype"]:
+            seen.setdefault(record["kind"], set()).add(record["dtype"])
+    return seen

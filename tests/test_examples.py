@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from dist_utils import free_port
 from fsdp_strategy.callbacks.wandb_history import history
 from fsdp_strategy.callbacks.wandb_history import main as read_history
 
@@ -32,7 +33,7 @@ SMALL = [
 
 def _run(command: list[str], timeout: float = 240, expect: int = 0) -> str:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
     output = done.stdout + done.stderr
     assert done.returncode == expect, output[-4000:]
     return output
@@ -178,14 +179,20 @@ def test_example_config_accepts_every_documented_form():
 
 @pytest.mark.slow
 def test_torchrun_launch(tmp_path):
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29533"]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}"]
     output = _run([*command, str(EXAMPLE), "trainer.max_steps=3", *SMALL, f"trainer.default_root_dir={tmp_path}"])
     assert "done: 3 steps" in output and "over 2 ranks" in output
 
 
 @pytest.mark.slow
 def test_lightning_cli_example(tmp_path):
-    command = [sys.executable, str(ROOT / "examples" / "cli.py"), "fit", "--config", "examples/configs/cli.yaml"]
+    command = [
+        sys.executable,
+        str(ROOT / "examples" / "cli.py"),
+        "fit",
+        "--config",
+        str(ROOT / "examples" / "configs" / "cli.yaml"),
+    ]
     overrides = [
         "--trainer.max_steps=2",
         "--trainer.val_check_interval=2",
@@ -201,7 +208,13 @@ def test_lightning_cli_example(tmp_path):
 
 
 def test_lightning_cli_mistakes_come_first_and_alone(tmp_path):
-    command = [sys.executable, str(ROOT / "examples" / "cli.py"), "fit", "--config", "examples/configs/cli.yaml"]
+    command = [
+        sys.executable,
+        str(ROOT / "examples" / "cli.py"),
+        "fit",
+        "--config",
+        str(ROOT / "examples" / "configs" / "cli.yaml"),
+    ]
     where = [f"--trainer.default_root_dir={tmp_path}", f"--trainer.logger.init_args.save_dir={tmp_path}"]
     typo = _run([*command, *where, "--trainer.strategy.init_args.auto_wrap_policy=[gpt.Blok]"], expect=1)
     lines = [line for line in typo.splitlines() if line.strip() and not line.startswith("Seed set")]

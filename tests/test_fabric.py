@@ -8,13 +8,15 @@ import shutil
 import subprocess
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
 import torch
-from dist_utils import run_ranks
+from dist_utils import free_port, run_ranks
 from lightning.fabric import Fabric
 from models import Block, TiedLM, lm_loss, make_batches
+from oracle import PrecisionOracle, gathered_and_reduced_dtypes
 from test_strategy import LIGHTNING_ENV
 
 from fsdp_strategy import FSDPCustomFabricStrategy
@@ -209,21 +211,46 @@ def test_fabric_loads_the_trainer_strategys_checkpoints_under_its_own_names(tmp_
 
 
 def _precision_body(rank: int, world: int, precision: str) -> dict:
-    runs = {}
-    ddp = "ddp_find_unused_parameters_true"  # TiedLM has an unused module
-    for name, strategy in [("ours", FSDPCustomFabricStrategy(auto_wrap_policy={Block})), ("ddp", ddp)]:
-        fabric = Fabric(strategy=strategy, accelerator="cpu", devices=world, precision=precision)
-        fabric.launch()
-        losses, _ = _steps(fabric, *_setup(fabric), 0, 3)
-        runs[name] = {"losses": losses}
-    return runs
+    """Three steps of ``_steps`` (accumulation under no_backward_sync, clipping) at ``precision``, and
+    the same steps of the precision oracle (the weights cast as the engine gathers them, gradients
+    summed in the reduce dtype), from the same initialization."""
+    fabric = Fabric(strategy=FSDPCustomFabricStrategy(auto_wrap_policy={Block}), accelerator="cpu", devices=world,
+                    precision=precision)  # fmt: skip
+    fabric.launch()
+    model, optimizer = _setup(fabric)
+    losses, norms = _steps(fabric, model, optimizer, 0, 3)
+    torch.manual_seed(0)
+    with fabric.init_module(empty_init=False):
+        reference = TiedLM()
+    oracle = PrecisionOracle(reference, precision, lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2))
+    ref_losses, ref_norms = [], []
+    batches = make_batches(3, ACCUMULATE * GLOBAL)
+    for step in range(3):
+        for micro in range(ACCUMULATE):
+            rows = batches[step][micro * GLOBAL : (micro + 1) * GLOBAL]
+            with fabric.strategy.precision.forward_context() if not precision.endswith("-mixed") else nullcontext():
+                per_rank = oracle.micro_batch(lm_loss, [rows[r::world] for r in range(world)], divide=ACCUMULATE)
+        ref_norms.append(oracle.step(world, clip_norm=0.5))
+        ref_losses.append(sum(per_rank) / world)
+    return {
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "norms": norms,
+        "ref_norms": ref_norms,
+        "dtypes": gathered_and_reduced_dtypes(model),
+    }
 
 
-@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])  # Fabric turns 16-mixed into bf16 on a CPU
-def test_fabric_precisions_train_as_fabric_ddp(tmp_path, precision):
+@pytest.mark.parametrize(
+    ("precision", "gathered", "reduced"),
+    [("bf16-mixed", "bfloat16", "float32"), ("bf16-true", "bfloat16", "bfloat16")],  # 16-mixed is bf16 on a CPU
+)
+def test_fabric_precisions_equal_the_precision_oracle(tmp_path, precision, gathered, reduced):
     env = {**LIGHTNING_ENV, "TORCH_DISTRIBUTED_DEBUG": "OFF"}
-    runs = run_ranks(_precision_body, 2, tmp_path, precision, env=env, timeout=300)[0]
-    assert runs["ours"]["losses"] == pytest.approx(runs["ddp"]["losses"], rel=3e-2), runs
+    run = run_ranks(_precision_body, 2, tmp_path, precision, env=env, timeout=300)[0]
+    assert run["dtypes"]["all_gather"] == {gathered} and run["dtypes"]["reduce_scatter"] == {reduced}, run["dtypes"]
+    assert run["losses"] == pytest.approx(run["ref_losses"], rel=1e-5), run
+    assert run["norms"] == pytest.approx(run["ref_norms"], rel=1e-5), run
 
 
 def test_fabric_16_mixed_gets_a_sharded_grad_scaler():
@@ -248,7 +275,7 @@ def _job(command: list[str], cwd: Path) -> tuple[int, str, float]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     start = time.monotonic()
     done = subprocess.run(
-        [part if part != "python" else sys.executable for part in command],
+        [sys.executable if part == "python" else part.format(port=free_port()) for part in command],
         cwd=cwd,
         env=env,
         capture_output=True,
@@ -265,7 +292,7 @@ def _job(command: list[str], cwd: Path) -> tuple[int, str, float]:
         ["python", FABRIC_JOB],
         # torchrun ends the other ranks 0.1 s after one dies (its default monitor interval), often before
         # they print; 2 s lets rank 0 say what it saw, which is what this test reads
-        ["python", "-m", "torch.distributed.run", "--nproc_per_node=2", "--monitor-interval=2", "--master_port=29597"]
+        ["python", "-m", "torch.distributed.run", "--nproc_per_node=2", "--monitor-interval=2", "--master_port={port}"]
         + [FABRIC_JOB],
     ],
     ids=["fabric.launch", "torchrun"],

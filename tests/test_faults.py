@@ -18,7 +18,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from dist_utils import run_torchrun_nodes
+from dist_utils import free_port, run_torchrun_nodes
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = str(ROOT / "tests" / "faulty_job.py")
@@ -41,7 +41,7 @@ def _run(*args: str, torchrun: tuple[str, ...] | None = None, timeout: float = 1
         command = [sys.executable, "-m", "torch.distributed.run", *torchrun, JOB, *args]
     start = time.time()
     job = subprocess.run(  # a session of its own: save_kill_all kills its whole process group
-        command, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=timeout, start_new_session=True
+        command, env=ENV, capture_output=True, text=True, timeout=timeout, start_new_session=True
     )
     output = job.stdout + job.stderr
     return job.returncode, output, _seconds_after_fault(output, start)
@@ -99,7 +99,7 @@ def test_the_death_of_rank_0_that_hosts_the_store_ends_rank_1():
 
 def test_a_dead_rank_under_torchrun_is_named():
     code, output, seconds = _run(
-        "--fault", "kill", "--rank", "1", torchrun=("--nproc_per_node=2", "--master_port=29591")
+        "--fault", "kill", "--rank", "1", torchrun=("--nproc_per_node=2", f"--master_port={free_port()}")
     )
     assert code != 0
     assert seconds < DEADLINE, output[-3000:]
@@ -114,7 +114,7 @@ def test_a_dead_rank_under_torchrun_is_named():
 def test_a_dead_rank_on_another_torchrun_node_is_named(tmp_path):
     args = ["--fault", "kill", "--rank", "3", "--step", "3", "--num-nodes", "2"]
     start = time.time()
-    nodes = run_torchrun_nodes(JOB, args, 29593, ROOT, timeout=120)
+    nodes = run_torchrun_nodes(JOB, args, free_port(), tmp_path, timeout=120)
     outputs = [output for _, output in nodes]
     seconds = _seconds_after_fault("".join(outputs), start)
     assert all(code != 0 for code, _ in nodes)
@@ -197,10 +197,10 @@ def _sigterm_every_rank(strategy: str, checkpoints: Path) -> tuple[int, str]:
     """Run under torchrun, send SIGTERM to both ranks at once while they sleep in a step; return the
     end. (Lightning's SIGTERM handler runs a broadcast: a signal landing while one rank is inside a
     collective can hang DDP as well as any strategy, so the signal is sent inside a 2 s step.)"""
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29595", JOB]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}", JOB]
     command += ["--fault", "none", "--step-seconds", "2", "--strategy", strategy]  # both ranks asleep in a step
     command += ["--checkpoints", str(checkpoints), "--on-exception-seconds", "6"]
-    job = subprocess.Popen(command, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    job = subprocess.Popen(command, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         lines: list[str] = []
         for line in job.stdout:  # both ranks in training (their SIGTERM handlers installed)

@@ -8,14 +8,14 @@ import json
 from pathlib import Path
 
 import pytest
-from dist_utils import run_torchrun_nodes
+from dist_utils import free_port, run_torchrun_nodes
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
-def test_hybrid_strategies_on_two_torchrun_nodes():
-    nodes = run_torchrun_nodes(str(ROOT / "tests" / "multinode_hybrid.py"), [], 29561, ROOT)
+def test_hybrid_strategies_on_two_torchrun_nodes(tmp_path):
+    nodes = run_torchrun_nodes(str(ROOT / "tests" / "multinode_hybrid.py"), [], free_port(), tmp_path)
     outputs = [output for _, output in nodes]
     assert all(code == 0 for code, _ in nodes), "\n".join(out[-3000:] for out in outputs)
     report = json.loads(next(line for line in outputs[0].splitlines() if line.startswith("REPORT "))[7:])

@@ -38,8 +38,8 @@ class ScheduledLM(LitLM):
         return [optimizer], [{"scheduler": scheduler, "interval": "step"}]
 
 
-def _data() -> torch.Tensor:
-    return make_batches(SAMPLES, 1).reshape(SAMPLES, -1)
+def _data(samples: int = SAMPLES) -> torch.Tensor:
+    return make_batches(samples, 1).reshape(samples, -1)
 
 
 def _trainer(world: int, root: Path, max_steps: int, state_dict_type: str = "sharded", **kwargs) -> L.Trainer:
@@ -61,11 +61,14 @@ def _trainer(world: int, root: Path, max_steps: int, state_dict_type: str = "sha
     )
 
 
-def _fit(rank, world, root, max_steps, ckpt_path=None, state_dict_type="sharded", **kwargs) -> dict:
+def _fit(rank, world, root, max_steps, ckpt_path=None, state_dict_type="sharded", global_batch=None, **kwargs) -> dict:
+    """Fit ScheduledLM; ``global_batch``: samples per step over all ranks, the same at any world size
+    (then every step trains on the same samples whatever the world size); default PER_RANK per rank."""
     torch.manual_seed(0)
     module = ScheduledLM()
     trainer = _trainer(world, Path(root), max_steps, state_dict_type, **kwargs)
-    trainer.fit(module, DataLoader(TensorDataset(_data()), batch_size=PER_RANK), ckpt_path=ckpt_path)
+    per_rank, samples = (PER_RANK, SAMPLES) if global_batch is None else (global_batch // world, 4 * global_batch)
+    trainer.fit(module, DataLoader(TensorDataset(_data(samples)), batch_size=per_rank), ckpt_path=ckpt_path)
     losses = torch.stack(module.losses) if module.losses else torch.zeros(0)
     dist.all_reduce(losses)
     return {
@@ -197,9 +200,15 @@ def _validate(rank, world, root, ckpt, state_dict_type="sharded", log_records=No
     return trainer.validate(module, loader, ckpt_path=ckpt, verbose=False)[0]["val_loss"]
 
 
-def _save_at(rank: int, world: int, root: str, state_dict_type: str) -> float:
-    _fit(rank, world, root, 3, state_dict_type=state_dict_type)
-    return _validate(rank, world, root + "/v", f"{root}/last.ckpt", state_dict_type)
+GLOBAL_BATCH = 6  # samples per step at world 1, 2 and 3 alike: 4 steps per epoch of 24 samples
+
+
+def _save_at(rank: int, world: int, root: str, state_dict_type: str) -> dict:
+    """Save at step 3 (mid-epoch), then run 6 steps uninterrupted: the oracle of a resume anywhere."""
+    _fit(rank, world, root, 3, state_dict_type=state_dict_type, global_batch=GLOBAL_BATCH)
+    val_loss = _validate(rank, world, root + "/v", f"{root}/last.ckpt", state_dict_type)
+    uninterrupted = _fit(rank, world, root + "/u", 6, state_dict_type=state_dict_type, global_batch=GLOBAL_BATCH)
+    return {"val_loss": val_loss, "uninterrupted": uninterrupted}
 
 
 def _load_at(rank: int, world: int, root: str, ckpt: str, state_dict_type: str) -> dict:
@@ -208,7 +217,7 @@ def _load_at(rank: int, world: int, root: str, ckpt: str, state_dict_type: str) 
     handler.emit = lambda record: records.append(record.getMessage())
     logging.getLogger("lightning.pytorch.utilities.rank_zero").addHandler(handler)
     val_loss = _validate(rank, world, root + "/v", ckpt, state_dict_type)
-    continued = _fit(rank, world, root + "/c", 6, ckpt, state_dict_type)
+    continued = _fit(rank, world, root + "/c", 6, ckpt, state_dict_type, global_batch=GLOBAL_BATCH)
     return {"val_loss": val_loss, "log": records, "continued": continued}
 
 
@@ -218,7 +227,7 @@ def _load_at(rank: int, world: int, root: str, ckpt: str, state_dict_type: str) 
 )
 def test_resume_on_another_world_size(tmp_path, saved_world, loaded_world, state_dict_type):
     root = str(tmp_path / "saved")
-    saved_loss = run_ranks(_save_at, saved_world, tmp_path, root, state_dict_type, env=LIGHTNING_ENV, timeout=300)[0]
+    saved = run_ranks(_save_at, saved_world, tmp_path, root, state_dict_type, env=LIGHTNING_ENV, timeout=300)[0]
     result = run_ranks(
         _load_at,
         loaded_world,
@@ -229,10 +238,13 @@ def test_resume_on_another_world_size(tmp_path, saved_world, loaded_world, state
         env=LIGHTNING_ENV,
         timeout=300,
     )[0]
-    assert result["val_loss"] == pytest.approx(saved_loss, rel=1e-5)
+    assert result["val_loss"] == pytest.approx(saved["val_loss"], rel=1e-5)
     continued = result["continued"]
     assert continued["step"] == 6 and len(continued["losses"]) == 3  # steps 4..6 after the restored 3
-    assert all(0 < loss < 10 for loss in continued["losses"])
+    # the same samples per step at any world size: the resumed steps are the uninterrupted run's (weights,
+    # Adam's moments, the LR schedule and the data position all restored)
+    assert continued["losses"] == pytest.approx(saved["uninterrupted"]["losses"][3:], rel=1e-5)
+    assert continued["lr"] == pytest.approx(saved["uninterrupted"]["lr"])
     if state_dict_type == "sharded" and saved_world != loaded_world:
         report = [m for m in result["log"] if "loading" in m and "resharded" in m]
         assert report and f"from {saved_world} to {loaded_world} shards" in report[0]

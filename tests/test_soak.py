@@ -21,10 +21,10 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_200_steps_of_the_gpt_example_leak_nothing_and_repeat_bitwise(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_SILENT": "true"}
     steps = ["--steps", "200", "--repeat-steps", "40", "--every", "20", "--small"]
-    command = [sys.executable, "benchmarks/soak.py", *steps, "--root", str(tmp_path)]
+    command = [sys.executable, str(ROOT / "benchmarks" / "soak.py"), *steps, "--root", str(tmp_path)]
     log = tmp_path / "soak.log"
     with log.open("w") as output:  # a file, not a pipe: W&B's service process outlives the job holding it
-        job = subprocess.run(command, cwd=ROOT, env=env, stdout=output, stderr=subprocess.STDOUT, timeout=600)
+        job = subprocess.run(command, env=env, stdout=output, stderr=subprocess.STDOUT, timeout=600)
     text = log.read_text()
     assert job.returncode == 0, text[-4000:]
     report = json.loads(next(line for line in text.splitlines() if line.startswith("SOAK "))[5:])

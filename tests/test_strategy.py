@@ -16,9 +16,10 @@ import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import run_ranks
+from dist_utils import free_port, run_ranks
 from lightning.pytorch.strategies import StrategyRegistry
 from models import Block, TiedLM, lm_loss, make_batches
+from oracle import PrecisionOracle, gathered_and_reduced_dtypes
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from fsdp_strategy import FSDPCustomPrecision, FSDPCustomStrategy
@@ -68,9 +69,23 @@ class LitLM(L.LightningModule):
     def on_train_batch_end(self, outputs, batch, batch_idx):
         if isinstance(self.trainer.strategy, FSDPCustomStrategy):
             self.comm.append(self.trainer.strategy.comm_ledger.snapshot())
+            self.dtypes = gathered_and_reduced_dtypes(self)  # the run's recorder is closed at teardown
+
+    @staticmethod
+    def make_optimizer(module: torch.nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(param_groups(module), lr=1e-2)
 
     def configure_optimizers(self):
-        return torch.optim.AdamW(param_groups(self), lr=1e-2)
+        return self.make_optimizer(self)
+
+
+class SGDLM(LitLM):
+    """LitLM with SGD: its update moves with the gradient's scale (AdamW's does not), so a gradient
+    divided or multiplied once too often under accumulation or clipping changes the losses."""
+
+    @staticmethod
+    def make_optimizer(module: torch.nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.SGD(param_groups(module), lr=0.5)
 
 
 class ConfiguredLM(LitLM):
@@ -97,10 +112,17 @@ def _dataset(world: int, steps: int, accumulate: int) -> torch.Tensor:
     return make_batches(steps * accumulate, PER_RANK * world).reshape(-1, make_batches(1, 1).shape[-1])
 
 
-def _reference(model: torch.nn.Module, data: torch.Tensor, world: int, steps: int, accumulate: int, clip: dict):
+def _orders(data: torch.Tensor, world: int) -> list[list[int]]:
+    """Each rank's sample order in Lightning's runs (a shuffled DistributedSampler, seed 0)."""
+    return [list(DistributedSampler(range(len(data)), world, r, shuffle=True, seed=0)) for r in range(world)]
+
+
+def _reference(
+    model: torch.nn.Module, data: torch.Tensor, world: int, steps: int, accumulate: int, clip: dict, module_cls: type
+):
     """Losses of a plain loop replaying Lightning's data order on the global batch."""
-    orders = [list(DistributedSampler(range(len(data)), world, r, shuffle=True, seed=0)) for r in range(world)]
-    optimizer = torch.optim.AdamW(param_groups(model), lr=1e-2)
+    orders = _orders(data, world)
+    optimizer = module_cls.make_optimizer(model)
     losses = []
     for step in range(steps):
         batch = range(step * accumulate * PER_RANK, (step + 1) * accumulate * PER_RANK)
@@ -145,7 +167,7 @@ def _fit(
     dist.all_reduce(local)
     return {
         "loss": (local / world).tolist(),
-        "ref_loss": _reference(reference, data, world, STEPS, accumulate, clip or {}),
+        "ref_loss": _reference(reference, data, world, STEPS, accumulate, clip or {}, module_cls),
         "comm": module.comm,
         "trainer": trainer,
         "module": module,
@@ -153,10 +175,24 @@ def _fit(
     }
 
 
+def _precision_reference(data: torch.Tensor, world: int, precision: str, scale: float | None = None) -> list[float]:
+    """The losses of ``_fit``'s run at ``precision`` computed by the precision oracle (oracle.py):
+    each rank's batch in Lightning's order, gradients summed in the reduce dtype."""
+    torch.manual_seed(0)
+    oracle = PrecisionOracle(TiedLM(), precision, LitLM.make_optimizer, scale)
+    orders, losses = _orders(data, world), []
+    for step in range(STEPS):
+        rows = range(step * PER_RANK, (step + 1) * PER_RANK)
+        per_rank = oracle.micro_batch(lm_loss, [data[[orders[r][i] for i in rows]] for r in range(world)])
+        oracle.step(world)
+        losses.append(sum(per_rank) / world)
+    return losses
+
+
 def _lightning_body(rank: int, world: int) -> dict:
-    norm = _fit(rank, world, clip={"gradient_clip_val": 0.05})
-    value = _fit(rank, world, clip={"gradient_clip_val": 0.01, "gradient_clip_algorithm": "value"})
-    accumulate = _fit(rank, world, accumulate=2)
+    norm = _fit(rank, world, clip={"gradient_clip_val": 0.05}, module_cls=SGDLM)
+    value = _fit(rank, world, clip={"gradient_clip_val": 0.01, "gradient_clip_algorithm": "value"}, module_cls=SGDLM)
+    accumulate = _fit(rank, world, accumulate=2, module_cls=SGDLM)
     bf16 = _fit(rank, world, precision="bf16-mixed")
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
@@ -165,6 +201,13 @@ def _lightning_body(rank: int, world: int) -> dict:
     fp16 = _fit(rank, world, plugins=[FSDPCustomPrecision("16-mixed", scaler=scaler)])
     bf16_true = _fit(rank, world, precision="bf16-true")
     configured = _fit(rank, world, module_cls=ConfiguredLM)
+    data = bf16["data"]
+    precision_refs = {
+        "bf16": _precision_reference(data, world, "bf16-mixed"),
+        "fp16": _precision_reference(data, world, "16-mixed", scale=2.0**8),
+        "bf16_true": _precision_reference(data, world, "bf16-true"),
+    }
+    dtypes = {name: run["module"].dtypes for name, run in (("bf16", bf16), ("fp16", fp16), ("bf16_true", bf16_true))}
 
     trainer, module, data = norm["trainer"], norm["module"], norm["data"]
     loader = DataLoader(TensorDataset(data[:8]), batch_size=PER_RANK)
@@ -179,9 +222,10 @@ def _lightning_body(rank: int, world: int) -> dict:
         "norm": {k: norm[k] for k in ("loss", "ref_loss")},
         "value": {k: value[k] for k in ("loss", "ref_loss")},
         "accumulate": {k: accumulate[k] for k in ("loss", "ref_loss", "comm")},
-        "bf16": {k: bf16[k] for k in ("loss", "ref_loss")},
-        "fp16": {k: fp16[k] for k in ("loss", "ref_loss")},
-        "bf16_true": {k: bf16_true[k] for k in ("loss", "ref_loss")},
+        "bf16": {"loss": bf16["loss"], "ref_loss": precision_refs["bf16"]},
+        "fp16": {"loss": fp16["loss"], "ref_loss": precision_refs["fp16"]},
+        "bf16_true": {"loss": bf16_true["loss"], "ref_loss": precision_refs["bf16_true"]},
+        "dtypes": dtypes,
         "configure_model": {k: configured[k] for k in ("loss", "ref_loss")},
         "validated": validated,
         "tested": tested,
@@ -201,9 +245,13 @@ def test_lightning_fit_matches_reference(tmp_path):
     # every step's non-final micro-batch issues no reduce-scatter; the final one reduces all 3 units
     calls = [c.get("reduce_scatter", {}).get("calls", 0) for c in result["accumulate"]["comm"]]
     assert calls == [0, 3] * STEPS
-    # low precision: 8 (bf16) / 11 (fp16) mantissa bits over ~6 layers for 6 steps: within 3 %
+    # low precision against the precision oracle (the same casts and reduce dtypes), as tightly as fp32
     for name in ("bf16", "fp16", "bf16_true"):
-        assert result[name]["loss"] == pytest.approx(result[name]["ref_loss"], rel=3e-2), name
+        assert result[name]["loss"] == pytest.approx(result[name]["ref_loss"], rel=1e-5), name
+    expected = {"bf16": ("bfloat16", "float32"), "fp16": ("float16", "float32"), "bf16_true": ("bfloat16", "bfloat16")}
+    for name, (gathered, reduced) in expected.items():
+        dtypes = result["dtypes"][name]
+        assert dtypes["all_gather"] == {gathered} and dtypes["reduce_scatter"] == {reduced}, (name, dtypes)
     assert result["scaler"] == "ShardedGradScaler"
     assert result["bf16_true_dtype"] == "torch.bfloat16"
     unsharded_groups = [len(g["params"]) for g in param_groups(LitLM())]
@@ -304,7 +352,7 @@ _EXIT_SCRIPT = """
 import atexit, sys
 import lightning as L, torch, torch.distributed as dist
 from torch.utils.data import DataLoader, TensorDataset
-sys.path.insert(0, "tests")
+sys.path.insert(0, {tests!r})
 from test_strategy import SequentialLM
 from fsdp_strategy import FSDPCustomStrategy
 atexit.register(lambda: print("group alive at exit:", dist.is_initialized()))  # runs after later hooks
@@ -317,8 +365,9 @@ print("group alive after fit:", dist.is_initialized())
 
 def test_gloo_group_created_by_the_strategy_is_destroyed_at_exit():
     # a gloo group left to interpreter shutdown can abort a finished run (SIGABRT under torchrun)
-    env = {**os.environ, "MASTER_PORT": "29541"}
-    done = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True)
+    env = {**os.environ, "MASTER_PORT": str(free_port())}
+    script = _EXIT_SCRIPT.format(tests=str(ROOT / "tests"))
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "group alive after fit: True" in done.stdout and "group alive at exit: False" in done.stdout
 

@@ -6,14 +6,17 @@
 Each check runs against an oracle (the unsharded model, the same run under Lightning's DDP, or
 the exact formula) and its row says what was compared. At world 1 a shard is the whole parameter
 and is used in place, so the checks that must gather, reduce and copy use CPU offload or mixed
-precision. Exit status 1 if any check fails. ``tests/gpu/test_cuda.py`` runs it under pytest
-(skipped without a GPU).
+precision; then the multi-rank checks run on spawned ranks: NCCL with one GPU per rank where there
+are two or more GPUs, else two ranks over gloo on the one GPU (CUDA tensors). With CUDA present a
+check that is not implemented is a failure, not a skip. Exit status 1 if any check fails.
+``tests/gpu/test_cuda.py`` runs it under pytest (skipped without a GPU).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import json
 import os
 import sys
 import tempfile
@@ -28,6 +31,7 @@ from torch import nn
 
 TESTS = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(TESTS))
+from dist_utils import free_port  # noqa: E402
 from models import Block, TiedLM, lm_loss, make_batches  # noqa: E402
 from oracle import assert_matches, train_pair  # noqa: E402
 from test_patterns import PATTERNS  # noqa: E402
@@ -48,8 +52,8 @@ def patterns(**options) -> str:
     """Every training pattern of tests/test_patterns.py against its oracle."""
     for name, (build, policy, loss, data, before_step, steps) in PATTERNS.items():
         result = train_pair(
-            0,
-            1,
+            dist.get_rank(),
+            dist.get_world_size(),
             build,
             loss,
             data,
@@ -303,14 +307,72 @@ CHECKS: list[tuple[str, Callable[[], str]]] = [
 ]
 
 
+MULTI_RANK_CHECKS: list[tuple[str, Callable[[], str]]] = [
+    ("patterns, FULL_SHARD", patterns),
+    ("patterns, FULL_SHARD + CPU offload", lambda: patterns(cpu_offload=True)),
+    ("engine fp32", engine_parity),
+    ("engine bf16 mixed", lambda: engine_parity(mixed_precision=MixedPrecision(*[torch.bfloat16] * 3))),
+]
+
+
+def _run_checks(checks: list[tuple[str, Callable[[], str]]], prefix: str = "") -> list[tuple[str, str, str]]:
+    """``(name, result, detail)`` per check; a check that raises ``NotImplementedError`` is a skip on
+    the CPU only: with CUDA present every check must run."""
+    rows = []
+    for name, check in checks:
+        try:
+            row = ("pass", check())
+        except NotImplementedError as unimplemented:
+            row = ("skip" if DEVICE.type == "cpu" else "FAIL", f"not implemented: {unimplemented}")
+        except Exception as error:  # a row per failure; the traceback follows the table
+            row = ("FAIL", f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
+            traceback.print_exc(file=sys.stderr)
+        rows.append((prefix + name, *row))
+    return rows
+
+
+def _multi_rank_worker(rank: int, world: int, backend: str, device_type: str, rendezvous: str, out: str) -> None:
+    """One rank of the multi-rank checks; its rows go to ``out``/rank<k>.json."""
+    global DEVICE
+    if device_type == "cuda":
+        DEVICE = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(DEVICE)
+    options = {"device_id": DEVICE} if backend == "nccl" else {}
+    dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=rank, world_size=world, **options)
+    try:
+        rows = _run_checks(MULTI_RANK_CHECKS, prefix=f"world {world} ({backend}): ")
+    finally:
+        dist.destroy_process_group()
+    Path(out, f"rank{rank}.json").write_text(json.dumps(rows))
+
+
+def multi_rank_rows(device_type: str) -> list[tuple[str, str, str]]:
+    """The multi-rank checks on fresh spawned ranks: NCCL with one GPU per rank where there are two or
+    more; two ranks over gloo on one GPU (CUDA tensors) or on the CPU otherwise. A rank's row is a
+    pass only if every rank passed."""
+    import torch.multiprocessing as mp
+
+    gpus = torch.cuda.device_count() if device_type == "cuda" else 0
+    world, backend = (gpus, "nccl") if gpus >= 2 else (2, "gloo")
+    with tempfile.TemporaryDirectory() as folder:
+        args = (world, backend, device_type, str(Path(folder) / "rendezvous"), folder)
+        mp.start_processes(_multi_rank_worker, args=args, nprocs=world, start_method="spawn")
+        per_rank = [json.loads(Path(folder, f"rank{rank}.json").read_text()) for rank in range(world)]
+    rows = []
+    for index, (name, result, detail) in enumerate(per_rank[0]):
+        failed = [rank for rank in range(world) if per_rank[rank][index][1] == "FAIL"]
+        rows.append((name, "FAIL" if failed else result, f"ranks {failed} failed" if failed else detail))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run every check; print a Markdown table; 1 if any failed."""
+    """Run every check at world 1, then the multi-rank checks; print a Markdown table; 1 if any failed."""
     global DEVICE
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu", action="store_true", help="run on the CPU with gloo (the CUDA-only rows skip)")
     args = parser.parse_args(argv)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29541")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     if args.cpu:
         dist.init_process_group("gloo", rank=0, world_size=1)
     else:
@@ -324,19 +386,17 @@ def main(argv: list[str] | None = None) -> int:
         f"device: {torch.cuda.get_device_name(DEVICE) if DEVICE.type == 'cuda' else 'CPU'}, torch {torch.__version__}"
     )
     print("| check | result | detail |\n|---|---|---|")
-    failed = 0
-    for name, check in CHECKS:
-        try:
-            row = ("pass", check())
-        except NotImplementedError as skipped:
-            row = ("skip", str(skipped))
-        except Exception as error:  # a row per failure; the traceback follows the table
-            failed += 1
-            row = ("FAIL", f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
-            traceback.print_exc(file=sys.stderr)
-        print(f"| {name} | {row[0]} | {row[1]} |", flush=True)
+    rows = _run_checks(CHECKS)
     dist.destroy_process_group()
-    print(f"{len(CHECKS) - failed} of {len(CHECKS)} checks did not fail" if failed else "all checks passed")
+    try:
+        rows += multi_rank_rows(DEVICE.type)
+    except Exception as error:  # a rank that died: one failed row
+        rows.append(("multi-rank checks", "FAIL", f"{type(error).__name__}: {str(error).splitlines()[0]}"))
+        traceback.print_exc(file=sys.stderr)
+    for name, result, detail in rows:
+        print(f"| {name} | {result} | {detail} |", flush=True)
+    failed = sum(result == "FAIL" for _, result, _ in rows)
+    print(f"{len(rows) - failed} of {len(rows)} checks did not fail" if failed else "all checks passed")
     return 1 if failed else 0
 
 

@@ -1,0 +1,252 @@
+"""The mutation check: plausible bugs, each put into a copy of the package in turn, each caught.
+
+    python tests/mutations.py              # every mutation (about 6 minutes on 2 CPU cores)
+    python tests/mutations.py --list       # what each one changes and the tests that must catch it
+    python tests/mutations.py div_missing  # some of them, by name
+
+A green suite proves only what its oracles see. Each mutation below is a mistake a real change
+could make (a lost divide, optimizer state dropped on a resume, precision never applied, ...).
+For each, the package is copied into a temporary folder in its installed layout, the one edit is
+made there, and the tests named for it run against that copy (``PYTHONPATH`` puts it ahead of
+the installed package): they must fail. First the same tests run against an unchanged copy and
+must pass, so that a failure is the mutation's. The tests named are part of the fast suite
+(``pytest -m "not slow"``). Exit status 1 if a mutation survives or no longer applies (the code
+it edits changed: update its ``old`` text here; ``tests/test_mutations.py`` checks that each
+still applies, in the suite).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Mutation(NamedTuple):
+    """One plausible bug: replace ``old`` (found exactly once in ``path``) by ``new``."""
+
+    name: str
+    what: str
+    path: str  # relative to the checkout
+    old: str
+    new: str
+    tests: tuple[str, ...]  # pytest node ids (relative to the checkout) that must fail with it
+
+
+MUTATIONS = [
+    Mutation(
+        "optimizer_dropped_on_reshard",
+        "the Trainer drops the optimizer state whenever a sharded checkpoint resumes at another world size",
+        "fsdp_strategy/strategy_checkpoints.py",
+        "optimizers = list(self.optimizers) if trainer.state.fn == TrainerFn.FITTING else []",
+        "optimizers = (\n            list(self.optimizers)\n            if trainer.state.fn == TrainerFn.FITTING\n"
+        "            and (pending.meta is None or pending.meta['world_size'] == self.world_size)\n"
+        "            else []\n        )",
+        ("tests/test_resume.py::test_resume_on_another_world_size",),
+    ),
+    Mutation(
+        "loss_divided_twice",
+        "the loss is divided by accumulate_grad_batches once more in the strategy's backward",
+        "fsdp_strategy/strategy.py",
+        "return super().backward(closure_loss, optimizer, *args, **kwargs)",
+        "accumulate = self.lightning_module.trainer.accumulate_grad_batches\n"
+        "            return super().backward(closure_loss / accumulate, optimizer, *args, **kwargs)",
+        ("tests/test_strategy.py::test_lightning_fit_matches_reference",),
+    ),
+    Mutation(
+        "fabric_precision_lost",
+        "Fabric's precision never reaches the engine (training silently in fp32)",
+        "fsdp_strategy/fabric.py",
+        "mixed = self.mixed_precision or self.precision.mixed_precision_config",
+        "mixed = self.mixed_precision",
+        ("tests/test_fabric.py::test_fabric_precisions_equal_the_precision_oracle",),
+    ),
+    Mutation(
+        "trainer_precision_lost",
+        "Trainer(precision='bf16-mixed') never reaches the engine (parameters gathered in fp32)",
+        "fsdp_strategy/strategy.py",
+        "options = dataclasses.replace(self._options, mixed_precision=self.mixed_precision_config)",
+        "options = self._options",
+        ("tests/test_strategy.py::test_lightning_fit_matches_reference",),
+    ),
+    Mutation(
+        "div_missing",
+        "the reduced gradient sum is never divided by the data-parallel size",
+        "fsdp_strategy/engine/unit.py",
+        "grads.div_(self._divide_after)  # [Note: SUM then divide]",
+        "pass",
+        ("tests/test_parity.py::test_parity_world_2",),
+    ),
+    Mutation(
+        "hybrid_divide_factor",
+        "HYBRID_SHARD divides by the shard group's size instead of the data-parallel size",
+        "fsdp_strategy/engine/unit.py",
+        "data_parallel_size = self.shard_comm.size * self.replicate_comm.size",
+        "data_parallel_size = self.shard_comm.size",
+        ("tests/test_parity.py::test_parity_hybrid_shard_world_4",),
+    ),
+    Mutation(
+        "last_reduction_lost",
+        "the reduction still in flight at the end of backward is never applied (the last unit's gradients)",
+        "fsdp_strategy/engine/reductions.py",
+        "        while self._in_flight:\n            self._advance(self._in_flight.popleft())\n"
+        "        self._finish_replicating()",
+        "        while len(self._in_flight) > 1:\n            self._advance(self._in_flight.popleft())\n"
+        "        self._in_flight.clear()\n        self._finish_replicating()",
+        ("tests/test_parity.py::test_parity_world_2",),
+    ),
+    Mutation(
+        "shard_offset",
+        "each rank's shard starts one row late",
+        "fsdp_strategy/engine/param.py",
+        "local = rows[shard_rank * self.chunk_rows : (shard_rank + 1) * self.chunk_rows]",
+        "local = rows[shard_rank * self.chunk_rows + 1 : (shard_rank + 1) * self.chunk_rows + 1]",
+        ("tests/test_parity.py::test_parity_world_2",),
+    ),
+    Mutation(
+        "optimizer_checkpoint_key",
+        "sharded folders name their optimizers 'optimizer0' instead of Lightning's 'optimizer_0'",
+        "fsdp_strategy/checkpoint/sharded.py",
+        'return [f"optimizer_{index}" for index in range(count)]',
+        'return [f"optimizer{index}" for index in range(count)]',
+        ("tests/test_checkpoint.py",),
+    ),
+    Mutation(
+        "offload_grad_copy_skipped",
+        "with CPU offload, the reduced gradient is never copied into host memory",
+        "fsdp_strategy/engine/device.py",
+        "        out.copy_(reduced, non_blocking=True)\n",
+        "",
+        ("tests/test_parity.py::test_parity_world_2",),
+    ),
+    Mutation(
+        "clip_norm_local",
+        "clipping by norm uses this rank's shards' norm (the all-reduce is left out)",
+        "fsdp_strategy/engine/clipping.py",
+        '    collectives.all_reduce(\n        total, scheduler.root_unit.shard_comm, scheduler.comm, "clip_grad_norm", '
+        'op="max" if infinite else "sum"\n    ).wait()\n',
+        "",
+        ("tests/test_accumulation_and_clipping.py::test_each_optimizer_is_clipped_by_its_own_norm",),
+    ),
+    Mutation(
+        "no_sync_in_param_dtype",
+        "no_sync accumulates bf16 gradients in bf16 instead of the reduce dtype",
+        "fsdp_strategy/engine/unit.py",
+        'param.stash_grad(self._reduce_dtype), "stashed_grads"',
+        'param.stash_grad(param.param_dtype), "stashed_grads"',
+        ("tests/test_accumulation_and_clipping.py::test_no_sync_accumulates_bf16_gradients_in_fp32",),
+    ),
+    Mutation(
+        "fabric_optimizer_not_loaded",
+        "a sharded folder's optimizer state is not loaded when it was written at another world size",
+        "fsdp_strategy/checkpoint/sharded_load.py",
+        "        names.load_state(optimizer, owners, {",
+        "        if meta is not None and meta['world_size'] != collectives.process_rank(process_group)[1]:\n"
+        "            continue\n        names.load_state(optimizer, owners, {",
+        ("tests/test_fabric.py::test_fabric_checkpoints_round_trip_and_resume_at_another_world_size",),
+    ),
+    Mutation(
+        "freeze_inside_step_lost",
+        "requires_grad changed on a gathered (full) parameter inside a step (a GAN's critic) is overwritten",
+        "fsdp_strategy/engine/param.py",
+        "value = full if sharded == self._agreed_requires_grad else sharded",
+        "value = sharded",
+        ("tests/test_patterns.py::test_patterns_world_2",),
+    ),
+    Mutation(
+        "data_position_not_restored",
+        "a mid-epoch resume starts the epoch's data from its first batch",
+        "fsdp_strategy/strategy_checkpoints.py",
+        "            self._data_position.load_state_dict(self._data_position_to_load)\n",
+        "",
+        ("tests/test_resume.py::test_resume_is_exact_at_the_same_world_size",),
+    ),
+]
+
+
+def installed_copy(folder: Path) -> Path:
+    """The package in its installed layout under ``folder`` (callbacks/ as fsdp_strategy.callbacks)."""
+    ignore = shutil.ignore_patterns("__pycache__")
+    shutil.copytree(ROOT / "fsdp_strategy", folder / "fsdp_strategy", ignore=ignore)
+    shutil.copytree(ROOT / "callbacks", folder / "fsdp_strategy" / "callbacks", ignore=ignore)
+    return folder
+
+
+def copy_path(mutation: Mutation) -> Path:
+    """Where ``mutation.path`` lies in an installed copy."""
+    return Path(mutation.path.replace("callbacks/", "fsdp_strategy/callbacks/", 1))
+
+
+def check_applies(mutation: Mutation) -> str | None:
+    """None if ``mutation.old`` is found exactly once in the checkout's file, else why not."""
+    count = (ROOT / mutation.path).read_text().count(mutation.old)
+    return None if count == 1 else f"{mutation.name}: its text is found {count} times in {mutation.path}"
+
+
+def run_tests(package: Path, tests: tuple[str, ...], log: Path) -> bool:
+    """Whether ``tests`` pass against the package copy in ``package`` (their output goes to ``log``)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(package), os.environ.get("PYTHONPATH", "")])}
+    # from the copy's folder: ``python -m`` puts the working directory first on sys.path, which must
+    # not be the checkout (its fsdp_strategy would shadow the copy)
+    command = [sys.executable, "-m", "pytest", "-x", "-p", "no:cacheprovider", *(str(ROOT / t) for t in tests)]
+    with log.open("w") as output:
+        done = subprocess.run(command, cwd=package, env=env, stdout=output, stderr=subprocess.STDOUT, timeout=1800)
+    if "fsdp_strategy: " + str(package) not in log.read_text():  # conftest.py's header names the copy tested
+        raise RuntimeError(f"the tests did not import the package copy in {package}: see {log}")
+    return done.returncode == 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("names", nargs="*", help="mutations to run (default: all)")
+    parser.add_argument("--list", action="store_true", help="print each mutation and the tests that catch it")
+    args = parser.parse_args(argv)
+    chosen = [m for m in MUTATIONS if not args.names or m.name in args.names]
+    unknown = sorted(set(args.names) - {m.name for m in MUTATIONS})
+    if unknown:
+        parser.error(f"no mutation named {unknown}; known: {[m.name for m in MUTATIONS]}")
+    if args.list:
+        for m in chosen:
+            print(f"{m.name}: {m.what}\n    {m.path}; caught by {', '.join(m.tests)}")
+        return 0
+    stale = [problem for problem in map(check_applies, chosen) if problem]
+    if stale:
+        print("mutations that no longer apply (update tests/mutations.py):\n  " + "\n  ".join(stale))
+        return 1
+    with tempfile.TemporaryDirectory(prefix="fsdp-mutations-") as scratch:
+        scratch_path = Path(scratch)
+        baseline = installed_copy(scratch_path / "baseline")
+        tests = tuple(dict.fromkeys(test for m in chosen for test in m.tests))
+        start = time.monotonic()
+        if not run_tests(baseline, tests, scratch_path / "baseline.log"):
+            print("the tests fail without any mutation:\n" + (scratch_path / "baseline.log").read_text()[-4000:])
+            return 1
+        print(f"baseline: {len(tests)} tests pass on an unchanged copy ({time.monotonic() - start:.0f} s)")
+        survivors = []
+        for m in chosen:
+            package = installed_copy(scratch_path / m.name)
+            target = package / copy_path(m)
+            target.write_text(target.read_text().replace(m.old, m.new, 1))
+            start = time.monotonic()
+            caught = not run_tests(package, m.tests, scratch_path / f"{m.name}.log")
+            print(f"{'caught  ' if caught else 'SURVIVED'} {m.name} ({time.monotonic() - start:.0f} s): {m.what}")
+            if not caught:
+                survivors.append(m.name)
+            shutil.rmtree(package)
+    if survivors:
+        print(f"{len(survivors)} of {len(chosen)} mutations survived: {survivors}")
+        return 1
+    print(f"all {len(chosen)} mutations caught")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
