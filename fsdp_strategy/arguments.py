@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_strategy.config import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy, validate_device_mesh
-from fsdp_strategy.wrap import ModuleNames, as_policy_fn
+from fsdp_strategy.wrap import ModuleNames, already_checkpointed, apply_activation_checkpointing, as_policy_fn
 
 # keyword -> (value accepted as is, or None: any value refused; why)
 FSDP_KEYWORDS: dict[str, tuple[Any, str]] = {
@@ -74,6 +74,21 @@ def checkpointing_policy(activation_checkpointing: Any, policy: Any) -> Any:
     if not isinstance(policy, ModuleNames):  # names are checked against the model when applied
         as_policy_fn(policy, argument="activation_checkpointing_policy")
     return policy
+
+
+def apply_recomputation(model: torch.nn.Module, policy: Any) -> None:
+    """``activation_checkpointing_policy`` applied to ``model`` as Lightning's FSDP applies it: a
+    model that already holds checkpointed layers gets Lightning's warning and is left as it is
+    (they would be recomputed twice)."""
+    from lightning.fabric.utilities.rank_zero import rank_zero_warn
+
+    if already_checkpointed(model):
+        rank_zero_warn(
+            "FSDP checkpointing is configured, but the model already contains checkpointed layers."
+            " Checkpointing will be ignored."
+        )
+        return
+    apply_activation_checkpointing(model, policy)
 
 
 STATE_DICT_TYPES = ("full", "sharded")

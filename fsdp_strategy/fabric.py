@@ -19,17 +19,14 @@ from typing import Any, Literal
 
 import torch
 from lightning.fabric.accelerators import Accelerator
-from lightning.fabric.plugins import ClusterEnvironment
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies import ParallelStrategy
+from lightning.fabric.strategies.fsdp import FSDPStrategy as LightningFSDPStrategy
 from lightning.fabric.strategies.fsdp import _move_torchmetrics_to_device
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-from lightning.fabric.strategies.strategy import (
-    TBroadcast,
-    _BackwardSyncControl,
-    _Sharded,
-)
+from lightning.fabric.strategies.strategy import TBroadcast, _BackwardSyncControl
 from lightning.fabric.utilities.types import Optimizable, ReduceOp
 from torch import Tensor, nn
 from torch.optim import Optimizer
@@ -37,6 +34,7 @@ from torch.optim import Optimizer
 from fsdp_strategy.arguments import (
     STRATEGY_VARIANTS,
     StrategyArguments,
+    apply_recomputation,
     check_fsdp_keywords,
 )
 from fsdp_strategy.checkpoint.writer import CheckpointWriter
@@ -47,11 +45,15 @@ from fsdp_strategy.engine.watchdog import Watchdog
 from fsdp_strategy.fabric_checkpoints import FabricCheckpoints
 from fsdp_strategy.precision import FSDPCustomFabricPrecision
 from fsdp_strategy.strategy_watchdog import WatchdogHooks
-from fsdp_strategy.wrap import apply_activation_checkpointing
 
 
-class FSDPCustomFabricStrategy(StrategyArguments, WatchdogHooks, FabricCheckpoints, ParallelStrategy, _Sharded):
+class FSDPCustomFabricStrategy(StrategyArguments, WatchdogHooks, FabricCheckpoints, LightningFSDPStrategy):
     """Fabric strategy: Fully Sharded Data Parallel on this package's engine.
+
+    A subclass of Fabric's ``FSDPStrategy`` (its constructor and FSDP1 machinery are not used:
+    every method is this engine's), so code that asks ``isinstance(fabric.strategy, FSDPStrategy)``
+    (LitGPT's ``load_checkpoint`` and ``initialize_weights``, Fabric itself) takes its FSDP branch,
+    which works here.
 
     Arguments as Fabric's ``FSDPStrategy`` (``cpu_offload``, ``mixed_precision``,
     ``auto_wrap_policy``, ``activation_checkpointing_policy``, ``sharding_strategy``,
@@ -89,13 +91,15 @@ class FSDPCustomFabricStrategy(StrategyArguments, WatchdogHooks, FabricCheckpoin
     ) -> None:
         parameters = list(inspect.signature(FSDPCustomFabricStrategy.__init__).parameters)[1:-1]
         check_fsdp_keywords(fsdp_kwargs, parameters)
-        super().__init__(
+        ParallelStrategy.__init__(  # not Fabric FSDPStrategy's: it builds FSDP1's arguments
+            self,
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
             precision=precision,
         )
         self._num_nodes = 1
+        self._fsdp_kwargs = {"use_orig_params": True, **fsdp_kwargs}  # Fabric's name: the FSDP keywords honoured
         self._take_arguments(locals())
         self._writer = CheckpointWriter()
         self._watchdog: Watchdog | None = None
@@ -130,6 +134,22 @@ class FSDPCustomFabricStrategy(StrategyArguments, WatchdogHooks, FabricCheckpoin
         return self._process_group_backend
 
     @property
+    def checkpoint_io(self) -> CheckpointIO:
+        """Fabric's default ``CheckpointIO``: saves do not use it (the checkpoint package writes), its
+        ``teardown`` is what Fabric calls (Fabric FSDPStrategy's raises here)."""
+        return ParallelStrategy.checkpoint_io.fget(self)
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO | None) -> None:
+        ParallelStrategy.checkpoint_io.fset(self, io)
+
+    @property
+    def mixed_precision_config(self) -> MixedPrecision:
+        """The dtypes training runs in (Fabric's name; an object for every precision):
+        ``mixed_precision`` if given, else the one derived from ``Fabric(precision=...)``."""
+        return self.mixed_precision or self.precision.mixed_precision_config
+
+    @property
     def precision(self) -> FSDPCustomFabricPrecision:
         plugin = self._precision
         return plugin if plugin is not None else FSDPCustomFabricPrecision("32-true")
@@ -150,7 +170,7 @@ class FSDPCustomFabricStrategy(StrategyArguments, WatchdogHooks, FabricCheckpoin
 
     def setup_environment(self) -> None:
         """Set ranks, check the mesh against the world size, create the process group(s)."""
-        super().setup_environment()
+        ParallelStrategy.setup_environment(self)  # not Fabric FSDPStrategy's (it creates the group its way)
         set_world_ranks(self)
         self._device_mesh = mesh_shape(self._device_mesh, self.sharding_strategy, self.num_nodes, self.num_processes)
         assert self.cluster_environment is not None
@@ -168,8 +188,8 @@ class FSDPCustomFabricStrategy(StrategyArguments, WatchdogHooks, FabricCheckpoin
         if is_sharded(module):
             raise ValueError("this module is sharded already: set it up once")
         if self.activation_checkpointing_policy is not None:
-            apply_activation_checkpointing(module, self.activation_checkpointing_policy)
-        mixed = self.mixed_precision or self.precision.mixed_precision_config
+            apply_recomputation(module, self.activation_checkpointing_policy)
+        mixed = self.mixed_precision or self.precision.engine_mixed_precision
         options = dataclasses.replace(self._options, mixed_precision=mixed)
         shard_with_options(module, options, self.root_device, device_mesh=self._device_mesh, watchdog=self._watchdog)
         _move_torchmetrics_to_device(module, self.root_device)
@@ -204,6 +224,19 @@ class FSDPCustomFabricStrategy(StrategyArguments, WatchdogHooks, FabricCheckpoin
                 "optimizer after setting up the model (fabric.setup_module), or set both up together with fabric.setup"
             )
         return optimizer
+
+    def _setup_distributed(self) -> None:
+        """Fabric ``FSDPStrategy``'s hook: ranks and process group, as ``setup_environment`` makes them."""
+        self.setup_environment()
+
+    def _set_world_ranks(self) -> None:
+        set_world_ranks(self)
+
+    def _get_process_group_backend(self) -> str:
+        """The backend in use (or about to be: gloo on a CPU, nccl on CUDA), as Fabric's."""
+        from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device
+
+        return self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
 
     def module_to_device(self, module: nn.Module) -> None:
         """Nothing: ``setup_module`` moves each unit's shards to the device as it shards them."""

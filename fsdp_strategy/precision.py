@@ -65,8 +65,19 @@ class DeviceAgnosticPrecision:
             self.scaler = ShardedGradScaler(device=device_type, **settings)
 
     @property
-    def mixed_precision_config(self) -> MixedPrecision | None:
-        """The engine's MixedPrecision for "*-mixed": params and buffers low, gradients reduced in fp32."""
+    def mixed_precision_config(self) -> MixedPrecision:
+        """The dtypes this precision trains in, as Lightning's ``FSDPPrecision.mixed_precision_config``
+        gives them (an object for every precision; clients such as Lightning's ``ThroughputMonitor``
+        read it): "*-mixed" gathers parameters and keeps buffers in the low dtype and reduces
+        gradients in fp32 (Lightning's reduces in the low dtype); "*-true" and "32-true" have every
+        dtype that of the converted module."""
+        engine = self.engine_mixed_precision
+        return engine if engine is not None else MixedPrecision(self._low, self._low, self._low)
+
+    @property
+    def engine_mixed_precision(self) -> MixedPrecision | None:
+        """What the engine is given: for "*-mixed", params and buffers low, gradients reduced in fp32;
+        None otherwise (the module itself is in the precision's dtype: nothing to cast)."""
         if not self.precision.endswith("-mixed"):
             return None
         return MixedPrecision(param_dtype=self._low, reduce_dtype=torch.float32, buffer_dtype=self._low)

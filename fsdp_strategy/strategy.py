@@ -24,6 +24,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.strategies.fsdp import _move_torchmetrics_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.fsdp import FSDPStrategy as LightningFSDPStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -34,6 +35,7 @@ from fsdp_strategy import averaging
 from fsdp_strategy.arguments import (
     STRATEGY_VARIANTS,
     StrategyArguments,
+    apply_recomputation,
     check_fsdp_keywords,
     refuse_whole_model_averaging,
 )
@@ -47,7 +49,6 @@ from fsdp_strategy.precision import FSDPCustomPrecision
 from fsdp_strategy.strategy_checkpoints import CheckpointHooks
 from fsdp_strategy.strategy_watchdog import WatchdogHooks
 from fsdp_strategy.sync_batchnorm import convert_sync_batchnorm
-from fsdp_strategy.wrap import apply_activation_checkpointing
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +62,12 @@ def _count(count: int) -> str:
     return f"{count / 1e6:.1f} M" if count >= 100_000 else f"{count:,}"
 
 
-class FSDPCustomStrategy(StrategyArguments, WatchdogHooks, CheckpointHooks, ParallelStrategy):
+class FSDPCustomStrategy(StrategyArguments, WatchdogHooks, CheckpointHooks, LightningFSDPStrategy):
     """Fully Sharded Data Parallel with this project's own engine.
+
+    A subclass of Lightning's ``FSDPStrategy`` (its constructor and FSDP1 machinery are not used:
+    every method is this engine's), so code that asks ``isinstance(strategy, FSDPStrategy)``
+    (Lightning itself, LitGPT, user code) takes its FSDP branch, which works here.
 
     Arguments (names and meanings as Lightning's ``FSDPStrategy``):
         sharding_strategy: "FULL_SHARD" (default), "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD",
@@ -146,7 +151,8 @@ class FSDPCustomStrategy(StrategyArguments, WatchdogHooks, CheckpointHooks, Para
         **fsdp_kwargs: Any,
     ) -> None:
         check_fsdp_keywords(fsdp_kwargs, list(inspect.signature(FSDPCustomStrategy.__init__).parameters)[1:-1])
-        super().__init__(
+        ParallelStrategy.__init__(  # not Lightning FSDPStrategy's: it builds FSDP1's arguments
+            self,
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
@@ -154,6 +160,7 @@ class FSDPCustomStrategy(StrategyArguments, WatchdogHooks, CheckpointHooks, Para
             precision_plugin=precision_plugin,
         )
         self.num_nodes = 1
+        self.kwargs = {"use_orig_params": True, **fsdp_kwargs}  # Lightning's name: the FSDP keywords honoured
         self._take_arguments(locals(), async_save)
         self._writer = CheckpointWriter(async_save=async_save)
         self._watchdog: Watchdog | None = None  # started at each run's setup, closed at its teardown
@@ -176,10 +183,14 @@ class FSDPCustomStrategy(StrategyArguments, WatchdogHooks, CheckpointHooks, Para
         return self._process_group_backend
 
     @property
-    def mixed_precision_config(self) -> MixedPrecision | None:
-        """The MixedPrecision the engine uses: ``mixed_precision`` if given, else the one derived
-        from ``Trainer(precision=...)`` (None for full precision). Lightning's name."""
+    def mixed_precision_config(self) -> MixedPrecision:
+        """The dtypes training runs in (Lightning's name; an object for every precision):
+        ``mixed_precision`` if given, else the one derived from ``Trainer(precision=...)``."""
         return self.mixed_precision or self.precision_plugin.mixed_precision_config
+
+    def _engine_mixed_precision(self) -> MixedPrecision | None:
+        """What the engine casts to: ``mixed_precision``, or a "*-mixed" precision's (None: nothing)."""
+        return self.mixed_precision or self.precision_plugin.engine_mixed_precision
 
     @property
     def is_distributed(self) -> bool:
@@ -213,7 +224,7 @@ class FSDPCustomStrategy(StrategyArguments, WatchdogHooks, CheckpointHooks, Para
 
     def setup_environment(self) -> None:
         """Set ranks, check the mesh against the world size, create the process group(s)."""
-        super().setup_environment()
+        ParallelStrategy.setup_environment(self)  # not Lightning FSDPStrategy's (it creates the group its way)
         reset_seed()
         self.set_world_ranks()
         self._device_mesh = mesh_shape(self._device_mesh, self.sharding_strategy, self.num_nodes, self.num_processes)
@@ -262,7 +273,7 @@ class FSDPCustomStrategy(StrategyArguments, WatchdogHooks, CheckpointHooks, Para
         if not is_sharded(self.model):  # validate/test after fit reuse the sharded model
             if trainer.state.fn == TrainerFn.FITTING and self._layer_sync is not None:
                 self.model = self._sync_layers(self.model)
-            self._shard(self.model)
+            self.model = self._setup_model(self.model)
         self.scheduler.open()  # closed at teardown ([Note: edits while gathered])
         self._attach_watchdog(self._watchdog)  # this run's (validate/test after fit reuse the model)
         wait = self.scheduler.device_layer.before_host_writes_shards  # before an update after a closure
@@ -288,8 +299,8 @@ class FSDPCustomStrategy(StrategyArguments, WatchdogHooks, CheckpointHooks, Para
     def _shard(self, model: torch.nn.Module) -> None:
         self.model = model = self.precision_plugin.convert_module(model)
         if self.activation_checkpointing_policy is not None:
-            apply_activation_checkpointing(model, self.activation_checkpointing_policy)
-        options = dataclasses.replace(self._options, mixed_precision=self.mixed_precision_config)
+            apply_recomputation(model, self.activation_checkpointing_policy)
+        options = dataclasses.replace(self._options, mixed_precision=self._engine_mixed_precision())
         shard_with_options(model, options, self.root_device, device_mesh=self._device_mesh, watchdog=self._watchdog)
         _move_torchmetrics_to_device(model, self.root_device)
         units = self.scheduler.units
@@ -308,6 +319,26 @@ class FSDPCustomStrategy(StrategyArguments, WatchdogHooks, CheckpointHooks, Para
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         self._reset_optimizers_and_schedulers()
         super().setup_optimizers(trainer)
+
+    def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Shard ``model`` with this engine (Lightning ``FSDPStrategy``'s hook; ``setup`` calls it)."""
+        self._shard(model)
+        return self.model
+
+    @contextmanager
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """Nothing: ``configure_model`` builds plain modules, sharded at setup by the wrap policy."""
+        yield
+
+    def _get_process_group_backend(self) -> str:
+        """The backend in use (or about to be: gloo on a CPU, nccl on CUDA), as Lightning's."""
+        from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device
+
+        return self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+
+    def _determine_device_ids(self) -> list[int] | None:
+        """The rank's device index on an accelerator (for NCCL's barrier), else None."""
+        return None if self.root_device.type == "cpu" else [self.root_device.index]
 
     # ---- steps run through the root's forward, so the engine's root hooks fire ----------
 

@@ -146,4 +146,16 @@ def apply_activation_checkpointing(root: nn.Module, policy: Any) -> list[nn.Modu
     modules = select_unit_modules(root, policy_fn)
     for module in modules:
         module.forward = functools.partial(checkpoint, module.forward, use_reentrant=False)
+        module.__dict__[_CHECKPOINTED] = True
     return modules
+
+
+_CHECKPOINTED = "_fsdp_custom_recomputed"  # set on the modules apply_activation_checkpointing changed
+
+
+def already_checkpointed(root: nn.Module) -> bool:
+    """Whether ``root`` holds layers made to recompute already: torch's ``CheckpointWrapper``
+    (``checkpoint_wrapper``, ``apply_activation_checkpointing``) or this module's own."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    return any(isinstance(m, CheckpointWrapper) or m.__dict__.get(_CHECKPOINTED) for m in root.modules())

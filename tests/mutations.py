@@ -65,7 +65,7 @@ MUTATIONS = [
         "fabric_precision_lost",
         "Fabric's precision never reaches the engine (training silently in fp32)",
         "fsdp_strategy/fabric.py",
-        "mixed = self.mixed_precision or self.precision.mixed_precision_config",
+        "mixed = self.mixed_precision or self.precision.engine_mixed_precision",
         "mixed = self.mixed_precision",
         ("tests/test_fabric.py::test_fabric_precisions_equal_the_precision_oracle",),
     ),

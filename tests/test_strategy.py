@@ -324,7 +324,8 @@ def test_lightning_and_fsdp_arguments_keep_their_meaning():
         timeout=timedelta(minutes=5),
     )
     assert strategy.activation_checkpointing_policy == {Block} and strategy.backward_prefetch is None
-    assert strategy.mixed_precision_config is None  # "32-true"
+    full = strategy.mixed_precision_config  # an object for every precision, as Lightning's
+    assert (full.param_dtype, full.reduce_dtype, full.buffer_dtype) == (torch.float32,) * 3  # "32-true"
     given = FSDPCustomStrategy(mixed_precision={"param_dtype": "bf16"})
     assert given.mixed_precision_config.param_dtype == torch.bfloat16
     trainer = L.Trainer(strategy=FSDPCustomStrategy(), accelerator="cpu", devices=1, precision="bf16-mixed")
@@ -336,7 +337,8 @@ def test_lightning_and_fsdp_arguments_keep_their_meaning():
 
 
 def test_bad_precision_names_value():
-    with pytest.raises(ValueError, match="precision='64-true' is not supported.*accepted"):
+    # Lightning builds its FSDPPrecision for every FSDPStrategy (ours too) and names the value and the choices
+    with pytest.raises(ValueError, match="precision='64-true'.*is not supported.*must be one of"):
         L.Trainer(strategy="fsdp_custom", accelerator="cpu", devices=2, precision="64-true")
 
 

@@ -15,7 +15,13 @@ from fsdp_strategy.checkpoint.full import (
     load_full_optimizer_state_dict,
     load_full_state_dict,
 )
-from fsdp_strategy.checkpoint.layout import CheckpointError, CheckpointSaveError, is_sharded_checkpoint, read_meta
+from fsdp_strategy.checkpoint.layout import (
+    CheckpointError,
+    CheckpointSaveError,
+    StrictLoadError,
+    is_sharded_checkpoint,
+    read_meta,
+)
 from fsdp_strategy.checkpoint.sharded import save_folder
 from fsdp_strategy.checkpoint.sharded_load import load_folder
 
@@ -32,4 +38,5 @@ __all__ = [
     "load_full_state_dict",
     "read_meta",
     "save_folder",
+    "StrictLoadError",
 ]

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp_strategy.checkpoint import layout, names, storage
+from fsdp_strategy.checkpoint import layout, module_state, names, storage
 from fsdp_strategy.checkpoint.layout import CheckpointError
 from fsdp_strategy.checkpoint.storage import Location
 from fsdp_strategy.engine import collectives
@@ -30,12 +30,14 @@ def _is_rank0() -> bool:
 
 @torch.no_grad()
 def full_state_dict(module: nn.Module | ShardsView, rank0_only: bool = True) -> dict[str, torch.Tensor]:
-    """The model's state dict with full parameters on the CPU (in their master dtype).
+    """The model's state dict with full parameters on the CPU (in their master dtype), under the keys
+    its modules' own state-dict code gives ([Note: state dicts through the modules' own code]).
 
     With ``rank0_only`` the other ranks take part in the gathers and return ``{}``.
     Costs: one all-gather per unit; device memory of one unit at a time.
     """
     view = ShardsView.of(module)
+    saved = module_state.saved_state(view)
     keep = not rank0_only or _is_rank0()
     full: dict[int, torch.Tensor] = {}
     for unit, params in view.unit_params():
@@ -43,50 +45,35 @@ def full_state_dict(module: nn.Module | ShardsView, rank0_only: bool = True) -> 
         full.update({id(p.sharded): tensor for p, tensor in zip(params, tensors)})
     if not keep:
         return {}
-    dtypes = view.buffer_dtypes  # [Note: buffers keep their dtype in checkpoints]
-    return {
-        name: full[id(value)]
-        if id(value) in full
-        else value.detach().to("cpu", dtypes.get(name, value.dtype), copy=True)
-        for name, value in view.module.state_dict(keep_vars=True).items()
-    }
+    dtypes = view.saved_dtypes()  # [Note: buffers keep their dtype in checkpoints]
+    state = {}
+    for key, value in saved.items():
+        if isinstance(value, ShardedParam):
+            value = full[id(value.sharded)]
+        elif torch.is_tensor(value):
+            value = value.detach().to("cpu", dtypes.get(id(value), value.dtype), copy=True)
+        state[key] = value
+    return state
 
 
 @torch.no_grad()
 def load_full_state_dict(
     module: nn.Module | ShardsView, state_dict: Mapping[str, Any], strict: bool = True, source: str = "state dict"
 ) -> None:
-    """Copy a full state dict into the shards (each rank takes its rows) and the buffers.
+    """Copy a full state dict into the shards (each rank takes its rows), the buffers and any extra
+    state, through the modules' own ``load_state_dict`` code ([Note: state dicts through the
+    modules' own code]).
 
-    Raises CheckpointError naming ``source`` and the missing/unexpected keys (with ``strict``)
-    or a key whose shape does not match; nothing is copied then.
+    Raises ``StrictLoadError`` (a ``RuntimeError``) naming ``source`` and the missing/unexpected keys
+    (with ``strict``) or a key whose shape does not match; nothing is copied then.
     """
     view = ShardsView.of(module)
-    prefixes = {id(m): name for name, m in view.module.named_modules(remove_duplicate=False)}
-    by_name = {f"{prefixes[id(use.module)]}.{use.name}".lstrip("."): p for p in view.params for use in p.uses}
-    own = view.module.state_dict(keep_vars=True)
-    missing, unexpected = sorted(set(own) - set(state_dict)), sorted(set(state_dict) - set(own))
-    if strict and (missing or unexpected):
-        raise CheckpointError(
-            f"{source}: checkpoint of another model: keys missing from it {missing}, unexpected keys {unexpected}"
-        )
-    for name, value in state_dict.items():
-        if name not in own:
-            continue
-        shape = by_name[name].shape if name in by_name else own[name].shape
-        if tuple(value.shape) != tuple(shape):
-            raise CheckpointError(
-                f"{source}: key {name!r} has shape {tuple(value.shape)} in the checkpoint, {tuple(shape)} in the model"
-            )
+    plan = module_state.load_plan(view, state_dict, strict, source)
     view.before_host_writes()
-    for name, value in state_dict.items():
-        if name not in own:
-            continue
-        param = by_name.get(name)
-        if param is not None:
-            param.sharded.copy_(param.local_rows(value, param.shard_rank))
-        else:
-            own[name].copy_(value)
+    for key, params in plan.params.items():
+        for param in params:
+            param.sharded.copy_(param.local_rows(state_dict[key], param.shard_rank))
+    module_state.load_plain(view, state_dict, plan)
 
 
 @torch.no_grad()

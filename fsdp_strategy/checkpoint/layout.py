@@ -34,6 +34,11 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded: names the file and the key at fault."""
 
 
+class StrictLoadError(CheckpointError, RuntimeError):
+    """A checkpoint whose keys or shapes do not fit the model: a ``RuntimeError`` as torch's
+    ``load_state_dict`` raises (code that catches that catches this), naming the file and the keys."""
+
+
 class CheckpointSaveError(OSError):
     """A save that failed on some rank (a full disk, a lost connection): raised on every rank."""
 

@@ -33,7 +33,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from fsdp_strategy.checkpoint import layout, names, storage
+from fsdp_strategy.checkpoint import layout, module_state, names, storage
 from fsdp_strategy.checkpoint.layout import CheckpointError
 from fsdp_strategy.checkpoint.storage import Location
 from fsdp_strategy.engine import collectives
@@ -60,17 +60,20 @@ def checkpoint_view(
     return DTensor.from_local(rows[:real], mesh[0], mesh[1], run_check=False, shape=param.shape, stride=stride)
 
 
-def model_state(model: nn.Module | ShardsView) -> dict[str, torch.Tensor]:
-    """The model's state dict with every parameter as its shard's checkpoint view, and buffers in
-    their saved dtype ([Note: buffers keep their dtype in checkpoints]: a copy where it differs)."""
+def model_state(model: nn.Module | ShardsView) -> dict[str, Any]:
+    """The model's state dict, by the keys its modules' own code gives ([Note: state dicts through
+    the modules' own code] in module_state.py), with every sharded parameter as its shard's
+    checkpoint view and buffers in their saved dtype ([Note: buffers keep their dtype in
+    checkpoints]: a copy where it differs)."""
     view = ShardsView.of(model)
-    state = {}
-    for name, value in view.module.state_dict(keep_vars=True).items():
-        param = view.by_id.get(id(value))
-        if param is not None:
-            state[name] = checkpoint_view(param, param.sharded.detach(), view.mesh)
-        else:
-            state[name] = value.detach().to(view.buffer_dtypes.get(name, value.dtype))
+    dtypes = view.saved_dtypes()
+    state: dict[str, Any] = {}
+    for key, value in module_state.saved_state(view).items():
+        if isinstance(value, ShardedParam):
+            value = checkpoint_view(value, value.sharded.detach(), view.mesh)
+        elif torch.is_tensor(value):
+            value = value.detach().to(dtypes.get(id(value), value.dtype))
+        state[key] = value
     return state
 
 
@@ -91,15 +94,20 @@ def optimizer_state(model: nn.Module | ShardsView, optimizer: torch.optim.Optimi
 def plan(model: nn.Module | ShardsView) -> dict[str, Any]:
     """Names, shapes, dtypes and units of the parameters, and the buffers: the sharding plan."""
     view = ShardsView.of(model)
+    dtypes = view.saved_dtypes()
     params, buffers = {}, {}
-    for name, value in view.module.state_dict(keep_vars=True).items():
-        param = view.by_id.get(id(value))
-        dtype = view.buffer_dtypes.get(name, value.dtype) if param is None else value.dtype
-        entry = {"dtype": str(dtype).removeprefix("torch.")}
-        if param is not None:
-            params[name] = {**entry, "shape": list(param.shape), "unit": view.unit_of[param.fqn], "fqn": param.fqn}
-        else:
-            buffers[name] = {**entry, "shape": list(value.shape)}
+    for key, value in module_state.saved_state(view).items():
+        if isinstance(value, ShardedParam):
+            dtype = str(value.sharded.dtype).removeprefix("torch.")
+            params[key] = {
+                "dtype": dtype,
+                "shape": list(value.shape),
+                "unit": view.unit_of[value.fqn],
+                "fqn": value.fqn,
+            }
+        elif torch.is_tensor(value):
+            dtype = str(dtypes.get(id(value), value.dtype)).removeprefix("torch.")
+            buffers[key] = {"dtype": dtype, "shape": list(value.shape)}
     return {"params": params, "buffers": buffers}
 
 

@@ -13,42 +13,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from fsdp_strategy.checkpoint import layout, names, storage
+from fsdp_strategy.checkpoint import layout, module_state, names, storage
 from fsdp_strategy.checkpoint.layout import CheckpointError
-from fsdp_strategy.checkpoint.sharded import (
-    checkpoint_view,
-    dcp_reader,
-    model_state,
-    optimizer_keys,
-    plan,
-    stored_tensors,
-)
+from fsdp_strategy.checkpoint.sharded import checkpoint_view, dcp_reader, optimizer_keys, stored_tensors
 from fsdp_strategy.checkpoint.storage import Location
 from fsdp_strategy.engine import collectives
 from fsdp_strategy.engine.view import ShardsView
-
-
-def check_compatible(
-    folder: Location, saved: dict[str, tuple | None], module: nn.Module | ShardsView, strict: bool
-) -> None:
-    """Missing or unexpected keys (with ``strict``) and shape mismatches, named with the folder and key.
-
-    ``saved``: the checkpoint's model keys and their shapes (None for a non-tensor entry).
-    """
-    current = plan(module)
-    here = {**current["params"], **current["buffers"]}
-    missing, unexpected = sorted(set(here) - set(saved)), sorted(set(saved) - set(here))
-    where = folder.child(layout.DCP_METADATA)
-    if strict and (missing or unexpected):
-        raise CheckpointError(
-            f"{where}: checkpoint of another model: keys missing from it {missing}, unexpected keys {unexpected}"
-        )
-    for name in sorted(set(here) & set(saved)):
-        if saved[name] is not None and list(saved[name]) != here[name]["shape"]:
-            raise CheckpointError(
-                f"{where}: key {name!r} has shape {tuple(saved[name])} in the checkpoint, "
-                f"{tuple(here[name]['shape'])} in the model"
-            )
 
 
 def verify_folder(folder: Location, meta: dict, process_group: Any = None, dog: Any = None) -> None:
@@ -116,12 +86,6 @@ def _nested(flat: dict[str, Any], paths: dict[str, tuple]) -> Any:
 
     rebuilt = unflatten_state_dict({key: flat[key] for key in paths}, paths)
     return next(iter(rebuilt.values()))
-
-
-def _buffer_targets(view: ShardsView, state: dict[str, torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(load target, buffer) for buffers saved in another dtype: copied back after the load."""
-    own = view.module.state_dict(keep_vars=True)
-    return [(state[name], own[name]) for name in view.buffer_dtypes if name in state]
 
 
 def _optimizer_targets(
@@ -209,12 +173,13 @@ def load_tensors(
     stored = _StoredKeys(folder)
     model_key, prefixes = _resolve_keys(stored, folder, len(optimizers), keys)
     model_keys = stored.model(model_key)
-    check_compatible(folder, {name: stored.sizes[key] for name, key in model_keys.items()}, view, strict)
+    shapes = {name: stored.sizes[key] for name, key in model_keys.items() if stored.sizes[key] is not None}
+    values = _read_values(folder, stored, model_key, process_group)
+    where = folder.child(layout.DCP_METADATA)
+    plan = module_state.load_plan(view, {**values, **dict.fromkeys(shapes)}, strict, where, shapes=shapes)
     legacy_groups = rest.pop("optimizer_groups", [])
     rest.pop("optimizer_layouts", None)
-    model = model_state(view)
-    flat = {model_keys[name]: value for name, value in model.items() if name in model_keys}
-    buffers = _buffer_targets(view, {name: value for name, value in model.items() if name in model_keys})
+    flat, plain = _model_targets(view, stored, model_keys, shapes, plan)
     loaded = []
     for index, prefix in enumerate(prefixes):
         state_keys, group_paths = stored.optimizer(prefix, version)
@@ -228,8 +193,10 @@ def load_tensors(
     except dcp.CheckpointException as error:  # every rank's failure, each with a long traceback
         causes = [f"rank {rank}: {type(exc).__name__}: {exc}" for rank, (exc, _) in error.failures.items()]
         raise CheckpointError(f"{folder}: reading the shard files failed ({'; '.join(causes)})") from None
-    for target, buffer in buffers:
-        buffer.data.copy_(target)
+    for params in plan.params.values():  # one checkpoint tensor loaded into several parameters
+        for other in params[1:]:
+            other.sharded.data.copy_(params[0].sharded)
+    module_state.load_plain(view, {**values, **plain, **_meta(shapes, plan)}, plan)
     _clear_scalar_padding(view)
     owners = names.optimizer_owners(view)
     for index, (optimizer, (local_state, state_keys, group_paths, targets)) in enumerate(zip(optimizers, loaded)):
@@ -238,6 +205,49 @@ def load_tensors(
                 local_state.setdefault(fqn, {})[key] = flat[flat_key]
         groups = _nested(flat, group_paths)["param_groups"] if group_paths else legacy_groups[index]
         names.load_state(optimizer, owners, {"state": local_state, "param_groups": groups}, folder, cut_rows=False)
+
+
+def _read_values(folder: Location, stored: _StoredKeys, model_key: str, process_group: Any) -> dict[str, Any]:
+    """The model's entries a folder holds as objects or nested values (extra state: DCP stores a
+    dict entry flattened), read before the tensors and rebuilt."""
+    from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
+
+    targets, paths = {}, {}
+    for key, path in stored.paths.items():
+        if path[0] != model_key or (len(path) == 2 and stored.sizes[key] is not None):
+            continue
+        size = stored.sizes[key]
+        targets[key] = None if size is None else torch.zeros(size, dtype=stored.dtypes[key])
+        paths[key] = path
+    if not targets:
+        return {}
+    dcp.load(targets, storage_reader=dcp_reader(folder), process_group=process_group)
+    return dict(unflatten_state_dict(targets, paths)[model_key])
+
+
+def _model_targets(
+    view: ShardsView,
+    stored: _StoredKeys,
+    model_keys: dict[str, str],
+    shapes: dict[str, tuple],
+    plan: module_state.LoadPlan,
+) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(``flat key -> what DCP loads into``, ``name -> a tensor loaded whole``): a checkpoint view of
+    the shard for an entry that loads into sharded parameters, a whole tensor for a buffer or a
+    whole parameter (loaded through the model's own code afterwards); unexpected entries are not read."""
+    flat, plain = {}, {}
+    for name, key in model_keys.items():
+        if name in plan.params:
+            first = plan.params[name][0]
+            flat[key] = checkpoint_view(first, first.sharded.detach(), view.mesh)
+        elif name in shapes and name not in plan.unexpected:
+            flat[key] = plain[name] = torch.zeros(shapes[name], dtype=stored.dtypes[key])
+    return flat, plain
+
+
+def _meta(shapes: dict[str, tuple], plan: module_state.LoadPlan) -> dict[str, torch.Tensor]:
+    """Meta stand-ins of the entries loaded into shards, for the plain ``load_state_dict``."""
+    return {name: torch.empty(shapes[name], device="meta") for name in plan.params}
 
 
 def _resolve_keys(

@@ -10,7 +10,9 @@ is sharded (so peak memory is about one unit's full size, not the model's), by:
    Face's ``initialize_weights`` does, the ``_init_weights`` of the nearest enclosing module that
    defines one is called on every module of the unit whose subtree was on the meta device,
    children before parents, so a parent's rescaling of its children (GPT-2's ``c_proj``) happens
-   after the children's own initialization. A floating tensor still NaN afterwards, or another
+   after the children's own initialization; but not on a module whose ``reset_parameters`` was
+   assigned to the instance: that is its user's own initialization (LitGPT's pretraining sets
+   its GPT-NeoX init so, for FSDP to apply), and it stays. A floating tensor still NaN afterwards, or another
    (integer, bool) still the allocated one, unwritten, was initialized by nothing: that is an
    error naming it, as is a module neither can initialize.
 An ``_init_weights`` that changes tensors of another unit (a parent whose child is a unit of its
@@ -181,8 +183,8 @@ def _run_initializers(
     with torch.no_grad():
         for module in order:
             initializer = initializers.get(id(module))
-            if initializer is None or id(module) not in touched:
-                continue
+            if initializer is None or id(module) not in touched or "reset_parameters" in module.__dict__:
+                continue  # a reset_parameters assigned to the instance is the user's own init: it stays
             kept = {
                 name: p.detach().clone() for name, p in module._parameters.items() if (id(module), name) in tied_later
             }

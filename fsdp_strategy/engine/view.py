@@ -39,6 +39,12 @@ class ShardsView:
         self.mesh = _mesh(root, self.params, scheduler.device_mesh)
         self._device_layer = scheduler.device_layer
 
+    def saved_dtypes(self) -> dict[int, torch.dtype]:
+        """``id(buffer) -> the dtype a checkpoint holds it in``, for the buffers ``buffer_dtype`` cast
+        ([Note: buffers keep their dtype in checkpoints] in checkpoint/sharded.py)."""
+        named = self.module.named_buffers(remove_duplicate=False)
+        return {id(tensor): self.buffer_dtypes[name] for name, tensor in named if name in self.buffer_dtypes}
+
     def before_host_writes(self) -> None:
         """Wait for copies of shards to the device still in flight: a load is about to write the
         shards (or the average's) on the host ([Note: host and device] 1 in device.py)."""

@@ -162,7 +162,7 @@ class _PlannedSteps:
             apply_activation_checkpointing(module, self.strategy.activation_checkpointing_policy)
         options = dataclasses.replace(
             self.strategy._options,
-            mixed_precision=self.strategy.mixed_precision or precision.mixed_precision_config,
+            mixed_precision=self.strategy.mixed_precision or precision.engine_mixed_precision,
             param_init_fn=lambda m: _allocate(m, device),
             sync_module_states=False,
         )
