@@ -73,7 +73,7 @@ MUTATIONS = [
         "trainer_precision_lost",
         "Trainer(precision='bf16-mixed') never reaches the engine (parameters gathered in fp32)",
         "fsdp_strategy/strategy.py",
-        "options = dataclasses.replace(self._options, mixed_precision=self.mixed_precision_config)",
+        "options = dataclasses.replace(self._options, mixed_precision=self._engine_mixed_precision())",
         "options = self._options",
         ("tests/test_strategy.py::test_lightning_fit_matches_reference",),
     ),
