@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from dataclasses import dataclass
+from typing import Any
 
 import lightning.pytorch as pl
 from lightning.fabric.utilities.types import _PATH
@@ -24,15 +25,31 @@ from fsdp_strategy.checkpoint import full, layout, sharded, sharded_load, storag
 from fsdp_strategy.checkpoint.storage import Location
 from fsdp_strategy.checkpoint.writer import save_targets
 from fsdp_strategy.data import DATA_POSITION_KEY, DataPosition, ExactResumeNotice, make_resumable, recount_batches
+from fsdp_strategy.engine import is_sharded
 
 
-class _CheckpointToLoad(NamedTuple):
-    """A checkpoint read before setup, whose tensors ``setup`` copies into the shards."""
+@dataclass
+class _CheckpointToLoad:
+    """A checkpoint ``load_checkpoint`` read: its weights go into the shards as soon as the model is
+    sharded (at once, or at setup), its optimizer states when Lightning restores optimizers."""
 
     path: Location
     is_folder: bool
     meta: dict | None  # a sharded folder's fsdp_meta.json (None: Lightning FSDP's folder, or a file)
     checkpoint: dict  # Lightning's state (a full file: everything, weights included)
+    weights_loaded: bool = False
+
+
+def _fresh_lightning_state(path: Location) -> dict[str, Any]:
+    """Lightning's state for a folder without one (FSDP2's, torchtitan's, Fabric's): its weights and
+    optimizer states load; the loops, LR schedulers and callbacks start fresh, as it says."""
+    import lightning
+
+    rank_zero_info(
+        f"fsdp_custom: {path} holds no Lightning state (a DCP checkpoint written by FSDP2, torchtitan or Fabric): its "
+        "weights and optimizer state load; the loops (epoch, step), LR schedulers and callbacks start fresh"
+    )
+    return {"pytorch-lightning_version": lightning.__version__, "lr_schedulers": []}
 
 
 class CheckpointHooks:
@@ -52,7 +69,9 @@ class CheckpointHooks:
 
     @property
     def lightning_restore_optimizer(self) -> bool:
-        return False
+        """True: Lightning calls ``load_optimizer_state_dict`` when it restores optimizers (a fit's
+        resume, the tuner's restore), which loads them then."""
+        return True
 
     # ---- checkpoints -------------------------------------------------------------------
 
@@ -74,10 +93,29 @@ class CheckpointHooks:
         return ckpt.full_optimizer_state_dict(self.model, optimizer, rank0_only=True)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        """Nothing: ``load_checkpoint`` already loaded the weights into the shards."""
+        """Load the weights of the checkpoint ``load_checkpoint`` read into the shards now, if the
+        model is sharded (a restore after setup: Lightning's tuner, a callback's own restore,
+        ``validate`` after ``fit``); else ``setup`` loads them as soon as it has sharded the model.
+        ``checkpoint`` is the one ``on_load_checkpoint`` saw (a full file's weights are taken from it)."""
+        pending = self._checkpoint_to_load
+        if pending is None or self.model is None or not is_sharded(self.model):
+            return
+        pending.checkpoint = dict(checkpoint)
+        self._load_weights(pending, strict)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        """Nothing: ``load_checkpoint`` already loaded the optimizer states."""
+        """Load the optimizer states of the checkpoint ``load_checkpoint`` read (Lightning calls this
+        when it restores optimizers, after setup); the checkpoint is then done with."""
+        pending, self._checkpoint_to_load = self._checkpoint_to_load, None
+        if pending is None or not self.optimizers:
+            return
+        assert self.model is not None
+        if pending.is_folder:
+            sharded_load.load_tensors(
+                pending.path, self.model, list(self.optimizers), pending.checkpoint, meta=pending.meta, with_model=False
+            )
+        else:
+            full.load_full_optimizers(dict(checkpoint), self.model, list(self.optimizers), pending.path)
 
     def _save_targets(self, filepath: _PATH) -> tuple[Location, Location]:
         return save_targets(filepath, self._state_dict_type, self.is_global_zero, self.broadcast)
@@ -118,16 +156,23 @@ class CheckpointHooks:
         self._writer.remove(storage.locate(filepath))
 
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        """Read a checkpoint before setup: a sharded folder (ours or Lightning FSDP's, any world size)
-        or a full file (memory-mapped); ``setup`` copies its tensors into the shards. Returns
-        Lightning's state. ``weights_only`` as ``torch.load``'s, not given meaning False (as
-        Lightning's FSDP: callbacks' and hyperparameters' objects load)."""
+        """Read a checkpoint: a sharded folder (ours or Lightning FSDP's, any world size) or a full
+        file (memory-mapped). Its weights go into the shards at ``load_model_state_dict`` (or at
+        setup, before which there are no shards), its optimizer states at
+        ``load_optimizer_state_dict``: a restore is in effect when Lightning's restore returns, at
+        any point of a run. Returns Lightning's state. ``weights_only`` as ``torch.load``'s, not
+        given meaning False (as Lightning's FSDP: callbacks' and hyperparameters' objects load)."""
         self._writer.wait()
         path = storage.locate(self.broadcast(os.fspath(checkpoint_path)))
         is_folder = storage.isdir(path)
         if is_folder:
             meta = layout.folder_meta(path)
             checkpoint = sharded_load.read_rest(path, meta, weights_only)
+            if "pytorch-lightning_version" not in checkpoint:  # FSDP2's, torchtitan's, Fabric's: tensors only
+                checkpoint = _fresh_lightning_state(path)
+            saved = sharded_load.saved_optimizer_count(path)
+            if saved:  # Lightning checks the key before it restores optimizers; the states are in the folder
+                checkpoint["optimizer_states"] = [{} for _ in range(saved)]
         elif not storage.exists(path):
             raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
         else:
@@ -143,20 +188,26 @@ class CheckpointHooks:
         return checkpoint
 
     def _load_into_shards(self, trainer: pl.Trainer) -> None:
-        """Copy the tensors of the checkpoint ``load_checkpoint`` read into the shards (and optimizers)."""
-        pending, self._checkpoint_to_load = self._checkpoint_to_load, None
+        """At setup: the weights of a checkpoint read before the model was sharded (a resume); with
+        no optimizer restore to follow (validate, test, predict), the checkpoint is done with."""
+        pending = self._checkpoint_to_load
         if pending is None:
             return
-        assert self.model is not None and self.lightning_module is not None
-        optimizers = list(self.optimizers) if trainer.state.fn == TrainerFn.FITTING else []
-        strict = self.lightning_module.strict_loading
+        if not pending.weights_loaded:
+            self._load_weights(pending, self.lightning_module.strict_loading)
+        if trainer.state.fn != TrainerFn.FITTING:
+            self._checkpoint_to_load = None
+
+    def _load_weights(self, pending: _CheckpointToLoad, strict: bool) -> None:
+        """Copy the checkpoint's weights (and a WeightAveraging average) into the shards."""
+        assert self.model is not None
         checkpoint, averaged = pending.checkpoint, self._averaging_callback()
         with_average = "averaging_state" in checkpoint  # written with WeightAveraging
         if pending.is_folder:
             rank_zero_info(
                 f"fsdp_custom: loading {pending.path}: {sharded.describe_resharding(pending.meta, self.model)}"
             )
-            sharded_load.load_tensors(pending.path, self.model, optimizers, checkpoint, strict, meta=pending.meta)
+            sharded_load.load_tensors(pending.path, self.model, [], checkpoint, strict, meta=pending.meta)
             if averaged is not None and with_average:
                 averaging.load_sharded_average(pending.path, self.model, averaged)
         else:
@@ -165,11 +216,12 @@ class CheckpointHooks:
             )
             current = checkpoint.get("current_model_state") if with_average else None
             weights = checkpoint if current is None else {**checkpoint, "state_dict": current}
-            full.apply_full_checkpoint(weights, self.model, optimizers, strict, pending.path)
+            full.apply_full_checkpoint(weights, self.model, [], strict, pending.path)
             if averaged is not None and current is not None:
                 averaging.load_full_average(self.model, averaged, checkpoint["state_dict"])
         if averaged is not None and not with_average:  # as WeightAveraging: both start from the weights
             averaging.copy_current(self.model, averaged)
+        pending.weights_loaded = True
 
     def _averaging_callback(self) -> Any:
         """The trainer's WeightAveraging callback once its sharded average is built, else None."""

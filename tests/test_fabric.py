@@ -20,7 +20,7 @@ from oracle import PrecisionOracle, gathered_and_reduced_dtypes
 from test_strategy import LIGHTNING_ENV
 
 from fsdp_strategy import FSDPCustomFabricStrategy
-from fsdp_strategy.checkpoint import CheckpointError, full_state_dict, load_folder
+from fsdp_strategy.checkpoint import CheckpointError, full_state_dict
 
 ACCUMULATE = 2  # micro-batches per optimizer step
 GLOBAL = 12  # samples per micro-batch over all ranks (splits evenly over 1, 2, 3 ranks)
@@ -364,32 +364,47 @@ def test_fabric_loads_fabric_fsdps_layouts_at_another_world_size(tmp_path, name)
         assert torch.equal(loaded["optimizer"]["state"][position]["exp_avg_sq"], entry["exp_avg_sq"]), position
 
 
-def _trainer_resumes_fabric_folder_body(rank: int, world: int, folder: str) -> str:
+def _trainer_resumes_fabric_folder_body(rank: int, world: int, folder: str) -> dict:
+    import logging
+
     from test_strategy import LitLM, quiet_trainer
     from torch.utils.data import DataLoader, TensorDataset
 
     from fsdp_strategy import FSDPCustomStrategy
 
+    class Restored(LitLM):
+        def forward(self, tokens):
+            return self.net(tokens)
+
+        def configure_optimizers(self):  # as the Fabric loop made it: one param group
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+        def on_train_start(self):  # the checkpoint is in effect before the first step
+            self.at_start = full_state_dict(self, rank0_only=False)
+            self.adam_steps = [float(s["step"]) for s in self.trainer.optimizers[0].state.values()]
+
     fabric = _fabric(FSDPCustomFabricStrategy(auto_wrap_policy={Block}), world)
     torch.manual_seed(0)
-    model = fabric.setup_module(LitLM())
+    model = fabric.setup_module(Restored())
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
-    fabric.save(f"{folder}/fabric.ckpt", {"model": model, "optimizer": optimizer, "step": 0})
-    try:  # the engine's own loader, in the Trainer's names: the optimizer state is not left behind silently
-        load_folder(f"{folder}/fabric.ckpt", fabric.strategy.model, [optimizer.optimizer])
-    except CheckpointError as error:
-        engine_told = str(error)
+    _steps(fabric, model, optimizer, 0, 1)
+    fabric.save(f"{folder}/fabric.ckpt", {"model": model, "optimizer": optimizer, "step": 1})
+    saved = full_state_dict(fabric.strategy.model, rank0_only=False)
     fabric.strategy.teardown()
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addHandler(handler)
+    module = Restored()
     trainer = quiet_trainer(strategy=FSDPCustomStrategy(auto_wrap_policy={Block}), devices=world, max_steps=2)
-    try:
-        loader = DataLoader(TensorDataset(make_batches(4, 2).reshape(8, -1)), batch_size=2)
-        trainer.fit(LitLM(), loader, ckpt_path=f"{folder}/fabric.ckpt")
-    except CheckpointError as error:
-        return engine_told + "\n" + str(error)
-    return "resumed"
+    loader = DataLoader(TensorDataset(make_batches(4, 2).reshape(8, -1)), batch_size=2)
+    trainer.fit(module, loader, ckpt_path=f"{folder}/fabric.ckpt")
+    equal = all(torch.equal(module.at_start[key], value) for key, value in saved.items())
+    return {"equal": equal, "adam_steps": module.adam_steps, "step": trainer.global_step, "log": records}
 
 
-def test_the_trainer_refuses_a_fabric_checkpoint_with_a_message(tmp_path):
-    told = run_ranks(_trainer_resumes_fabric_folder_body, 2, tmp_path, str(tmp_path), env=LIGHTNING_ENV)[0]
-    assert "fabric.ckpt: not a Lightning checkpoint (it holds ['step']): one written by Fabric" in told, told
-    assert "holds no optimizer_0 but ['optimizer']: a checkpoint written by Fabric?" in told, told
+def test_the_trainer_resumes_a_fabric_folder_with_fresh_loops(tmp_path):
+    result = run_ranks(_trainer_resumes_fabric_folder_body, 2, tmp_path, str(tmp_path), env=LIGHTNING_ENV)[0]
+    assert result["equal"] and result["adam_steps"] and set(result["adam_steps"]) == {1.0}  # weights and Adam's state
+    assert result["step"] == 2  # the loops started fresh: 2 steps trained
+    assert any("holds no Lightning state" in line and "start fresh" in line for line in result["log"]), result["log"]

@@ -160,24 +160,39 @@ def load_full_checkpoint(
 def apply_full_checkpoint(
     checkpoint: dict[str, Any], module: nn.Module, optimizers: list[torch.optim.Optimizer], strict: bool, path: Any
 ) -> None:
-    """Copy a read full checkpoint's weights (and optimizer states, if ``optimizers``) into the shards."""
+    """Copy a read full checkpoint's weights (and optimizer states, if ``optimizers``) into the shards;
+    everything is checked before anything is copied: a failed load changes nothing."""
     if "state_dict" not in checkpoint:
         raise CheckpointError(f"{path}: key 'state_dict' is missing; not a Lightning checkpoint")
-    optimizer_states = checkpoint.get("optimizer_states") if optimizers else None
-    if optimizer_states is not None:  # checked before anything is copied: a failed load changes nothing
-        if len(optimizer_states) != len(optimizers):
-            raise CheckpointError(
-                f"{path}: key 'optimizer_states' holds {len(optimizer_states)} optimizers, the model configures "
-                f"{len(optimizers)}"
-            )
-        owners = names.optimizer_owners(module)
-        for optimizer, state in zip(optimizers, optimizer_states):
-            names.resolve_ids(optimizer, owners, state.get("param_groups", []), path)
+    states = _optimizer_states(checkpoint, module, optimizers, path) if optimizers else None
     load_full_state_dict(module, checkpoint["state_dict"], strict=strict, source=str(path))
-    if optimizer_states is None:
-        return
-    for optimizer, state in zip(optimizers, optimizer_states):
+    for optimizer, state in zip(optimizers, states or []):
         load_full_optimizer_state_dict(module, optimizer, state, source=path)
+
+
+def load_full_optimizers(
+    checkpoint: dict[str, Any], module: nn.Module, optimizers: list[torch.optim.Optimizer], path: Any
+) -> None:
+    """Load a read full checkpoint's optimizer states (``optimizer_states``, in order) into ``optimizers``."""
+    for optimizer, state in zip(optimizers, _optimizer_states(checkpoint, module, optimizers, path) or []):
+        load_full_optimizer_state_dict(module, optimizer, state, source=path)
+
+
+def _optimizer_states(
+    checkpoint: dict[str, Any], module: nn.Module, optimizers: list[torch.optim.Optimizer], path: Any
+) -> list[dict[str, Any]] | None:
+    """The checkpoint's optimizer states, checked against ``optimizers`` (count, parameters); None if it holds none."""
+    states = checkpoint.get("optimizer_states")
+    if states is None:
+        return None
+    if len(states) != len(optimizers):
+        raise CheckpointError(
+            f"{path}: key 'optimizer_states' holds {len(states)} optimizers, the model configures {len(optimizers)}"
+        )
+    owners = names.optimizer_owners(module)
+    for optimizer, state in zip(optimizers, states):
+        names.resolve_ids(optimizer, owners, state.get("param_groups", []), path)
+    return states
 
 
 def load_file(path: str | os.PathLike | Location, weights_only: bool | None = None) -> dict[str, Any]:

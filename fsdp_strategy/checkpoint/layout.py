@@ -50,19 +50,27 @@ def write_meta(folder: Location, meta: dict[str, Any]) -> None:
 
 
 def is_sharded_checkpoint(path: str | os.PathLike | Location) -> bool:
-    """Whether ``path`` is a sharded checkpoint folder: ours, or one of Lightning's FSDPStrategy."""
+    """Whether ``path`` is a sharded checkpoint folder: ours, Lightning's (FSDPStrategy,
+    ModelParallelStrategy, Fabric's), or any ``torch.distributed.checkpoint`` folder (FSDP2, torchtitan)."""
     folder = storage.locate(path)
-    return storage.isdir(folder) and (storage.isfile(folder.child(META_FILE)) or _is_lightning_folder(folder))
+    return storage.isdir(folder) and (storage.isfile(folder.child(META_FILE)) or is_dcp_folder(folder))
 
 
-def _is_lightning_folder(folder: Location) -> bool:
-    return storage.isfile(folder.child(LIGHTNING_FILE)) and storage.isfile(folder.child(DCP_METADATA))
+def is_dcp_folder(folder: Location) -> bool:
+    """Whether ``folder`` holds a DCP checkpoint (its ``.metadata``), whoever wrote it."""
+    return storage.isfile(folder.child(DCP_METADATA))
+
+
+def has_lightning_state(folder: Location) -> bool:
+    """Whether a folder holds Lightning's state beside its tensors (``meta.pt``)."""
+    return storage.isfile(folder.child(LIGHTNING_FILE))
 
 
 def folder_meta(path: str | os.PathLike | Location) -> dict[str, Any] | None:
-    """Our ``fsdp_meta.json`` (checked), or None for a folder of Lightning's FSDPStrategy."""
+    """Our ``fsdp_meta.json`` (checked), or None for a DCP folder another library wrote (Lightning's
+    FSDP, ModelParallel and Fabric strategies, FSDP2, torchtitan)."""
     folder = storage.locate(path)
-    if storage.isdir(folder) and not storage.exists(folder.child(META_FILE)) and _is_lightning_folder(folder):
+    if storage.isdir(folder) and not storage.exists(folder.child(META_FILE)) and is_dcp_folder(folder):
         return None
     return read_meta(folder)
 
@@ -103,9 +111,11 @@ def read_meta(path: str | os.PathLike | Location) -> dict[str, Any]:
         )
     meta_path = folder.child(META_FILE)
     if not storage.isfile(meta_path):
+        found = storage.names(folder)
         raise CheckpointError(
-            f"{str(folder)!r} has no {META_FILE} (nor Lightning FSDP's {LIGHTNING_FILE} and {DCP_METADATA}): "
-            "not a sharded checkpoint"
+            f"{str(folder)!r} is not a checkpoint: it holds {found[:8]}{' ...' if len(found) > 8 else ''}; expected "
+            f"a sharded checkpoint folder (a {DCP_METADATA} file and *.distcp shards, as torch.distributed.checkpoint "
+            "writes them) or a checkpoint file"
         )
     try:
         with meta_path.fs.open(meta_path.path, "r") as handle:

@@ -146,7 +146,10 @@ def load_folder(
 
 
 def read_rest(folder: Location, meta: dict[str, Any] | None, weights_only: bool | None = None) -> dict[str, Any]:
-    """Lightning's state of a folder (``meta.pt``; ``lightning.pt`` in format 1), read on the CPU."""
+    """Lightning's state of a folder (``meta.pt``; ``lightning.pt`` in format 1), read on the CPU;
+    ``{}`` for a DCP folder without one (FSDP2's, torchtitan's)."""
+    if meta is None and not layout.has_lightning_state(folder):
+        return {}
     version = meta["format_version"] if meta is not None else layout.FORMAT_VERSION
     return layout.load_object(
         folder.child(layout.LEGACY_LIGHTNING_FILE if version == 1 else layout.LIGHTNING_FILE), weights_only
@@ -162,24 +165,29 @@ def load_tensors(
     process_group: Any = None,
     meta: dict[str, Any] | None = None,
     keys: tuple[str, list[str]] | None = None,
+    with_model: bool = True,
 ) -> None:
     """Load a folder's model (and optimizer) tensors into the shards (``rest``: its ``read_rest``;
     format 1 keeps the param groups there). ``keys``: the model's and each optimizer's DCP key
-    (Fabric's layout, named by the loaded state); default the Trainer's."""
+    (Fabric's layout, named by the loaded state); default the Trainer's. ``with_model=False``:
+    the optimizers' only (the model's were loaded before: the folder was checked then)."""
     version = meta["format_version"] if meta is not None else layout.FORMAT_VERSION
     view = ShardsView.of(module)
-    if meta is not None:
+    if meta is not None and with_model:
         verify_folder(folder, meta, process_group, view.watchdog)
     stored = _StoredKeys(folder)
     model_key, prefixes = _resolve_keys(stored, folder, len(optimizers), keys)
-    model_keys = stored.model(model_key)
-    shapes = {name: stored.sizes[key] for name, key in model_keys.items() if stored.sizes[key] is not None}
-    values = _read_values(folder, stored, model_key, process_group)
-    where = folder.child(layout.DCP_METADATA)
-    plan = module_state.load_plan(view, {**values, **dict.fromkeys(shapes)}, strict, where, shapes=shapes)
-    legacy_groups = rest.pop("optimizer_groups", [])
-    rest.pop("optimizer_layouts", None)
-    flat, plain = _model_targets(view, stored, model_keys, shapes, plan)
+    flat: dict[str, Any] = {}
+    if with_model:
+        model_keys = stored.model(model_key)
+        shapes = {name: stored.sizes[key] for name, key in model_keys.items() if stored.sizes[key] is not None}
+        values = _read_values(folder, stored, model_key, process_group)
+        where = folder.child(layout.DCP_METADATA)
+        plan = module_state.load_plan(view, {**values, **dict.fromkeys(shapes)}, strict, where, shapes=shapes)
+        flat, plain = _model_targets(view, stored, model_keys, shapes, plan)
+    legacy_groups = rest.pop("optimizer_groups", []) if optimizers else []
+    if optimizers:
+        rest.pop("optimizer_layouts", None)
     loaded = []
     for index, prefix in enumerate(prefixes):
         state_keys, group_paths = stored.optimizer(prefix, version)
@@ -193,11 +201,12 @@ def load_tensors(
     except dcp.CheckpointException as error:  # every rank's failure, each with a long traceback
         causes = [f"rank {rank}: {type(exc).__name__}: {exc}" for rank, (exc, _) in error.failures.items()]
         raise CheckpointError(f"{folder}: reading the shard files failed ({'; '.join(causes)})") from None
-    for params in plan.params.values():  # one checkpoint tensor loaded into several parameters
-        for other in params[1:]:
-            other.sharded.data.copy_(params[0].sharded)
-    module_state.load_plain(view, {**values, **plain, **_meta(shapes, plan)}, plan)
-    _clear_scalar_padding(view)
+    if with_model:
+        for params in plan.params.values():  # one checkpoint tensor loaded into several parameters
+            for other in params[1:]:
+                other.sharded.data.copy_(params[0].sharded)
+        module_state.load_plain(view, {**values, **plain, **_meta(shapes, plan)}, plan)
+        _clear_scalar_padding(view)
     owners = names.optimizer_owners(view)
     for index, (optimizer, (local_state, state_keys, group_paths, targets)) in enumerate(zip(optimizers, loaded)):
         for (fqn, key), flat_key in state_keys.items():
@@ -250,26 +259,50 @@ def _meta(shapes: dict[str, tuple], plan: module_state.LoadPlan) -> dict[str, to
     return {name: torch.empty(shapes[name], device="meta") for name in plan.params}
 
 
+def saved_optimizer_count(folder: Location) -> int:
+    """How many optimizers' states a folder holds in the Trainer's layout (``optimizer_<i>``), or one
+    under FSDP2's or Fabric's usual name (``optim``, ``optimizer``)."""
+    tops = _StoredKeys(folder).tops()
+    indexed = {top for top in tops if top.startswith("optimizer_")}
+    return len(indexed) or int(any(key in tops for key in SINGLE_OPTIMIZER_KEYS))
+
+
+MODEL_KEYS = ("model", "state_dict")  # the Trainer's layout; Lightning ModelParallelStrategy's
+SINGLE_OPTIMIZER_KEYS = ("optim", "optimizer")  # FSDP2 scripts and torchtitan, Fabric's usual name
+
+
 def _resolve_keys(
     stored: _StoredKeys, folder: Location, count: int, keys: tuple[str, list[str]] | None
 ) -> tuple[str, list[str]]:
     """The DCP keys of the model and of ``count`` optimizers to load. Without ``keys``, the
-    Trainer's: ``model`` and ``optimizer_<i>`` (all of them or, for a folder written without
-    optimizers, none). With ``keys`` (Fabric's names), those, which must all be there; a folder
-    in the Trainer's layout answers to any names, in order (``model``, ``optimizer_0``, ...)."""
+    Trainer's: ``model`` (``state_dict`` in Lightning ModelParallelStrategy's folders) and
+    ``optimizer_<i>`` (all of them or, for a folder written without optimizers, none; one ``optim``
+    or ``optimizer`` for one optimizer, as FSDP2 scripts and Fabric write). With ``keys`` (Fabric's
+    names), those, which must all be there; a folder in the Trainer's layout answers to any names,
+    in order (``model``, ``optimizer_0``, ...)."""
     tops = stored.tops()
-    trainer_keys = ["model", *optimizer_keys(count)]
-    if keys is None or (set(trainer_keys) <= tops and not {keys[0], *keys[1]} <= tops):
-        saved_count = len({top for top in tops if top.startswith("optimizer_")})
-        if count and saved_count not in (0, count):
-            raise CheckpointError(f"{folder}: holds {saved_count} optimizers, the model configures {count}")
-        others = sorted(tops - {"model", "averaged_model"} - set(optimizer_keys(saved_count)))
-        if count and not saved_count and others:  # Fabric's names: its optimizer state would be left behind
+    model_key = next((key for key in MODEL_KEYS if key in tops), None)
+    trainer_layout = model_key is not None and (count == 0 or set(optimizer_keys(count)) <= tops)
+    if keys is None or (trainer_layout and not {keys[0], *keys[1]} <= tops):
+        if model_key is None:
             raise CheckpointError(
-                f"{folder}: holds no {', '.join(optimizer_keys(count))} but {others}: a checkpoint written by "
-                "Fabric? Resume it with Fabric (fabric.load), or take its weights with fsdp-consolidate --weights-only"
+                f"{folder}: holds no model under {list(MODEL_KEYS)}; its keys are {sorted(tops)}. A folder Fabric "
+                "wrote under other names loads with fabric.load(path, {name: model, ...})"
             )
-        return "model", optimizer_keys(count if saved_count else 0)
+        saved = sorted((top for top in tops if top.startswith("optimizer_")), key=lambda top: int(top.split("_")[-1]))
+        single = [key for key in SINGLE_OPTIMIZER_KEYS if key in tops]
+        if not saved and single and count == 1:
+            return model_key, single[:1]
+        others = sorted(tops - {model_key, "averaged_model"} - set(saved))
+        if count and not saved and others:  # an optimizer under another name would be left behind
+            raise CheckpointError(
+                f"{folder}: holds no {', '.join(optimizer_keys(count))} but {others}: a checkpoint written by Fabric "
+                "under its own names? Load it with fabric.load(path, {name: ...}), or take its weights with "
+                "fsdp-consolidate --weights-only"
+            )
+        if count and saved and len(saved) != count:
+            raise CheckpointError(f"{folder}: holds {len(saved)} optimizers, the model configures {count}")
+        return model_key, optimizer_keys(count) if saved else []
     missing = [key for key in (keys[0], *keys[1]) if key not in tops]
     if missing:
         raise CheckpointError(f"{folder}: holds nothing under {missing}; its keys are {sorted(tops)}")
