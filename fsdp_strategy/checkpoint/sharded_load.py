@@ -284,6 +284,8 @@ def _resolve_keys(
     model_key = next((key for key in MODEL_KEYS if key in tops), None)
     trainer_layout = model_key is not None and (count == 0 or set(optimizer_keys(count)) <= tops)
     if keys is None or (trainer_layout and not {keys[0], *keys[1]} <= tops):
+        if model_key is None and not tops:  # a model without tensors: nothing to load
+            return "model", []
         if model_key is None:
             raise CheckpointError(
                 f"{folder}: holds no model under {list(MODEL_KEYS)}; its keys are {sorted(tops)}. A folder Fabric "
