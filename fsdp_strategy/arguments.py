@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_strategy.config import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy, validate_device_mesh
+from fsdp_strategy.engine.optimizer_kinds import check_optimizer_updates
 from fsdp_strategy.wrap import ModuleNames, already_checkpointed, apply_activation_checkpointing, as_policy_fn
 
 # keyword -> (value accepted as is, or None: any value refused; why)
@@ -177,6 +178,7 @@ class ShardingOptions:
     ignored_modules: tuple[torch.nn.Module, ...] | None = None
     collective_timeout: float | None = None  # seconds; None: the process group's own timeout
     check_collective_order: bool = True
+    optimizer_updates: dict | None = None  # optimizer class -> UpdateKind ([Note: trust by allow-list])
 
     @property
     def wrap_policy(self) -> Any:
@@ -197,6 +199,7 @@ class ShardingOptions:
         ignored_modules: Any = None,
         collective_timeout: Any = None,
         check_collective_order: Any = True,
+        optimizer_updates: Any = None,
     ) -> ShardingOptions:
         """Check and convert every option; a bad one is a ``TypeError``/``ValueError`` naming the
         argument, the value and what is accepted."""
@@ -222,6 +225,7 @@ class ShardingOptions:
             check_ignored_modules(ignored_modules),
             check_collective_timeout(collective_timeout),
             check_collective_order,
+            check_optimizer_updates(optimizer_updates),
         )
 
 

@@ -60,7 +60,7 @@ class FSDPCustomFabricStrategy(StrategyArguments, WatchdogHooks, FabricCheckpoin
     ``state_dict_type`` ("sharded" by default, as Fabric's), ``device_mesh``, ``timeout``,
     ``process_group_backend``) and the engine's (``param_init_fn``, ``forward_prefetch``,
     ``backward_prefetch``, ``sync_module_states``, ``ignored_modules``, ``collective_timeout``,
-    ``check_collective_order``), each as in ``FSDPCustomStrategy``. Costs: those of the engine;
+    ``check_collective_order``, ``optimizer_updates``), each as in ``FSDPCustomStrategy``. Costs: those of the engine;
     a joint ``setup(model, optimizer)`` rewrites the optimizer's parameter lists once.
     """
 
@@ -87,6 +87,7 @@ class FSDPCustomFabricStrategy(StrategyArguments, WatchdogHooks, FabricCheckpoin
         ignored_modules: list[nn.Module] | None = None,
         collective_timeout: float | timedelta | None = None,
         check_collective_order: bool = True,
+        optimizer_updates: dict | None = None,
         **fsdp_kwargs: Any,
     ) -> None:
         parameters = list(inspect.signature(FSDPCustomFabricStrategy.__init__).parameters)[1:-1]

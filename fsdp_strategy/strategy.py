@@ -108,6 +108,11 @@ class FSDPCustomStrategy(StrategyArguments, WatchdogHooks, CheckpointHooks, Ligh
         check_collective_order: stamp every collective so that ranks issuing different ones (a
             unit called an extra time on one rank) stop at the first (default True; costs 16
             elements per collective).
+        optimizer_updates: ``{optimizer class (or dotted path): "elementwise" | "whole_matrix"}``:
+            how an optimizer the engine does not know updates a parameter. Elementwise ones (torch's
+            SGD, Adam, AdamW, ...) step shards; whole-matrix ones (torch's Muon, Adafactor declared
+            so, your own) are stepped whole, each matrix on one rank (costs about 5x the matrices'
+            bytes over the shard group per step for Muon); an unknown one warns once; LBFGS is refused.
         process_group_backend: "gloo", "nccl", ...; default: by device.
         timeout: a ``timedelta``: timeout of every collective (a rank that dies fails the others after it).
         FSDP keywords Lightning passes through: ``use_orig_params=True`` and
@@ -146,6 +151,7 @@ class FSDPCustomStrategy(StrategyArguments, WatchdogHooks, CheckpointHooks, Ligh
         ignored_modules: list[torch.nn.Module] | None = None,
         collective_timeout: float | timedelta | None = None,
         check_collective_order: bool = True,
+        optimizer_updates: dict | None = None,
         memory_budget: int | str | None = None,
         example_batch: Any = None,
         **fsdp_kwargs: Any,

@@ -84,6 +84,7 @@ def shard_model(
     ignored_modules: Iterable[nn.Module] | None = None,
     collective_timeout: float | timedelta | None = None,
     check_collective_order: bool = True,
+    optimizer_updates: dict | None = None,
     watchdog: Watchdog | None = None,
 ) -> nn.Module:
     """Shard ``module``'s parameters in place across the ranks and install the schedule.
@@ -100,6 +101,9 @@ def shard_model(
     the process group's own timeout; ``math.inf``: no limit) and closed by the Scheduler's
     ``close()``; pass one to share it between models. ``check_collective_order``: stamp every
     collective so ranks that issue different ones stop at the first ([Note: order stamps]).
+    ``optimizer_updates``: ``{optimizer class: "elementwise" | "whole_matrix"}`` for optimizers the
+    engine does not know ([Note: trust by allow-list] in optimizer_kinds.py; torch's Muon is placed
+    whole, [Note: whole-matrix placement] in whole_matrix.py).
     Costs at rest: 1/N of the parameters plus padding; while running, the units gathered now.
     """
     options = options_from(locals())

@@ -119,7 +119,15 @@ def schedule(
         collectives.broadcast_from_rank0([*ignored.params.values(), *buffers], where.device, comm.watchdog)
     prefetch = Prefetch(options.forward_prefetch, options.backward_prefetch)
     scheduler = Scheduler(
-        units, options.sharding_strategy, precision, comm, units[0].memory, where.device, where.mesh, prefetch
+        units,
+        options.sharding_strategy,
+        precision,
+        comm,
+        units[0].memory,
+        where.device,
+        where.mesh,
+        prefetch,
+        options.optimizer_updates,
     )
     scheduler.saved_buffer_dtypes = buffer_dtypes
     scheduler.ignored_params = ignored.params

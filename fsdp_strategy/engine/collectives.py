@@ -327,6 +327,28 @@ def all_reduce(
     return Pending(work, ctx, kind, unit, record, check, not tensor.is_cuda)
 
 
+def all_to_all(
+    output: torch.Tensor,
+    sent: torch.Tensor,
+    output_sizes: list[int],
+    sent_sizes: list[int],
+    comm: CommGroup,
+    ctx: CommContext,
+    unit: str,
+) -> Pending:
+    """Send ``sent_sizes[r]`` elements of ``sent`` to each rank r of ``comm`` and receive
+    ``output_sizes[r]`` from each into ``output`` (rank-major): torch's ``all_to_all_single``."""
+    if comm.size == 1:
+        output.copy_(sent)
+        return Pending()
+    payload = _nbytes(sent)
+    kind = CollectiveKind.ALL_TO_ALL
+    ctx.ledger.record(kind, unit, payload, payload - sent_sizes[comm.rank] * sent.element_size())
+    record = _issue(ctx, kind, unit, sent.dtype, payload)
+    work = dist.all_to_all_single(output, sent, output_sizes, sent_sizes, group=comm.group, async_op=True)
+    return Pending(work, ctx, kind, unit, record, None, not sent.is_cuda)
+
+
 @contextmanager
 def watched(kind: str, name: str, dog: Watchdog | None) -> Iterator[None]:
     """Run a blocking call of the default group (a barrier, a broadcast) under the watchdog ``dog``

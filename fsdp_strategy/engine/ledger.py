@@ -16,6 +16,7 @@ class CollectiveKind(str, Enum):
     ALL_GATHER = "all_gather"  # gather a unit's shards before it runs
     REDUCE_SCATTER = "reduce_scatter"  # reduce a unit's gradients into shards
     ALL_REDUCE = "all_reduce"  # replicas' gradients (NO_SHARD / HYBRID_SHARD), clipping norms
+    ALL_TO_ALL = "all_to_all"  # whole matrices to and from their owners (whole-matrix optimizers)
 
 
 @dataclass

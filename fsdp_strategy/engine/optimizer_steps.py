@@ -1,5 +1,7 @@
-"""Optimizer steps taken while units are gathered ([Note: edits while gathered] in unit.py), and
-optimizers that cannot step shards.
+"""Optimizer steps on a sharded model: steps taken while units are gathered ([Note: edits while
+gathered] in unit.py), which optimizers may step shards ([Note: trust by allow-list] in
+optimizer_kinds.py) and whole-matrix ones placed whole ([Note: whole-matrix placement] in
+whole_matrix.py).
 
 Lightning's manual optimization steps inside ``training_step``, which runs inside the root's
 forward, so the root (and any unit kept gathered) is gathered while its shards change. The
@@ -13,15 +15,12 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from fsdp_strategy.engine.device import DeviceLayer
+from fsdp_strategy.engine.optimizer_kinds import OptimizerKinds, UpdateKind
 from fsdp_strategy.engine.unit import FSDPUnit, ShardedState
-
-# torch optimizers whose update of a parameter is not a function of that element alone: on a shard
-# they compute something else than on the whole parameter
-NOT_ELEMENTWISE = tuple(getattr(torch.optim, name) for name in ("LBFGS", "Adafactor") if hasattr(torch.optim, name))
+from fsdp_strategy.engine.whole_matrix import WholeMatrixSteps
 
 
 class OptimizerSteps:
@@ -31,9 +30,18 @@ class OptimizerSteps:
     optimizer's parameters, a write-back of the unit and one all-gather of it.
     """
 
-    def __init__(self, units: list[FSDPUnit], device_layer: DeviceLayer) -> None:
+    def __init__(
+        self,
+        units: list[FSDPUnit],
+        device_layer: DeviceLayer,
+        kinds: OptimizerKinds | None = None,
+        whole_matrix: WholeMatrixSteps | None = None,
+    ) -> None:
         self._units = units
         self._device_layer = device_layer
+        self._kinds = kinds or OptimizerKinds({})
+        self._whole_matrix = whole_matrix  # None: a shard group of one (every parameter is whole)
+        self._held = {id(p.sharded) for unit in units for p in unit.params}
         # id -> (weak reference, name) of the parameters sharding replaced: stepping one is a mistake
         self._replaced = {
             id(p.replaced()): (p.replaced, p.fqn) for unit in units for p in unit.params if p.replaced() is not None
@@ -49,10 +57,9 @@ class OptimizerSteps:
             return
         before, after = weakref.WeakMethod(self._before_step), weakref.WeakMethod(self._after_step)
 
-        def pre_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
+        def pre_hook(optimizer: Any, args: Any, kwargs: Any) -> Any:
             method = before()
-            if method is not None:
-                method(optimizer)
+            return method(optimizer, args, kwargs) if method is not None else None
 
         def post_hook(optimizer: Any, args: Any, kwargs: Any) -> None:
             method = after()
@@ -75,9 +82,10 @@ class OptimizerSteps:
         stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
         return [unit for unit in gathered if any(id(p.sharded) in stepped for p in unit.params)]
 
-    def _before_step(self, optimizer: Any) -> None:
-        if isinstance(optimizer, NOT_ELEMENTWISE):
-            self._refuse(optimizer)
+    def _before_step(self, optimizer: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if not any(id(p) in self._held for group in optimizer.param_groups for p in group["params"]):
+            return None  # another model's optimizer (or a reference's)
+        kind = self._kinds.of(optimizer)  # a refused one raises here, before anything changes
         self._refuse_replaced(optimizer)
         self._device_layer.before_host_writes_shards()  # [Note: host and device] 1
         units = self._gathered_units_of(optimizer)
@@ -85,16 +93,29 @@ class OptimizerSteps:
             unit.keep_edits(every_param=True)
         if units:
             self._stepping[id(optimizer)] = units
+        if kind is not UpdateKind.WHOLE_MATRIX or self._whole_matrix is None:
+            return None
+        return self._place_whole(optimizer, args, kwargs)
 
-    def _refuse(self, optimizer: Any) -> None:
-        held = {id(p.sharded) for unit in self._units for p in unit.params}
-        if any(id(p) in held for group in optimizer.param_groups for p in group["params"]):
-            raise TypeError(
-                f"{type(optimizer).__name__} cannot step sharded parameters: it computes over whole tensors or the "
-                "whole parameter vector (norms, dot products, row and column statistics), and each rank holds only "
-                "its shard, so its steps would differ from DDP's. Use an elementwise optimizer (SGD, Adam, AdamW, "
-                "RMSprop, Adagrad, ...)"
-            )
+    def _place_whole(self, optimizer: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        """Gather the optimizer's matrices whole before its update: now, or, for a step with a closure
+        (Lightning's), right after the closure computed the gradients."""
+        placement = self._whole_matrix
+        assert placement is not None
+        placement.abandon(optimizer)  # a previous step of it that raised
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # args[0]: the optimizer
+        if closure is None:
+            placement.before_update(optimizer)
+            return None
+
+        def placed_closure() -> Any:
+            loss = closure()
+            placement.before_update(optimizer)
+            return loss
+
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": placed_closure}
+        return (args[0], placed_closure, *args[2:]), kwargs
 
     def _refuse_replaced(self, optimizer: Any) -> None:
         """An optimizer created before sharding holds the model's old parameters: its steps would
@@ -120,6 +141,8 @@ class OptimizerSteps:
         self._checked[optimizer] = groups
 
     def _after_step(self, optimizer: Any) -> None:
+        if self._whole_matrix is not None:
+            self._whole_matrix.after_update(optimizer)
         self._device_layer.check_optimizer_step(optimizer)
         units = self._stepping.pop(id(optimizer), [])
         if units:

@@ -77,7 +77,7 @@ import functools
 import logging
 import sys
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -92,6 +92,7 @@ from fsdp_strategy.engine.clipping import clip_grad_norm
 from fsdp_strategy.engine.collectives import CommContext
 from fsdp_strategy.engine.guard import shard_used_by
 from fsdp_strategy.engine.iteration import BackwardPass, PostBackward, autograd_running
+from fsdp_strategy.engine.optimizer_kinds import OptimizerKinds, UpdateKind
 from fsdp_strategy.engine.optimizer_steps import OptimizerSteps
 from fsdp_strategy.engine.order import ExecutionOrder, Prefetch
 from fsdp_strategy.engine.param import ShardedParam
@@ -100,6 +101,7 @@ from fsdp_strategy.engine.state import AfterPostBackward, Frame, UnitState
 from fsdp_strategy.engine.trace import traced
 from fsdp_strategy.engine.traversal import grad_tensors, replace_grad_tensors
 from fsdp_strategy.engine.unit import FSDPUnit, ShardedState, raise_for_lost_edits
+from fsdp_strategy.engine.whole_matrix import WholeMatrixSteps
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +123,7 @@ class Scheduler:
         device: torch.device,
         device_mesh: Any = None,
         prefetch: Prefetch | None = None,
+        optimizer_updates: Mapping[type, UpdateKind] | None = None,
     ) -> None:
         self.device_mesh = device_mesh  # the HSDP (replicate, shard) mesh, if any
         self.prefetch = prefetch or Prefetch()
@@ -146,7 +149,11 @@ class Scheduler:
         self._ran_forward: dict[int, FSDPUnit] = {}  # units that ran forward with grad since their last reduction
         self.device_layer = units[0].device_layer  # [Note: host and device] in device.py
         self.reductions = Reductions(self.device_layer)  # the gradient reductions in flight (reductions.py)
-        self.optimizer_steps = OptimizerSteps(units, self.device_layer)  # [Note: edits while gathered]
+        shard_comm = units[0].shard_comm
+        params = [p for unit in units for p in unit.params]
+        whole = WholeMatrixSteps(params, shard_comm, comm, device) if shard_comm.size > 1 else None
+        kinds = OptimizerKinds(optimizer_updates or {})
+        self.optimizer_steps = OptimizerSteps(units, self.device_layer, kinds, whole)  # [Note: edits while gathered]
         self.hook_handles: list[Any] = []  # every module hook the engine registered on the model
         self._register_hooks()
 

@@ -1,0 +1,315 @@
+"""Whole-matrix optimizers (torch's Muon, or one declared so) stepping a sharded model exactly.
+
+[Note: whole-matrix placement]
+Muon orthogonalizes each matrix's momentum (Newton-Schulz iterations) and scales the update by the
+matrix's shape: on a block of rows that computes something else. So each matrix is stepped whole,
+on one rank of the shard group (its owner; owners are chosen once per optimizer, largest matrix
+first to the rank with the fewest elements so far, so each rank steps about 1/N of them):
+1. right before the update (after the closure, if the step has one), ONE all-to-all sends each
+   owner every rank's rows of its matrices, of their gradients and of their row-shaped state (a
+   momentum buffer: kept sharded at rest, as an elementwise optimizer's state);
+2. the optimizer's own ``step`` runs on the owner with its param groups and state pointed at
+   stand-in full parameters, and no rank steps a matrix it does not own;
+3. after it, ONE all-to-all sends each rank its rows of the updated matrices and their state;
+   state that is not row-shaped (a 0-dim step counter) goes whole to every rank.
+At a parameter's first step its state is created on the owner only: the owners then tell the other
+ranks its layout (names, shapes, dtypes: one small object gather); a layout that changes later is
+an error on every rank. State must be tensors.
+
+At rest nothing differs from an elementwise optimizer: shards, sharded state, checkpoints (which
+therefore reshard at load as any other). Costs per step: the matrices' parameters, gradients and
+row-shaped state cross the group once each way (the gradients only towards the owner): for Muon
+about 5x the matrices' bytes, in two all-to-alls (in the communication ledger as ``all_to_all``);
+memory during the step: the rank's owned matrices, whole, with their gradients and state (about
+1/N of all of them), plus the two payloads.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from fsdp_strategy.engine import collectives
+from fsdp_strategy.engine.collectives import CommContext, CommGroup
+from fsdp_strategy.engine.param import ShardedParam
+
+
+class _Entry(NamedTuple):
+    """One tensor of a parameter's optimizer state, as every rank holds it at rest."""
+
+    key: str
+    rows: bool  # of the parameter's shape: sharded by rows (else whole on every rank)
+    shape: tuple[int, ...]  # the whole tensor's shape
+    dtype: torch.dtype
+
+
+class _Step(NamedTuple):
+    """An optimizer step in progress on whole matrices."""
+
+    groups: list[list[Any]]  # each param group's parameters, as the optimizer had them
+    stepped: list[ShardedParam]  # the sharded parameters with a gradient, in the optimizer's order
+    owners: dict[int, int]  # id(shard) -> owner rank
+    proxies: dict[int, nn.Parameter]  # id(shard) -> its whole stand-in (on its owner)
+    first: bool  # some parameter takes its first step: the owners publish the state layouts
+    dtype: torch.dtype  # of both payloads (the same on every rank)
+
+
+class WholeMatrixSteps:
+    """Places the matrices of whole-matrix optimizers whole for their steps ([Note: whole-matrix
+    placement]). Costs: see the note; nothing between steps."""
+
+    def __init__(self, params: Sequence[ShardedParam], comm: CommGroup, ctx: CommContext, device: torch.device):
+        self._by_id = {id(p.sharded): p for p in params}
+        self._comm, self._ctx, self._device = comm, ctx, device
+        self._owners: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> (ids, owners)
+        self._layouts: dict[int, tuple[_Entry, ...]] = {}  # id(shard) -> its state layout
+        self._steps: dict[int, _Step] = {}  # id(optimizer) -> the step in progress
+
+    def holds(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``optimizer`` steps any of these sharded parameters."""
+        return any(id(p) in self._by_id for group in optimizer.param_groups for p in group["params"])
+
+    # ---- before the update ---------------------------------------------------------------------
+
+    @torch.no_grad()
+    def before_update(self, optimizer: torch.optim.Optimizer) -> None:
+        """Gather each stepped matrix whole on its owner and point the optimizer at the stand-ins."""
+        stepped = [
+            self._by_id[id(p)]
+            for group in optimizer.param_groups
+            for p in group["params"]
+            if id(p) in self._by_id and p.grad is not None
+        ]
+        owners = self._owners_of(optimizer)
+        me, world = self._comm.rank, self._comm.size
+        first = any(not self._layout(optimizer, p) for p in stepped)
+        owned = [[p for p in stepped if owners[id(p.sharded)] == rank] for rank in range(world)]
+        pieces = [self._rows_to_send(optimizer, p) for rank in range(world) for p in owned[rank]]
+        dtype = self._payload_dtype(pieces)
+        sizes = [sum(p.shard_numel * len(self._row_slots(p)) for p in owned[rank]) for rank in range(world)]
+        send = torch.cat([t.reshape(-1).to(self._device, dtype) for piece in pieces for t in piece]) if pieces else None
+        received = self._all_to_all(send, sizes, [sizes[me]] * world, dtype)
+        proxies = self._stand_ins(optimizer, owned[me], received, world)
+        groups = [list(group["params"]) for group in optimizer.param_groups]
+        for group in optimizer.param_groups:
+            group["params"] = [
+                proxies.get(id(p), p)
+                for p in group["params"]
+                if id(p) in proxies or not (id(p) in self._by_id and p.grad is not None)
+            ]
+        self._steps[id(optimizer)] = _Step(groups, stepped, owners, proxies, first, dtype)
+
+    def _owners_of(self, optimizer: torch.optim.Optimizer) -> dict[int, int]:
+        """The owner of each matrix of ``optimizer``: largest first, to the least loaded rank (the
+        same on every rank); kept while the optimizer holds the same parameters."""
+        ids = tuple(id(p) for group in optimizer.param_groups for p in group["params"] if id(p) in self._by_id)
+        cached = self._owners.get(optimizer)
+        if cached is not None and cached[0] == ids:
+            return cached[1]
+        load = [0] * self._comm.size
+        owners = {}
+        for param_id in sorted(ids, key=lambda i: (-self._by_id[i].shard_numel, ids.index(i))):
+            rank = min(range(self._comm.size), key=lambda r: (load[r], r))
+            owners[param_id] = rank
+            load[rank] += self._by_id[param_id].shard_numel
+        self._owners[optimizer] = (ids, owners)
+        return owners
+
+    def _layout(self, optimizer: torch.optim.Optimizer, param: ShardedParam) -> tuple[_Entry, ...]:
+        """``param``'s state layout: learnt at its first step, or read from the state at rest (a state
+        loaded from a checkpoint: row-shaped tensors have the shard's shape on every rank)."""
+        known = self._layouts.get(id(param.sharded))
+        if known is None:
+            state = optimizer.state.get(param.sharded, {})
+            known = tuple(
+                _Entry(key, value.shape == param.sharded.shape, tuple(param.shape), value.dtype)
+                if value.shape == param.sharded.shape
+                else _Entry(key, False, tuple(value.shape), value.dtype)
+                for key, value in sorted(state.items())
+                if torch.is_tensor(value)
+            )
+            if known:
+                self._layouts[id(param.sharded)] = known
+        return known
+
+    def _row_slots(self, param: ShardedParam) -> list[str | None]:
+        """What travels in rows for ``param``: the parameter (None), its gradient ("grad") and its
+        row-shaped state, in a fixed order (its layout is known: ``_layout`` ran first)."""
+        layout = self._layouts.get(id(param.sharded), ())
+        return [None, "grad", *(entry.key for entry in layout if entry.rows)]
+
+    def _rows_to_send(self, optimizer: torch.optim.Optimizer, param: ShardedParam) -> list[torch.Tensor]:
+        state = optimizer.state.get(param.sharded, {})
+        tensors = []
+        for slot in self._row_slots(param):
+            if slot is None:
+                tensors.append(param.sharded.detach())
+            elif slot == "grad":
+                tensors.append(param.sharded.grad)
+            else:
+                tensors.append(state[slot])
+        return tensors
+
+    @staticmethod
+    def _payload_dtype(pieces: list[list[torch.Tensor]]) -> torch.dtype:
+        dtypes = [t.dtype for piece in pieces for t in piece]
+        return functools.reduce(torch.promote_types, dtypes) if dtypes else torch.float32
+
+    def _all_to_all(
+        self, send: torch.Tensor | None, out_sizes: list[int], in_sizes: list[int], dtype: torch.dtype
+    ) -> torch.Tensor:
+        """One all-to-all of the shard group (elements to and from each rank), waited for."""
+        received = torch.empty(sum(in_sizes), dtype=dtype, device=self._device)
+        if not sum(out_sizes) and not sum(in_sizes):
+            return received
+        if send is None:
+            send = torch.empty(0, dtype=dtype, device=self._device)
+        collectives.all_to_all(received, send, in_sizes, out_sizes, self._comm, self._ctx, "whole_matrix").wait()
+        return received
+
+    def _stand_ins(
+        self, optimizer: torch.optim.Optimizer, mine: list[ShardedParam], received: torch.Tensor, world: int
+    ) -> dict[int, nn.Parameter]:
+        """Whole stand-ins of this rank's matrices (gradient and state set) from every rank's rows."""
+        chunk = received.numel() // world if world else 0
+        per_rank = received.view(world, chunk) if chunk else received.view(world, 0)
+        proxies, offset = {}, 0
+        for param in mine:
+            slots = self._row_slots(param)
+            whole = []
+            for _ in slots:
+                rows = per_rank[:, offset : offset + param.shard_numel]
+                whole.append(param.full_from_rows(rows))
+                offset += param.shard_numel
+            proxy = nn.Parameter(whole[0].to(param.sharded.dtype).clone(), requires_grad=param.sharded.requires_grad)
+            proxy.grad = whole[1].to(param.sharded.grad.dtype).clone()
+            state = {}
+            layout = {entry.key: entry for entry in self._layouts.get(id(param.sharded), ())}
+            for key, value in zip(slots[2:], whole[2:]):
+                state[key] = value.to(layout[key].dtype).clone()
+            for key, value in optimizer.state.get(param.sharded, {}).items():
+                if key not in state:  # whole on every rank already: this rank's copy
+                    state[key] = value.to(self._device) if torch.is_tensor(value) else value
+            if state:
+                optimizer.state[proxy] = state
+            proxies[id(param.sharded)] = proxy
+        return proxies
+
+    def abandon(self, optimizer: torch.optim.Optimizer) -> None:
+        """Forget a step of ``optimizer`` that raised after its matrices were gathered: its param
+        groups point at the shards again (the shards and their state are as before that step)."""
+        step = self._steps.pop(id(optimizer), None)
+        if step is None:
+            return
+        for group, params in zip(optimizer.param_groups, step.groups):
+            group["params"] = params
+        for proxy in step.proxies.values():
+            optimizer.state.pop(proxy, None)
+
+    # ---- after the update ----------------------------------------------------------------------
+
+    @torch.no_grad()
+    def after_update(self, optimizer: torch.optim.Optimizer) -> None:
+        """Give every rank its rows of the updated matrices and state; point the optimizer back."""
+        step = self._steps.pop(id(optimizer), None)
+        if step is None:
+            return
+        for group, params in zip(optimizer.param_groups, step.groups):
+            group["params"] = params
+        me, world = self._comm.rank, self._comm.size
+        states = {key: optimizer.state.pop(proxy, {}) for key, proxy in step.proxies.items()}
+        self._learn_layouts(step, states)
+        owned = [[p for p in step.stepped if step.owners[id(p.sharded)] == rank] for rank in range(world)]
+        send = self._rows_back(step, owned[me], states, world)
+        sizes = [sum(self._back_numel(p) for p in owned[rank]) for rank in range(world)]
+        received = self._all_to_all(send, [sizes[me]] * world, sizes, step.dtype)
+        offset = 0
+        for rank in range(world):
+            for param in owned[rank]:
+                offset = self._take_back(optimizer, param, received, offset)
+
+    def _learn_layouts(self, step: _Step, states: dict[int, dict[str, Any]]) -> None:
+        """Each owner's state layouts after the step; published to every rank at a first step."""
+        mine = {}
+        for param in step.stepped:
+            state = states.get(id(param.sharded))
+            if state is None:
+                continue
+            entries = []
+            for key, value in sorted(state.items()):
+                if not torch.is_tensor(value):
+                    raise TypeError(
+                        f"whole-matrix placement keeps optimizer state as tensors; {param.fqn!r} has {key!r} of type "
+                        f"{type(value).__name__}"
+                    )
+                entries.append(_Entry(key, tuple(value.shape) == tuple(param.shape), tuple(value.shape), value.dtype))
+            layout = tuple(entries)
+            known = self._layouts.get(id(param.sharded))
+            if known is not None and known != layout and not step.first:
+                raise RuntimeError(
+                    f"the optimizer changed the state of {param.fqn!r} after its first step ({known} -> {layout}); "
+                    "whole-matrix placement needs a fixed state layout"
+                )
+            mine[param.fqn] = layout
+        if step.first:
+            everyone: dict[str, tuple[_Entry, ...]] = {}
+            for part in collectives.all_gather_objects(mine, self._comm.group, self._ctx.watchdog):
+                everyone.update(part)
+            for param in step.stepped:
+                if param.fqn in everyone:
+                    self._layouts[id(param.sharded)] = everyone[param.fqn]
+        else:
+            for param in step.stepped:
+                if param.fqn in mine:
+                    self._layouts[id(param.sharded)] = mine[param.fqn]
+
+    def _back_numel(self, param: ShardedParam) -> int:
+        """Elements each rank receives for ``param``: its rows of the matrix and of row state, whole state."""
+        layout = self._layouts.get(id(param.sharded), ())
+        rows = 1 + sum(entry.rows for entry in layout)
+        whole = sum(_numel(entry.shape) for entry in layout if not entry.rows)
+        return rows * param.shard_numel + whole
+
+    def _rows_back(
+        self, step: _Step, mine: list[ShardedParam], states: dict[int, dict[str, Any]], world: int
+    ) -> torch.Tensor | None:
+        """The payload this owner sends back: for each rank, its rows of each owned matrix and of its
+        row-shaped state, and the state held whole."""
+        parts = []
+        for rank in range(world):
+            for param in mine:
+                proxy, state = step.proxies[id(param.sharded)].detach(), states.get(id(param.sharded), {})
+                parts.append(param.local_rows(proxy, rank).reshape(-1))
+                for entry in self._layouts.get(id(param.sharded), ()):
+                    value = state[entry.key]
+                    parts.append((param.local_rows(value, rank) if entry.rows else value).reshape(-1))
+        return torch.cat([part.to(self._device, step.dtype) for part in parts]) if parts else None
+
+    def _take_back(
+        self, optimizer: torch.optim.Optimizer, param: ShardedParam, received: torch.Tensor, offset: int
+    ) -> int:
+        """Write this rank's rows of ``param`` and its state from ``received`` at ``offset``; the new offset."""
+        rows = received[offset : offset + param.shard_numel]
+        param.sharded.copy_(rows.view(param.sharded.shape))
+        offset += param.shard_numel
+        state = optimizer.state[param.sharded]
+        for entry in self._layouts.get(id(param.sharded), ()):
+            numel = param.shard_numel if entry.rows else _numel(entry.shape)
+            value = received[offset : offset + numel]
+            shape = param.sharded.shape if entry.rows else entry.shape
+            device = param.sharded.device if entry.rows else state.get(entry.key, value).device
+            state[entry.key] = value.view(shape).to(device=device, dtype=entry.dtype).clone()
+            offset += numel
+        return offset
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
