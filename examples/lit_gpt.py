@@ -18,18 +18,28 @@ from torch.utils.data import DataLoader
 from torchmetrics.classification import MulticlassAccuracy
 from torchmetrics.text import Perplexity
 
+from fsdp_strategy.optim import MuonWithAdamW
+
+OPTIMIZERS = ("adamw", "muon")
+
 
 @dataclass(frozen=True)
 class OptimizerSettings:
-    """AdamW with a linear warmup and a cosine decay to a tenth of ``lr`` at ``max_steps``."""
+    """AdamW (``name="adamw"``), or Muon for the blocks' weight matrices beside AdamW for the rest
+    (``name="muon"``, at ``muon_lr``: what Muon's authors recommend), with a linear warmup and a
+    cosine decay to a tenth of the learning rates at ``max_steps``."""
 
     lr: float = 3.0e-3
     weight_decay: float = 0.1  # not on biases, norms and embeddings
     warmup_steps: int = 20
+    name: str = "adamw"
+    muon_lr: float = 0.02
 
     def __post_init__(self) -> None:
-        if not self.lr > 0:
-            raise ValueError(f"lr={self.lr}: the learning rate must be positive")
+        if self.name not in OPTIMIZERS:
+            raise ValueError(f"name={self.name!r}: accepted: {list(OPTIMIZERS)}")
+        if not self.lr > 0 or not self.muon_lr > 0:
+            raise ValueError(f"lr={self.lr}, muon_lr={self.muon_lr}: learning rates must be positive")
         if self.weight_decay < 0 or self.warmup_steps < 0:
             raise ValueError(
                 f"weight_decay={self.weight_decay}, warmup_steps={self.warmup_steps}: neither may be negative"
@@ -78,25 +88,41 @@ class GPTModule(L.LightningModule):
         self.log("val_accuracy", self.val_accuracy)
 
     def configure_optimizers(self):
-        optimizer = adamw(self.named_parameters(), self.settings)
+        optimizer = (muon if self.settings.name == "muon" else adamw)(self.named_parameters(), self.settings)
         schedule = warmup_cosine(self.settings.warmup_steps, self.hparams.max_steps)
         return [optimizer], [{"scheduler": torch.optim.lr_scheduler.LambdaLR(optimizer, schedule), "interval": "step"}]
 
 
 def adamw(named_parameters: Iterable[tuple[str, torch.nn.Parameter]], settings: OptimizerSettings) -> torch.optim.AdamW:
     """AdamW with weight decay on the weight matrices only (not biases, norms, embeddings)."""
+    return torch.optim.AdamW(_decay_groups(named_parameters, settings), lr=settings.lr)
+
+
+def muon(named_parameters: Iterable[tuple[str, torch.nn.Parameter]], settings: OptimizerSettings) -> MuonWithAdamW:
+    """Muon on the blocks' weight matrices (at ``muon_lr``), AdamW on the rest (as ``adamw``), as one
+    optimizer: the engine steps each matrix whole on one rank ([Note: whole-matrix placement])."""
+    named = [(name, p) for name, p in named_parameters if p.requires_grad]
+    matrices = [(n, p) for n, p in named if ".blocks." in n and p.ndim == 2]
+    others = [(n, p) for n, p in named if all(p is not m for _, m in matrices)]
+    return MuonWithAdamW(
+        [p for _, p in matrices],
+        _decay_groups(others, settings),
+        muon={"lr": settings.muon_lr, "weight_decay": settings.weight_decay},
+        adamw={"lr": settings.lr},
+    )
+
+
+def _decay_groups(named_parameters: Iterable[tuple[str, torch.nn.Parameter]], settings: OptimizerSettings) -> list:
+    """Two groups: weight decay on the weight matrices, none on biases, norms and embeddings."""
     named = [(name, p) for name, p in named_parameters if p.requires_grad]
 
     def no_decay(name: str) -> bool:
         return name.endswith("bias") or ".ln" in name or "emb" in name
 
-    return torch.optim.AdamW(
-        [
-            {"params": [p for n, p in named if not no_decay(n)], "weight_decay": settings.weight_decay},
-            {"params": [p for n, p in named if no_decay(n)], "weight_decay": 0.0},
-        ],
-        lr=settings.lr,
-    )
+    return [
+        {"params": [p for n, p in named if not no_decay(n)], "weight_decay": settings.weight_decay},
+        {"params": [p for n, p in named if no_decay(n)], "weight_decay": 0.0},
+    ]
 
 
 def warmup_cosine(warmup: int, max_steps: int) -> Callable[[int], float]:

@@ -109,7 +109,7 @@ def test_example_config_mistakes_are_errors_that_list_what_is_accepted(tmp_path,
     def run(*args: str) -> str:
         return _main_exits_2(EXAMPLE, list(args), monkeypatch, capsys)
 
-    assert "accepted keys of optimizer: lr, weight_decay, warmup_steps" in run("optimizer.lrr=0.1")
+    assert "accepted keys of optimizer: name, lr, weight_decay, warmup_steps, muon_lr" in run("optimizer.lrr=0.1")
     assert "no checkpoint at" in run("resume=last", f"trainer.default_root_dir={tmp_path}")
     assert "resume=1: no checkpoint at 1;" in run("resume=1", f"trainer.default_root_dir={tmp_path}")
     # values each part refuses end the script with that part's message, before anything starts
@@ -118,6 +118,7 @@ def test_example_config_mistakes_are_errors_that_list_what_is_accepted(tmp_path,
         "strategy.sharding_strategy=FULL_SHRAD": "strategy: sharding_strategy='FULL_SHRAD' is not supported; accepted",
         "strategy.cpu_offload=maybe": "strategy: cpu_offload must be a bool, a CPUOffload, a dict or None",
         "model.n_heads=3": "model: d_model=128 is not divisible by n_heads=3",
+        "optimizer.name=sgd": "optimizer: name='sgd': accepted: ['adamw', 'muon']",
     }.items():
         output = run(override, f"trainer.default_root_dir={tmp_path}")
         assert f"train_gpt.py: error: {told}" in output and "Traceback" not in output, output
@@ -180,7 +181,8 @@ def test_example_config_accepts_every_documented_form():
 @pytest.mark.slow
 def test_torchrun_launch(tmp_path):
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}"]
-    output = _run([*command, str(EXAMPLE), "trainer.max_steps=3", *SMALL, f"trainer.default_root_dir={tmp_path}"])
+    muon = "optimizer.name=muon"  # README's quick start: Muon for the blocks' matrices, AdamW for the rest
+    output = _run([*command, str(EXAMPLE), "trainer.max_steps=3", *SMALL, muon, f"trainer.default_root_dir={tmp_path}"])
     assert "done: 3 steps" in output and "over 2 ranks" in output
 
 

@@ -254,6 +254,27 @@ class MuonBesideAdamW(MuonMLP):
         return [MUON(hidden, lr=0.02), torch.optim.AdamW(rest, lr=1e-2)]
 
 
+class OneOptimizer(MuonBesideAdamW):
+    """Muon beside AdamW as one optimizer (``MuonWithAdamW``): automatic optimization, one step count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = True
+
+    def training_step(self, batch, batch_idx):
+        tokens = batch[0]
+        loss = nn.functional.cross_entropy(self(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+        self.losses = [*getattr(self, "losses", []), loss.detach().clone()]
+        return loss
+
+    def configure_optimizers(self):
+        from fsdp_strategy.optim import MuonWithAdamW
+
+        hidden = [p for p in self.blocks.parameters() if p.ndim == 2]
+        rest = [p for p in self.parameters() if all(p is not h for h in hidden)]
+        return MuonWithAdamW(hidden, rest, muon={"lr": 0.02}, adamw={"lr": 1e-2})
+
+
 def _lightning_body(rank: int, world: int, root: str) -> dict:
     from models import make_batches
 
@@ -261,6 +282,7 @@ def _lightning_body(rank: int, world: int, root: str) -> dict:
     for name, module_class, data in [
         ("muon", MuonMLP, torch.randn(6 * 2 * world, 12, generator=torch.Generator().manual_seed(1))),
         ("muon+adamw", MuonBesideAdamW, make_batches(6, 2 * world).reshape(6 * 2 * world, -1)),
+        ("MuonWithAdamW", OneOptimizer, make_batches(6, 2 * world).reshape(6 * 2 * world, -1)),
     ]:
         for strategy in ("fsdp", "ddp"):
             module = module_class()
@@ -276,8 +298,12 @@ def _lightning_body(rank: int, world: int, root: str) -> dict:
 @pytest.mark.parametrize("world", [2, 3])
 def test_muon_in_lightning_equals_ddp(tmp_path, world):
     results = run_ranks(_lightning_body, world, tmp_path, str(tmp_path), env=LIGHTNING_ENV, timeout=300)[0]
-    for name in ("muon", "muon+adamw"):
-        assert results[name, "fsdp"] == pytest.approx(results[name, "ddp"], rel=1e-5), name
+    # DDP divides gradients before its all-reduce, the engine after its reduce-scatter: the last bit of a
+    # gradient can differ, and Muon's Newton-Schulz iterations run in bf16 (against one process on the
+    # global batch the engine is exact: test_whole_matrix_optimizers_equal_one_process_on_the_global_batch)
+    for name in ("muon", "muon+adamw", "MuonWithAdamW"):
+        assert results[name, "fsdp"] == pytest.approx(results[name, "ddp"], rel=1e-4), name
+    assert len(results["MuonWithAdamW", "fsdp"]) == 6  # one optimizer: one step counted per batch
 
 
 def _resume_body(rank: int, world: int, root: str, kind: str, ckpt: str | None) -> list[float]:
@@ -342,3 +368,32 @@ def _fabric_body(rank: int, world: int) -> dict:
 def test_muon_beside_adamw_in_fabric_equals_fabric_ddp(tmp_path):
     results = run_ranks(_fabric_body, 2, tmp_path, env=LIGHTNING_ENV, timeout=300)[0]
     assert results["fsdp"] == pytest.approx(results["ddp"], rel=1e-5)
+
+
+def test_muon_with_adamw_state_dict_round_trips():
+    from fsdp_strategy.optim import MuonWithAdamW
+
+    def build():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 3))
+        matrices = [model[0].weight, model[2].weight]
+        others = [model[0].bias, model[2].bias]
+        return model, MuonWithAdamW(matrices, others, muon={"lr": 0.02}, adamw={"lr": 1e-2})
+
+    def train(model, optimizer, steps, seed):
+        generator = torch.Generator().manual_seed(seed)
+        for _ in range(steps):
+            model(torch.randn(4, 6, generator=generator)).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+    straight, straight_optimizer = build()
+    train(straight, straight_optimizer, 2, 1)
+    saved = (copy.deepcopy(straight.state_dict()), copy.deepcopy(straight_optimizer.state_dict()))
+    train(straight, straight_optimizer, 2, 2)
+    resumed, optimizer = build()
+    resumed.load_state_dict(saved[0])
+    optimizer.load_state_dict(saved[1])
+    assert optimizer.muon.state is optimizer.state and optimizer.adamw.param_groups[0] is optimizer.param_groups[1]
+    train(resumed, optimizer, 2, 2)
+    assert all(torch.equal(a, b) for a, b in zip(straight.state_dict().values(), resumed.state_dict().values()))

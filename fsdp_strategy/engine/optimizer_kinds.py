@@ -6,7 +6,8 @@ that element alone (SGD, Adam, AdamW, ...: *elementwise*) computes on a shard ex
 computes on the whole parameter. One that reads the whole matrix (Muon orthogonalizes each
 momentum matrix; Adafactor factorizes each matrix's second moment into row and column statistics)
 computes something else on a block of rows, silently. So the engine trusts only what it knows:
-- elementwise: torch's optimizers listed in ``ELEMENTWISE``, exactly these classes, step shards;
+- elementwise: torch's optimizers listed in ``ELEMENTWISE``, exactly these classes, step shards
+  (``MuonWithAdamW`` too: it steps through its inner Muon and AdamW, each classified as itself);
 - whole-matrix: ``WHOLE_MATRIX`` (torch's Muon) and what the user declares so are placed whole
   ([Note: whole-matrix placement] in whole_matrix.py);
 - refused: LBFGS (it steps the whole parameter vector at once: no placement serves it), Adafactor
@@ -25,6 +26,8 @@ from typing import Any
 
 import torch
 
+from fsdp_strategy.optim import MuonWithAdamW
+
 
 class UpdateKind(str, Enum):
     """How an optimizer's update of a parameter depends on the parameter."""
@@ -37,8 +40,11 @@ def _torch_optimizers(*names: str) -> tuple[type, ...]:
     return tuple(getattr(torch.optim, name) for name in names if hasattr(torch.optim, name))
 
 
-ELEMENTWISE = _torch_optimizers(
-    "SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "NAdam", "RAdam", "ASGD", "Rprop"
+ELEMENTWISE = (
+    *_torch_optimizers(
+        "SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adadelta", "Adamax", "NAdam", "RAdam", "ASGD", "Rprop"
+    ),
+    MuonWithAdamW,  # updates nothing itself: its inner Muon and AdamW steps are classified as theirs
 )
 WHOLE_MATRIX = _torch_optimizers("Muon")
 REFUSED = {
