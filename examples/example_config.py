@@ -164,14 +164,19 @@ def positive_ints_or_exit(config: DictConfig, section: str, keys: tuple[str, ...
 def resume_or_exit(
     config: DictConfig, last: Path, step_key: str, max_steps_key: str, read_state: Callable[[Path], dict]
 ) -> Path | None:
-    """The checkpoint ``resume`` names (``"last"``: ``last``), or None; the script ends when there is
-    none, or when its step (``read_state(path)[step_key]``) has reached ``max_steps_key``."""
-    if config.resume is None:
+    """The checkpoint ``resume`` names (``"last"``: ``last``; ``"auto"``: ``last`` if it exists, for a
+    command that torchrun or the cluster restarts as it is), or None; the script ends when there is
+    none, or when its step (``read_state(path)[step_key]``) has reached ``max_steps_key`` (with
+    ``auto``: successfully, the run is done)."""
+    if config.resume is None or (config.resume == "auto" and not last.exists()):
         return None
-    path = last if config.resume == "last" else Path(str(config.resume))
+    path = last if config.resume in ("last", "auto") else Path(str(config.resume))
     if not path.exists():
         exit_with(f"resume={config.resume}: no checkpoint at {path}; run without resume first")
     step, limit = int(read_state(path)[step_key]), OmegaConf.select(config, max_steps_key)
+    if step >= limit and config.resume == "auto":
+        print(f"{path} is at step {step}, {max_steps_key}={limit}: the run is done")
+        raise SystemExit(0)
     if step >= limit:
         exit_with(
             f"{path} is at step {step} and {max_steps_key}={limit}: nothing to train. Continue with a larger "

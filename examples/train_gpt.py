@@ -3,6 +3,7 @@
     python examples/train_gpt.py                                  # 2 CPU processes, about a minute
     python examples/train_gpt.py trainer.max_steps=20 strategy.sharding_strategy=SHARD_GRAD_OP
     python examples/train_gpt.py resume=last trainer.max_steps=300  # train a finished run further
+    torchrun --nproc-per-node 2 --max-restarts 3 --rdzv-backend c10d examples/train_gpt.py resume=auto  # restarts
     python examples/train_gpt.py --help                           # this text and every key
 
 Any key of ``configs/gpt_small.yaml`` can be overridden as ``key=value`` or ``--key=value``;

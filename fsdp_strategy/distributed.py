@@ -12,6 +12,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.utilities.distributed import (
     _destroy_dist_connection,
@@ -22,6 +23,7 @@ from lightning.fabric.utilities.distributed import (
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
+from fsdp_strategy import rendezvous
 from fsdp_strategy.arguments import init_process_group_kwargs
 from fsdp_strategy.config import ShardingStrategy
 from fsdp_strategy.engine import watchdog
@@ -54,15 +56,24 @@ def connect(
     cluster_environment: ClusterEnvironment, backend: str | None, root_device: torch.device, timeout: timedelta | None
 ) -> str:
     """Create the process group (if none exists) on ``backend`` (default: the device's); returns the
-    backend. Costs: one rendezvous."""
+    backend. Under torchrun's c10d rendezvous the group's keys go under a namespace of this attempt
+    ([Note: one namespace per attempt] in rendezvous.py). Costs: one rendezvous."""
     backend = backend or _get_default_process_group_backend_for_device(root_device)
     created_here = not _distributed_is_initialized()
     if "nccl" in backend:
         watchdog.enable_nccl_flight_recorder()
-    _init_dist_connection(cluster_environment, backend, **init_process_group_kwargs(root_device, timeout))
-    if created_here and backend != "nccl":
-        # Lightning registers this for NCCL only; a gloo group left to interpreter shutdown can
-        # abort the process ("terminate called without an active exception") after a good run.
+    kwargs = init_process_group_kwargs(root_device, timeout)
+    on_attempt_store = created_here and rendezvous.shares_agent_store()
+    if on_attempt_store:
+        rank, world_size = cluster_environment.global_rank(), cluster_environment.world_size()
+        address, port = cluster_environment.main_address, cluster_environment.main_port
+        store = rendezvous.attempt_store(address, port, rank, world_size, timeout or dist.default_pg_timeout)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, **kwargs)
+    else:
+        _init_dist_connection(cluster_environment, backend, **kwargs)
+    if created_here and (backend != "nccl" or on_attempt_store):
+        # Lightning registers this for NCCL groups it creates only; a gloo group left to interpreter
+        # shutdown can abort the process ("terminate called without an active exception") after a good run.
         atexit.register(_destroy_dist_connection)
     return backend
 

@@ -46,6 +46,7 @@ from fsdp_strategy.engine import Scheduler, get_scheduler, is_sharded, shard_wit
 from fsdp_strategy.engine.ledger import CommLedger
 from fsdp_strategy.engine.watchdog import Watchdog
 from fsdp_strategy.precision import FSDPCustomPrecision
+from fsdp_strategy.requeue import DeferredRequeue
 from fsdp_strategy.strategy_checkpoints import CheckpointHooks
 from fsdp_strategy.strategy_watchdog import WatchdogHooks
 from fsdp_strategy.sync_batchnorm import convert_sync_batchnorm
@@ -171,6 +172,7 @@ class FSDPCustomStrategy(StrategyArguments, WatchdogHooks, CheckpointHooks, Ligh
         self._writer = CheckpointWriter(async_save=async_save)
         self._watchdog: Watchdog | None = None  # started at each run's setup, closed at its teardown
         self._ledger_global_step: int | None = None  # the global_step the ledger's count started at
+        self._requeue = DeferredRequeue(self._writer.in_foreground)  # SLURM's signal, at an agreed step
         self._init_checkpoint_hooks()
 
     # ---- Lightning plumbing --------------------------------------------------------------
@@ -390,11 +392,19 @@ class FSDPCustomStrategy(StrategyArguments, WatchdogHooks, CheckpointHooks, Ligh
             self.scheduler.reset()
         super().on_exception(exception)
 
+    def on_train_start(self) -> None:
+        """Hold Lightning's SLURM requeue handler back to a step all ranks agree on ([Note: requeue
+        at an agreed step] in requeue.py)."""
+        self._requeue.install(self.lightning_module.trainer)
+        super().on_train_start()
+
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """Start the ledger's count at the first batch of each optimizer step (under gradient
-        accumulation a step's micro-batches are counted together); a resume's hidden warning shows again."""
+        accumulation a step's micro-batches are counted together); a resume's hidden warning shows
+        again; SLURM's requeue signal is acted on here, between two optimizer steps."""
         self._resume_notice.remove()  # the epoch loop has checked the dataloader by now
         global_step = self.lightning_module.trainer.global_step
+        self._requeue.at_batch_start(global_step)
         self.scheduler.comm.recorder.step = global_step  # the flight recorder names steps as the trainer does
         if global_step != self._ledger_global_step:
             self.comm_ledger.start_step()
@@ -404,6 +414,7 @@ class FSDPCustomStrategy(StrategyArguments, WatchdogHooks, CheckpointHooks, Ligh
     def teardown(self) -> None:
         """Finish any checkpoint in flight, close the engine's hooks and threads and the watchdog,
         then tear down as Lightning does."""
+        self._requeue.remove()
         self._writer.teardown()
         self._resume_notice.remove()
         self._close_watchdog()

@@ -43,6 +43,14 @@ class Mutation(NamedTuple):
 
 MUTATIONS = [
     Mutation(
+        "restart_reads_old_keys",
+        "a torchrun restart creates its process group on the agent's store as it is (the failed attempt's keys)",
+        "fsdp_strategy/rendezvous.py",
+        "    return dist.PrefixStore(namespace, store)\n",
+        "    return store\n",
+        ("tests/test_restarts.py::test_attempts_on_one_store_never_read_each_others_keys",),
+    ),
+    Mutation(
         "optimizer_dropped_on_reshard",
         "the Trainer drops the optimizer state whenever a sharded checkpoint resumes at another world size",
         "fsdp_strategy/strategy_checkpoints.py",

@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import importlib
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -178,12 +181,57 @@ def test_example_config_accepts_every_documented_form():
         sys.path.remove(str(ROOT / "examples"))
 
 
+def _rank_pid(agent_pid: int, local_rank: int) -> int | None:
+    """The pid of torchrun's worker ``local_rank`` of the agent ``agent_pid``, once it runs."""
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            parent = int((environ.parent / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            variables = environ.read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        if parent == agent_pid and f"LOCAL_RANK={local_rank}".encode() in variables:
+            return int(environ.parent.name)
+    return None
+
+
 @pytest.mark.slow
-def test_torchrun_launch(tmp_path):
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}"]
-    muon = "optimizer.name=muon"  # README's quick start: Muon for the blocks' matrices, AdamW for the rest
-    output = _run([*command, str(EXAMPLE), "trainer.max_steps=3", *SMALL, muon, f"trainer.default_root_dir={tmp_path}"])
-    assert "done: 3 steps" in output and "over 2 ranks" in output
+def test_torchrun_restart_resumes(tmp_path):
+    """README's torchrun command with ``resume=auto`` (and Muon, README's quick start): rank 1 is
+    SIGKILLed once the first checkpoint is committed; torchrun restarts both ranks on its shared
+    store and the run resumes from ``last`` and finishes, training again within 30 s of the kill."""
+    rendezvous = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}"]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1"]
+    args = [*SMALL, "optimizer.name=muon", "resume=auto", "trainer.max_steps=40", "trainer.val_check_interval=4"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    agent = subprocess.Popen(
+        [*command, *rendezvous, str(EXAMPLE), *args, f"trainer.default_root_dir={tmp_path}"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines: list[tuple[float, str]] = []
+    reader = threading.Thread(target=lambda: lines.extend((time.monotonic(), line) for line in agent.stdout))
+    reader.start()
+    try:
+        committed = tmp_path / "checkpoints" / "last.ckpt" / "meta.pt"
+        deadline = time.monotonic() + 180
+        while not committed.exists() and agent.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        rank1 = _rank_pid(agent.pid, 1)
+        assert rank1 is not None, "".join(line for _, line in lines)[-4000:]
+        os.kill(rank1, signal.SIGKILL)
+        killed = time.monotonic()
+        agent.wait(timeout=240)
+    finally:
+        agent.kill()
+        reader.join(timeout=10)
+    output = "".join(line for _, line in lines)
+    assert agent.returncode == 0, output[-4000:]
+    restored = [at for at, line in lines if "Restored all states from the checkpoint" in line and at > killed]
+    assert restored and restored[0] - killed < 30, output[-4000:]
+    print(f"killed rank 1; restored {restored[0] - killed:.1f} s later")
+    assert "done: 40 steps" in output and "over 2 ranks" in output
 
 
 @pytest.mark.slow

@@ -15,7 +15,8 @@ import copy
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch.distributed.checkpoint as dcp
@@ -63,6 +64,16 @@ class CheckpointWriter:
             thread.join()
         collectives.destroy_group(self._group)
         self._group = None
+
+    @contextmanager
+    def in_foreground(self) -> Iterator[None]:
+        """Saves inside the block are written and committed before they return, also with
+        ``async_save`` (the save before SLURM's requeue: the job ends right after it)."""
+        async_save, self.async_save = self.async_save, False
+        try:
+            yield
+        finally:
+            self.async_save = async_save
 
     def wait(self) -> None:
         """Block until the checkpoint being written in the background is committed; re-raise its error."""

@@ -365,8 +365,9 @@ class Watchdog:
         store = dist.distributed_c10d._get_default_store()
         rank = dist.get_rank()
         count = store.add(f"fsdp_custom/watchdog/starts/{rank}", 1)  # the k-th start of every rank: k
-        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # an elastic restart keeps the agent's store
-        channel = StoreChannel.connect(store, f"fsdp_custom/watchdog/{restart}/{count}/")
+        # under torchrun the store is the agent's, kept across restarts: the group's keys are this attempt's
+        # ([Note: one namespace per attempt] in fsdp_strategy/rendezvous.py)
+        channel = StoreChannel.connect(store, f"fsdp_custom/watchdog/{count}/")
         if node is None:
             node = int(os.environ.get("GROUP_RANK") or os.environ.get("NODE_RANK") or 0)
         limits, folder = limits_for(collective_timeout), os.fspath(dump_dir or os.getcwd())

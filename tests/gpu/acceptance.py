@@ -18,6 +18,7 @@ import argparse
 import copy
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -288,6 +289,39 @@ def watchdog_leaves_a_healthy_job_alone() -> str:
     return "20 steps, no report"
 
 
+def _losses(root: str) -> dict[int, float]:
+    lines = Path(root, "losses", "rank0.jsonl").read_text().splitlines()
+    return {entry["step"]: entry["loss"] for entry in map(json.loads, lines) if "loss" in entry}
+
+
+def torchrun_restart() -> str:
+    """``torchrun --max-restarts 1`` with torch's defaults (c10d rendezvous, the agent's store kept
+    across restarts): the rank is SIGKILLed at step 7, the restart creates its NCCL group on the
+    same store and resumes from ``last``; its losses equal an uninterrupted run's."""
+    _needs_cuda()
+    job = [str(TESTS / "restart_job.py"), "--accelerator", "cuda", "--devices", "1"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--max-restarts", "1"]
+    torchrun += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}"]
+    with tempfile.TemporaryDirectory() as restarted, tempfile.TemporaryDirectory() as uninterrupted:
+        for command in (
+            [*torchrun, *job, "--root", restarted, "--kill-step", "7", "--kill-rank", "0"],
+            [sys.executable, *job, "--root", uninterrupted],
+        ):
+            done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=_clean_env())
+            if done.returncode != 0:
+                raise RuntimeError(f"{command[1:4]} failed: {(done.stdout + done.stderr)[-3000:]}")
+        got, want = _losses(restarted), _losses(uninterrupted)
+        worst = max(abs(got[step] - want[step]) for step in range(12))
+        if worst > 1e-5:
+            raise AssertionError(f"losses differ from the uninterrupted run's by up to {worst:.3g}")
+    return f"restarted once, resumed at step 6; losses within {worst:.1g} of an uninterrupted run"
+
+
+def _clean_env() -> dict[str, str]:
+    """This process's environment without the process group variables it set for itself."""
+    return {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+
+
 CHECKS: list[tuple[str, Callable[[], str]]] = [
     ("patterns, FULL_SHARD + CPU offload", lambda: patterns(cpu_offload=True)),
     ("patterns, SHARD_GRAD_OP", lambda: patterns(sharding_strategy="SHARD_GRAD_OP")),
@@ -304,6 +338,7 @@ CHECKS: list[tuple[str, Callable[[], str]]] = [
     ("watchdog on a healthy job", watchdog_leaves_a_healthy_job_alone),
     ("memory account vs max_memory_allocated", memory_account),
     ("step time vs FSDP2", step_time_vs_fsdp2),
+    ("torchrun restart on the agent's store (NCCL)", torchrun_restart),
 ]
 
 
