@@ -32,8 +32,12 @@ def _checkout_files() -> set[str]:
 @pytest.fixture(autouse=True)
 def _in_own_folder(tmp_path, monkeypatch):
     """Each test (and every process it starts) works in its own temporary folder: what a run writes
-    relative to its working directory (Lightning's logs, flight-recorder files) lands there."""
+    relative to its working directory (Lightning's logs, flight-recorder files) lands there. The
+    processes it starts start their own W&B service: an earlier in-process run exports
+    WANDB_SERVICE, and a rank killed in a restart test would leave its run open in that shared one
+    (the restarted rank is then told "run ID ... is in use"), which no user's launcher does."""
     monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("WANDB_SERVICE", raising=False)
 
 
 def pytest_report_header(config) -> str:

@@ -83,7 +83,8 @@ class OptimizerSteps:
         return [unit for unit in gathered if any(id(p.sharded) in stepped for p in unit.params)]
 
     def _before_step(self, optimizer: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        if not any(id(p) in self._held for group in optimizer.param_groups for p in group["params"]):
+        params = [id(p) for group in optimizer.param_groups for p in group["params"]]
+        if not any(i in self._held or i in self._replaced for i in params):
             return None  # another model's optimizer (or a reference's)
         kind = self._kinds.of(optimizer)  # a refused one raises here, before anything changes
         self._refuse_replaced(optimizer)
