@@ -1,6 +1,6 @@
 """Correct 2-rank jobs in a row must all exit 0, with no abort at interpreter exit.
 
-    python benchmarks/clean_exits.py --jobs 50      # the README figure: 50 under each launcher
+    python benchmarks/clean_exits.py --jobs 50      # the figure in docs/troubleshooting.md: 50 under each launcher
     python benchmarks/clean_exits.py --jobs 1       # the CI version (tests/test_clean_exit.py)
 
 Each job is tests/faulty_job.py without a fault (8 steps of a tiny LM, gloo, 2 ranks; every

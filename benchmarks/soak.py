@@ -1,6 +1,6 @@
 """Soak: the GPT example for many steps, watching for leaks and checking that runs repeat bitwise.
 
-    python benchmarks/soak.py --steps 2000        # the README table (about 10 minutes here)
+    python benchmarks/soak.py --steps 2000        # the table in docs/troubleshooting.md (about 10 minutes here)
     python benchmarks/soak.py --steps 200 --repeat-steps 40 --small   # the CI version (tests/test_soak.py)
 
 Three fits of the example's GPT (examples/configs/gpt_small.yaml, or with ``--small`` a 2-layer

@@ -55,13 +55,18 @@ class FSDPCustomFabricStrategy(StrategyArguments, WatchdogHooks, FabricCheckpoin
     (LitGPT's ``load_checkpoint`` and ``initialize_weights``, Fabric itself) takes its FSDP branch,
     which works here.
 
-    Arguments as Fabric's ``FSDPStrategy`` (``cpu_offload``, ``mixed_precision``,
-    ``auto_wrap_policy``, ``activation_checkpointing_policy``, ``sharding_strategy``,
-    ``state_dict_type`` ("sharded" by default, as Fabric's), ``device_mesh``, ``timeout``,
-    ``process_group_backend``) and the engine's (``param_init_fn``, ``forward_prefetch``,
-    ``backward_prefetch``, ``sync_module_states``, ``ignored_modules``, ``collective_timeout``,
-    ``check_collective_order``, ``optimizer_updates``), each as in ``FSDPCustomStrategy``. Costs: those of the engine;
-    a joint ``setup(model, optimizer)`` rewrites the optimizer's parameter lists once.
+    Costs: those of the engine; a joint ``setup(model, optimizer)`` rewrites the optimizer's
+    parameter lists once.
+
+    Args:
+        precision: set from ``Fabric(precision=...)`` or ``plugins=[...]``, converted as the
+            Trainer's ``precision_plugin`` is.
+        state_dict_type: ``"sharded"`` (default, as Fabric's: a folder each rank writes its shards
+            into; loads at any world size) or ``"full"`` (one file, gathered to rank 0).
+        **fsdp_kwargs: the FSDP keywords Fabric's ``FSDPStrategy`` passes to torch, as the Trainer's.
+
+    Every other argument has the name, default and meaning it has on
+    [FSDPCustomStrategy][fsdp_strategy.FSDPCustomStrategy] (Fabric's ``FSDPStrategy`` takes the same).
     """
 
     def __init__(

@@ -64,64 +64,113 @@ def _count(count: int) -> str:
 
 
 class FSDPCustomStrategy(StrategyArguments, WatchdogHooks, CheckpointHooks, LightningFSDPStrategy):
-    """Fully Sharded Data Parallel with this project's own engine.
+    """Fully Sharded Data Parallel for the Trainer, on this project's own engine.
 
-    A subclass of Lightning's ``FSDPStrategy`` (its constructor and FSDP1 machinery are not used:
-    every method is this engine's), so code that asks ``isinstance(strategy, FSDPStrategy)``
-    (Lightning itself, LitGPT, user code) takes its FSDP branch, which works here.
+    ``Trainer(strategy="fsdp_custom")`` is this class with its defaults; pass an instance to set
+    options. The arguments have the names and meanings of Lightning's ``FSDPStrategy``, so switching
+    is one word. It is a subclass of Lightning's ``FSDPStrategy`` (whose constructor and FSDP1
+    machinery are not used: every method is this engine's), so code that asks
+    ``isinstance(strategy, FSDPStrategy)`` (Lightning, LitGPT, your code) takes its FSDP branch,
+    which works here. Every bad value is refused when the strategy is constructed (a mesh that does
+    not fit the world size: before any process group exists) with an error naming the argument, the
+    value and what is accepted.
 
-    Arguments (names and meanings as Lightning's ``FSDPStrategy``):
-        sharding_strategy: "FULL_SHARD" (default), "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD",
-            "_HYBRID_SHARD_ZERO2" (SHARD_GRAD_OP within the shard group), or the enum (ours or torch's).
-        auto_wrap_policy: which modules become units: a set of classes, an int (minimum
-            parameter count) or a callable ``(module, recurse, nonwrapped_numel) -> bool``.
-            None: the whole model is one unit. "auto" (with ``memory_budget`` and ``example_batch``):
-            the units, activation checkpointing per unit, SHARD_GRAD_OP or FULL_SHARD and CPU
-            offload are chosen by a memory plan before the process group is created: the fastest
-            that fits, printed with why ([Note: wrapping by budget]; costs a few plans on every rank).
-        memory_budget: bytes per rank for "auto" (an int or a string like "70GiB").
-        example_batch: one batch as ``training_step`` receives it, for "auto" (meta tensors work).
-        mixed_precision: :class:`MixedPrecision` (or torch's, or a dict); overrides the one
-            derived from ``Trainer(precision=...)``.
-        cpu_offload: True or :class:`CPUOffload`: shards, gradients and optimizer state on CPU.
-        activation_checkpointing_policy: modules to recompute in backward (same forms as
-            ``auto_wrap_policy``); ``activation_checkpointing`` (a class or list): Lightning's older form.
-        state_dict_type: "full" (one file, gathered unit by unit to rank 0) or "sharded" (a DCP
-            folder each rank writes its shards into; loads at any world size).
-        async_save: write sharded checkpoints in the background (the step goes on).
-        device_mesh: ``(replicate, shard)`` sizes or a 2-D ``DeviceMesh``, for the hybrid strategies;
-            default there: ``(num_nodes, devices)``, one shard group per node (as FSDP1).
+    | `sharding_strategy` | parameters | gradients, optimizer state | per step |
+    |---|---|---|---|
+    | `"FULL_SHARD"` (default) | sharded: gathered per unit, freed after use | sharded | 2 all-gathers, reduce-scatter |
+    | `"SHARD_GRAD_OP"` | sharded: gathered in forward, kept until backward | sharded | all-gather, reduce-scatter |
+    | `"NO_SHARD"` | replicated (nothing gathered or copied) | replicated | all-reduce, as DDP |
+    | `"HYBRID_SHARD"` | FULL_SHARD in a shard group, replicated across | the same | + all-reduce across |
+    | `"_HYBRID_SHARD_ZERO2"` | SHARD_GRAD_OP in a shard group, replicated across | the same | + all-reduce across |
+
+    Costs: per rank, 1/N of parameters, gradients and optimizer state at rest, plus the units
+    gathered at the moment (the running one, the root and one prefetched).
+
+    Args:
+        accelerator: set by the Trainer (``Trainer(accelerator=...)``).
+        parallel_devices: set by the Trainer (``devices`` and ``num_nodes`` set the world size).
+        cluster_environment: set by the Trainer (Lightning's, torchrun's, SLURM's).
+        checkpoint_io: Lightning's ``CheckpointIO`` for full checkpoints; sharded ones are written
+            by torch's distributed checkpoint.
+        precision_plugin: set from ``Trainer(precision=...)`` or ``plugins=[...]``: Lightning's
+            ``Precision``, ``MixedPrecision``, ``HalfPrecision`` and ``FSDPPrecision`` are converted
+            by their precision name (a ``GradScaler`` becomes a ``ShardedGradScaler`` with the same
+            settings); any other plugin is a ``TypeError`` naming it, since its behaviour would be lost.
+        process_group_backend: ``"gloo"``, ``"nccl"``, ``"cpu:gloo,cuda:nccl"``; default: by
+            device; checked against the backends torch knows. On an accelerator the process group is
+            created with ``device_id``, so NCCL binds it at once.
+        timeout: a positive ``timedelta`` for every collective of the process group: a rank that
+            dies makes the others fail after it instead of hanging.
+        cpu_offload: ``True`` or ``CPUOffload(offload_params=True)`` (or
+            ``strategy="fsdp_custom_cpu_offload"``): shards, gradients and optimizer state live in CPU
+            memory (pinned, on CUDA); each unit is copied to the device before its all-gather, reduced
+            gradients are copied back, and the optimizer steps on the CPU.
+        mixed_precision: ``MixedPrecision(param_dtype, reduce_dtype, buffer_dtype)``, torch's
+            ``MixedPrecision`` or a dict such as ``{"param_dtype": "bf16"}``. Shards stay in their
+            dtype (fp32 master weights); units are all-gathered in ``param_dtype`` (half the bytes for
+            bf16), gradients reduced in ``reduce_dtype`` (default: the shard's dtype), buffers cast to
+            ``buffer_dtype``, and floating-point inputs of the root's forward cast to ``param_dtype``.
+            Takes precedence over the one derived from ``Trainer(precision=...)``.
+        auto_wrap_policy: which modules become units (one all-gather and one reduce-scatter each):
+            a set of classes (``{Block}``), an int (the minimum parameter count not yet in a unit), a
+            callable ``(module, recurse, nonwrapped_numel) -> bool``, or torch's policy objects
+            (``ModuleWrapPolicy({Block})``). ``None`` (default): the whole model is one unit. Finer
+            units lower peak memory and cost more collectives; the root is always a unit for what no
+            other unit holds. Tied parameters go to the lowest unit containing every module that uses
+            them; frozen ones are sharded but never reduced. ``"auto"`` (with ``memory_budget`` and
+            ``example_batch``): the units, activation checkpointing per block, FULL_SHARD or
+            SHARD_GRAD_OP and CPU offload are chosen by a memory plan before the process group is
+            created: the fastest that fits, printed with why (costs a few plans on every rank).
+        activation_checkpointing: Lightning's older form of ``activation_checkpointing_policy``:
+            a class or a list of classes.
+        activation_checkpointing_policy: modules whose activations are recomputed in backward
+            instead of stored, in the forms of ``auto_wrap_policy``, or ``ModuleNames(["blocks.0"])``
+            (``fsdp_strategy.wrap``: by qualified name; a name the model lacks is an error). Parameter
+            names do not change. On a model that already has checkpointed layers: a warning, and the
+            policy is ignored (as Lightning).
+        sharding_strategy: what is sharded (the table above): a name in any case, our
+            ``ShardingStrategy`` or torch's.
+        state_dict_type: ``"full"`` (default: one file in Lightning's layout, gathered unit by unit
+            to rank 0) or ``"sharded"`` (a folder each rank writes its shards into; loads at any world
+            size). See the checkpoints page.
+        device_mesh: ``(replicate, shard)`` sizes or a 2-D ``DeviceMesh``, for the hybrid
+            strategies; the product must equal ``num_nodes * devices``. Default there:
+            ``(num_nodes, devices)``, one shard group per node (as FSDP1 and Lightning).
+        async_save: sharded checkpoints are written in the background while training goes on.
         param_init_fn: ``(module) -> None``, called on each module that still has tensors on the
             meta device (``trainer.init_module(empty_init=True)``) to allocate and initialize them;
             default: ``reset_parameters()`` and the enclosing ``_init_weights`` (Hugging Face).
         forward_prefetch: issue the next unit's all-gather when a unit's forward starts (default
-            True, unlike FSDP1's False: the engine never holds more than one unit ahead).
-        backward_prefetch: "BACKWARD_PRE" (default), "BACKWARD_POST" or None, as FSDP1's.
-        sync_module_states: broadcast global rank 0's parameters and buffers before sharding.
-        ignored_modules: modules of the model whose parameters are not sharded nor synchronized
-            (FSDP1's meaning: every rank keeps them whole; freeze them or sync them yourself).
-        collective_timeout: seconds (or a ``timedelta``) a collective of the engine may wait before
-            every rank stops with a report of where each rank was (default None: ``timeout``, the
-            process group's, 30 minutes unless set; ``math.inf``: no limit). Barriers, broadcasts and
-            checkpoint gathers are left to ``timeout``. A dead or raising rank stops the others at
-            their next collective whatever this is; a rank outside every collective is ended only
-            after this long ([Note: watchdog]).
-        check_collective_order: stamp every collective so that ranks issuing different ones (a
-            unit called an extra time on one rank) stop at the first (default True; costs 16
-            elements per collective).
-        optimizer_updates: ``{optimizer class (or dotted path): "elementwise" | "whole_matrix"}``:
+            ``True``, unlike FSDP1's ``False``: the engine never holds more than one unit ahead, so it
+            costs one unit of memory).
+        backward_prefetch: ``"BACKWARD_PRE"`` (default: the next unit is gathered when a unit's
+            backward starts), ``"BACKWARD_POST"`` (once its gradients are computed: less memory, less
+            overlap) or ``None`` (only when backward reaches it). The numbers do not change.
+        sync_module_states: every rank takes global rank 0's parameters and buffers before
+            sharding (one broadcast per tensor at setup), for models initialized differently per rank.
+        ignored_modules: modules whose parameters are not sharded, gathered or reduced (FSDP1's
+            meaning): every rank keeps them whole, their gradients are the rank's own (a warning says
+            so if any is trainable: freeze them or synchronize them yourself); saved whole, stepped by
+            optimizers, counted locally by gradient clipping.
+        collective_timeout: seconds or a ``timedelta`` one collective of the engine may wait before
+            every rank stops with a report of where each rank was (default ``None``: ``timeout``, 30
+            minutes unless set; ``math.inf``: no limit). A dead or raising rank stops the others at
+            their next collective whatever this is; this bounds a hang. Barriers, broadcasts,
+            Lightning's ``reduce`` and the checkpoint's gathers are left to ``timeout``.
+        check_collective_order: stamp every collective (16 extra elements per rank) so that ranks
+            issuing different ones (a unit called an extra time on one rank, a branch around a unit)
+            stop at the first, both named, instead of mixing tensors or hanging (default ``True``;
+            no cost measured beyond noise).
+        optimizer_updates: ``{optimizer class or dotted path: "elementwise" | "whole_matrix"}``:
             how an optimizer the engine does not know updates a parameter. Elementwise ones (torch's
             SGD, Adam, AdamW, ...) step shards; whole-matrix ones (torch's Muon, Adafactor declared
-            so, your own) are stepped whole, each matrix on one rank (costs about 5x the matrices'
-            bytes over the shard group per step for Muon); an unknown one warns once; LBFGS is refused.
-        process_group_backend: "gloo", "nccl", ...; default: by device.
-        timeout: a ``timedelta``: timeout of every collective (a rank that dies fails the others after it).
-        FSDP keywords Lightning passes through: ``use_orig_params=True`` and
-        ``limit_all_gathers=True`` are what the engine does; other values, ``process_group``,
-        ``device_id`` and ``ignored_states`` are refused saying why (``arguments.py``).
-
-    Costs: per rank, 1/N of parameters, gradients and optimizer state at rest, plus the
-    units gathered at the moment (the running one, the root and one prefetched).
+            so, your own) step each matrix whole on one rank (about 5x the matrices' bytes over the
+            shard group per step for Muon); an unknown one warns once; LBFGS is refused.
+        memory_budget: bytes per rank for ``auto_wrap_policy="auto"`` (an int or ``"70GiB"``).
+        example_batch: one batch as ``training_step`` receives it, for ``"auto"`` (meta tensors work).
+        **fsdp_kwargs: the FSDP keywords Lightning's ``FSDPStrategy`` passes to torch:
+            ``use_orig_params=True`` and ``limit_all_gathers=True`` are what the engine always does;
+            ``False``, ``process_group``, ``device_id`` and ``ignored_states`` are refused saying why.
     """
 
     strategy_name = "fsdp_custom"

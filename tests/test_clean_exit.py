@@ -1,7 +1,7 @@
 """Correct 2-rank jobs exit 0 with no abort at interpreter exit, under Lightning's launcher and
 torchrun ([Note: watchdog]: the thread is stopped and joined before the process group goes).
 
-A scaled-down run of benchmarks/clean_exits.py (README: 50 jobs under each launcher)."""
+A scaled-down run of benchmarks/clean_exits.py (docs/troubleshooting.md: 50 jobs under each launcher)."""
 
 from __future__ import annotations
 

@@ -196,7 +196,7 @@ def _rank_pid(agent_pid: int, local_rank: int) -> int | None:
 
 @pytest.mark.slow
 def test_torchrun_restart_resumes(tmp_path):
-    """README's torchrun command with ``resume=auto`` (and Muon, README's quick start): rank 1 is
+    """docs/restarts.md's torchrun command with ``resume=auto`` (and Muon, README's quick start): rank 1 is
     SIGKILLed once the first checkpoint is committed; torchrun restarts both ranks on its shared
     store and the run resumes from ``last`` and finishes, training again within 30 s of the kill."""
     rendezvous = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}"]

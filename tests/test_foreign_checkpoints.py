@@ -182,7 +182,7 @@ def _one_process_body(rank: int, world: int, folder: str) -> dict:
 
 def test_a_sharded_folder_loads_into_a_plain_module_in_one_process(tmp_path):
     trained = run_ranks(_one_process_body, 2, tmp_path, str(tmp_path), env=LIGHTNING_ENV, timeout=300)[0]
-    with pytest.raises(IsADirectoryError):  # Lightning's classmethod opens a file; README names the call below
+    with pytest.raises(IsADirectoryError):  # Lightning's opens a file; docs/checkpoints.md names the call below
         LitNet.load_from_checkpoint(tmp_path / "sharded.ckpt")
     plain = load_from_checkpoint(LitNet, tmp_path / "sharded.ckpt")
     assert type(plain) is LitNet and plain.hparams.width == 10

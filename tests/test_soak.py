@@ -34,4 +34,4 @@ def test_200_steps_of_the_gpt_example_leak_nothing_and_repeat_bitwise(tmp_path):
     for key in ("threads", "fds", "ledger_units", "memory_timeline", "monitor_entries"):
         assert len({sample[key] for sample in after}) == 1, (key, after)
     assert all(sample["flight_ring"] <= RING_SIZE for sample in after)
-    assert report["growth"]["rss_mib"] < 0.02  # the 2,000-step run in README: within 1 %
+    assert report["growth"]["rss_mib"] < 0.02  # the 2,000-step run in docs/troubleshooting.md: within 1 %

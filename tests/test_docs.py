@@ -1,0 +1,114 @@
+"""The documentation says what the code does: every strategy argument is documented in its
+docstring (the Options page is generated from it, so nothing is kept by hand), every shell and
+Python block in README.md and docs/ is run by a named test or marked as not run with why, and the
+plan the README's command prints is the one docs/memory-plans.md shows."""
+
+from __future__ import annotations
+
+import inspect
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from fsdp_strategy import FSDPCustomFabricStrategy, FSDPCustomStrategy
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+FENCE = re.compile(r"^\s*```(python|bash)\s*$")
+MARK = re.compile(r"^\s*<!-- (not run: .+|run by (\.ci/run|tests/[\w/]+\.py::\w+)) -->\s*$")
+
+
+def _documented(cls: type) -> set[str]:
+    """The names of the ``Args:`` section of a class's docstring (``**fsdp_kwargs`` as ``fsdp_kwargs``)."""
+    doc = inspect.getdoc(cls) or ""
+    assert "\nArgs:\n" in doc, f"{cls.__name__}'s docstring has no Args section"
+    section = doc.split("\nArgs:\n", 1)[1].split("\n\n", 1)[0]
+    return {match.group(1) for match in re.finditer(r"^    (?:\*\*)?(\w+):", section, re.MULTILINE)}
+
+
+def _arguments(cls: type) -> set[str]:
+    return set(inspect.signature(cls.__init__).parameters) - {"self"}
+
+
+def test_every_strategy_argument_is_documented_once_in_its_docstring():
+    trainer, fabric = _documented(FSDPCustomStrategy), _documented(FSDPCustomFabricStrategy)
+    assert trainer == _arguments(FSDPCustomStrategy), (
+        f"undocumented: {sorted(_arguments(FSDPCustomStrategy) - trainer)}; "
+        f"not arguments: {sorted(trainer - _arguments(FSDPCustomStrategy))}"
+    )
+    assert fabric <= _arguments(FSDPCustomFabricStrategy)
+    missing = _arguments(FSDPCustomFabricStrategy) - fabric - trainer
+    assert not missing, f"FSDPCustomFabricStrategy's {sorted(missing)} are documented on neither strategy"
+
+
+def _blocks() -> list[tuple[Path, int, str, str]]:
+    """(page, line, the marker line before the block, the block's text) of every shell and Python block."""
+    found = []
+    for page in PAGES:
+        lines = page.read_text().splitlines()
+        for number, line in enumerate(lines):
+            if FENCE.match(line):
+                end = next(i for i in range(number + 1, len(lines)) if lines[i].strip().startswith("```"))
+                before = lines[number - 1] if number else ""
+                found.append((page, number + 1, before, "\n".join(lines[number + 1 : end])))
+    return found
+
+
+def test_every_shell_and_python_block_is_run_by_a_test_or_marked_not_run():
+    ci = (ROOT / ".ci" / "run").read_text()
+    unmarked, wrong = [], []
+    for page, line, marker, text in _blocks():
+        where = f"{page.relative_to(ROOT)}:{line}"
+        match = MARK.match(marker)
+        if match is None:
+            unmarked.append(where)
+            continue
+        how = match.group(2)
+        if how == ".ci/run":
+            wrong += [f"{where}: {command!r} is not in .ci/run" for command in text.splitlines() if command not in ci]
+        elif how is not None:
+            path, name = how.split("::")
+            source = (ROOT / path).read_text() if (ROOT / path).exists() else ""
+            if f"def {name}(" not in source:
+                wrong.append(f"{where}: {how} does not exist")
+            elif page.stem not in source:
+                wrong.append(f"{where}: {path} never reads {page.name}")
+    assert not unmarked, (
+        "put '<!-- run by tests/<file>.py::<test> -->' or '<!-- not run: <why> -->' on the line before "
+        f"each of these blocks: {unmarked}"
+    )
+    assert not wrong, wrong
+
+
+def _block_after(page: str, words: str, fence: str = "```") -> str:
+    """The first block opened by exactly ``fence`` after ``words`` on ``page``."""
+    lines = (ROOT / page).read_text().splitlines()
+    number = next(i for i, line in enumerate(lines) if words in line)
+    inside, skipping = None, False
+    for line in lines[number:]:
+        if not line.strip().startswith("```"):
+            if inside is not None:
+                inside.append(line)
+        elif inside is not None:
+            return "\n".join(inside)
+        elif skipping:
+            skipping = False
+        elif line.strip() == fence:
+            inside = []
+        else:
+            skipping = True  # another kind of block: to its end
+    raise AssertionError(f"no {fence} block after {words!r} in {page}")
+
+
+@pytest.mark.slow
+def test_readme_plan_command_prints_the_plan_the_docs_show(tmp_path):
+    """README's `fsdp-plan` command, run as written, prints the plan docs/memory-plans.md quotes."""
+    (command,) = _block_after("README.md", "**Check that it fits.**", "```bash").splitlines()
+    assert command.startswith("fsdp-plan "), command
+    done = subprocess.run(command, shell=True, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    quoted = _block_after("docs/memory-plans.md", "The same from the shell").strip()
+    assert command in _block_after("docs/memory-plans.md", "The same from the shell", "```bash")
+    assert done.stdout.strip() == quoted, f"update docs/memory-plans.md to what the command prints:\n{done.stdout}"
