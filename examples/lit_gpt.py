@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 from torchmetrics.classification import MulticlassAccuracy
 from torchmetrics.text import Perplexity
 
-from fsdp_strategy.optim import MuonWithAdamW
+from fsdp_strategy import MuonWithAdamW
 
 OPTIMIZERS = ("adamw", "muon")
 

@@ -9,6 +9,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from fsdp_strategy.config import CPUOffload, MixedPrecision, ShardingStrategy
 from fsdp_strategy.engine import summon_full_params
+from fsdp_strategy.engine.muon_with_adamw import MuonWithAdamW
 from fsdp_strategy.fabric import FSDPCustomFabricStrategy
 from fsdp_strategy.plan import MemoryPlan, plan  # the function: fsdp_strategy.plan(...)
 from fsdp_strategy.precision import FSDPCustomFabricPrecision, FSDPCustomPrecision
@@ -22,6 +23,7 @@ __all__ = [
     "FSDPCustomStrategy",
     "MemoryPlan",
     "MixedPrecision",
+    "MuonWithAdamW",
     "ShardingStrategy",
     "plan",
     "summon_full_params",

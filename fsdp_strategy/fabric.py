@@ -31,18 +31,14 @@ from lightning.fabric.utilities.types import Optimizable, ReduceOp
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from fsdp_strategy.arguments import (
-    STRATEGY_VARIANTS,
-    StrategyArguments,
-    apply_recomputation,
-    check_fsdp_keywords,
-)
+from fsdp_strategy.arguments import STRATEGY_VARIANTS, StrategyArguments, apply_recomputation
 from fsdp_strategy.checkpoint.writer import CheckpointWriter
 from fsdp_strategy.config import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from fsdp_strategy.distributed import build_mesh, connect, mesh_shape, set_world_ranks
 from fsdp_strategy.engine import get_scheduler, is_sharded, shard_with_options
 from fsdp_strategy.engine.watchdog import Watchdog
 from fsdp_strategy.fabric_checkpoints import FabricCheckpoints
+from fsdp_strategy.options import check_fsdp_keywords
 from fsdp_strategy.precision import FSDPCustomFabricPrecision
 from fsdp_strategy.strategy_watchdog import WatchdogHooks
 
@@ -66,7 +62,9 @@ class FSDPCustomFabricStrategy(StrategyArguments, WatchdogHooks, FabricCheckpoin
         **fsdp_kwargs: the FSDP keywords Fabric's ``FSDPStrategy`` passes to torch, as the Trainer's.
 
     Every other argument has the name, default and meaning it has on
-    [FSDPCustomStrategy][fsdp_strategy.FSDPCustomStrategy] (Fabric's ``FSDPStrategy`` takes the same).
+    [FSDPCustomStrategy][fsdp_strategy.FSDPCustomStrategy] (Fabric's ``FSDPStrategy`` takes the same);
+    ``auto_wrap_policy="auto"`` is refused here: plan first with ``fsdp_strategy.plan`` and pass its
+    ``strategy_kwargs``.
     """
 
     def __init__(
@@ -96,7 +94,7 @@ class FSDPCustomFabricStrategy(StrategyArguments, WatchdogHooks, FabricCheckpoin
         **fsdp_kwargs: Any,
     ) -> None:
         parameters = list(inspect.signature(FSDPCustomFabricStrategy.__init__).parameters)[1:-1]
-        check_fsdp_keywords(fsdp_kwargs, parameters)
+        check_fsdp_keywords(fsdp_kwargs, parameters, owner=type(self).__name__)
         ParallelStrategy.__init__(  # not Fabric FSDPStrategy's: it builds FSDP1's arguments
             self,
             accelerator=accelerator,

@@ -10,7 +10,7 @@ all-reduced over all ranks), and the Trainer's clips by the global norm of the s
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
-from typing import Any, get_args
+from typing import Any
 
 import torch
 from lightning.fabric.plugins import precision as fabric_precision
@@ -20,32 +20,25 @@ from lightning.pytorch.plugins.precision.fsdp import FSDPPrecision
 from torch.optim import Optimizer
 
 from fsdp_strategy.config import MixedPrecision
-
-_LOW = {"bf16": torch.bfloat16, "16": torch.float16}
+from fsdp_strategy.options import PrecisionRules
 
 
 class DeviceAgnosticPrecision:
-    """ "32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true" on any device type.
-
-    "*-mixed" gathers parameters in the low dtype, reduces gradients in fp32, keeps fp32
-    master shards and runs the step under ``torch.autocast`` on the device type in use.
-    "*-true" converts the whole module (shards, optimizer state) to the low dtype.
+    """ "32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true" on any device type, by
+    ``PrecisionRules`` (options.py: "*-mixed" gathers parameters in the low dtype, reduces gradients
+    in fp32, keeps fp32 master shards and runs forward under ``torch.autocast`` on the device type
+    in use; "*-true" converts the whole module and its inputs), with the grad scaler of "16-mixed".
     """
 
     def __init__(self, precision: _PRECISION_INPUT, scaler: Any = None) -> None:
-        if precision not in get_args(_PRECISION_INPUT):
-            raise ValueError(
-                f"precision={precision!r} is not supported by the fsdp_custom strategy; "
-                f"accepted: {list(get_args(_PRECISION_INPUT))}"
-            )
+        self.rules = PrecisionRules(precision)
         if scaler is not None and precision != "16-mixed":
             raise ValueError(f"precision={precision!r} does not use a grad scaler, got {scaler}")
         self.precision = precision
         # a given scaler is rebuilt in attach() as a ShardedGradScaler for the strategy's device
         self._scaler_settings, self._scaler_device = _scaler_settings(scaler) if scaler is not None else ({}, None)
         self.scaler = None
-        self._low = _LOW.get(precision.split("-")[0], torch.float32)  # the dtype the name asks for
-        self._desired_input_dtype = self._low if precision.endswith("-true") else torch.float32
+        self._desired_input_dtype = self.rules.input_dtype  # Lightning's convert_input reads it
         self.device_type = "cpu"
         self.clip_fn: Any = None
         self.before_update: Any = None
@@ -66,26 +59,22 @@ class DeviceAgnosticPrecision:
 
     @property
     def mixed_precision_config(self) -> MixedPrecision:
-        """The dtypes this precision trains in, as Lightning's ``FSDPPrecision.mixed_precision_config``
-        gives them (an object for every precision; clients such as Lightning's ``ThroughputMonitor``
-        read it): "*-mixed" gathers parameters and keeps buffers in the low dtype and reduces
-        gradients in fp32 (Lightning's reduces in the low dtype); "*-true" and "32-true" have every
-        dtype that of the converted module."""
-        engine = self.engine_mixed_precision
-        return engine if engine is not None else MixedPrecision(self._low, self._low, self._low)
+        """The dtypes this precision trains in, an object for every precision as Lightning's
+        ``FSDPPrecision.mixed_precision_config`` (clients such as Lightning's ``ThroughputMonitor``
+        read it); "*-mixed" reduces gradients in fp32 (Lightning's reduces in the low dtype)."""
+        return self.rules.mixed_precision_config
 
     @property
     def engine_mixed_precision(self) -> MixedPrecision | None:
         """What the engine is given: for "*-mixed", params and buffers low, gradients reduced in fp32;
         None otherwise (the module itself is in the precision's dtype: nothing to cast)."""
-        if not self.precision.endswith("-mixed"):
-            return None
-        return MixedPrecision(param_dtype=self._low, reduce_dtype=torch.float32, buffer_dtype=self._low)
+        return self.rules.engine_mixed_precision
+
+    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        return self.rules.convert_module(module)
 
     def forward_context(self) -> AbstractContextManager:
-        if self.precision.endswith("-mixed"):
-            return torch.autocast(self.device_type, dtype=self._low)
-        return super().forward_context()  # type: ignore[misc]
+        return self.rules.forward_context(self.device_type)
 
 
 def _convert(cls: type, plugin: Any, convertible: tuple[type, ...], how: str) -> Any:

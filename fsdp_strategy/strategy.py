@@ -36,7 +36,6 @@ from fsdp_strategy.arguments import (
     STRATEGY_VARIANTS,
     StrategyArguments,
     apply_recomputation,
-    check_fsdp_keywords,
     refuse_whole_model_averaging,
 )
 from fsdp_strategy.checkpoint.writer import CheckpointWriter
@@ -45,9 +44,10 @@ from fsdp_strategy.distributed import build_mesh, connect, mesh_shape, set_world
 from fsdp_strategy.engine import Scheduler, get_scheduler, is_sharded, shard_with_options
 from fsdp_strategy.engine.ledger import CommLedger
 from fsdp_strategy.engine.watchdog import Watchdog
+from fsdp_strategy.options import check_fsdp_keywords
 from fsdp_strategy.precision import FSDPCustomPrecision
-from fsdp_strategy.requeue import DeferredRequeue
 from fsdp_strategy.strategy_checkpoints import CheckpointHooks
+from fsdp_strategy.strategy_requeue import DeferredRequeue
 from fsdp_strategy.strategy_watchdog import WatchdogHooks
 from fsdp_strategy.sync_batchnorm import convert_sync_batchnorm
 
@@ -99,8 +99,9 @@ class FSDPCustomStrategy(StrategyArguments, WatchdogHooks, CheckpointHooks, Ligh
         process_group_backend: ``"gloo"``, ``"nccl"``, ``"cpu:gloo,cuda:nccl"``; default: by
             device; checked against the backends torch knows. On an accelerator the process group is
             created with ``device_id``, so NCCL binds it at once.
-        timeout: a positive ``timedelta`` for every collective of the process group: a rank that
-            dies makes the others fail after it instead of hanging.
+        timeout: a positive ``timedelta`` for every collective of the process group (default: 30
+            minutes, Lightning's; None: torch's), so that a rank that dies makes the others fail
+            after it instead of hanging.
         cpu_offload: ``True`` or ``CPUOffload(offload_params=True)`` (or
             ``strategy="fsdp_custom_cpu_offload"``): shards, gradients and optimizer state live in CPU
             memory (pinned, on CUDA); each unit is copied to the device before its all-gather, reduced
@@ -443,7 +444,7 @@ class FSDPCustomStrategy(StrategyArguments, WatchdogHooks, CheckpointHooks, Ligh
 
     def on_train_start(self) -> None:
         """Hold Lightning's SLURM requeue handler back to a step all ranks agree on ([Note: requeue
-        at an agreed step] in requeue.py)."""
+        at an agreed step] in strategy_requeue.py)."""
         self._requeue.install(self.lightning_module.trainer)
         super().on_train_start()
 

@@ -43,9 +43,28 @@ class Mutation(NamedTuple):
 
 MUTATIONS = [
     Mutation(
+        "backward_prefetch_from_last_step",
+        "backward prefetches in the previous step's backward order (a layer dropped this step is gathered)",
+        "fsdp_strategy/engine/runtime.py",
+        "            self._order.follow_reversed((\"backward\", self._backward.index), self._post_forward_order)\n",
+        "",
+        (
+            "tests/test_comm_schedule.py::"
+            "test_prefetch_follows_the_previous_step_in_forward_and_this_steps_forward_in_backward",
+        ),
+    ),
+    Mutation(
+        "stale_optimizer_steps",
+        "an optimizer created before sharding steps the model's old parameters (nothing changes) without an error",
+        "fsdp_strategy/engine/optimizer_steps.py",
+        "if not any(i in self._held or i in self._replaced for i in params):",
+        "if not any(i in self._held for i in params):",
+        ("tests/test_misuse.py::test_an_optimizer_created_before_sharding_is_refused",),
+    ),
+    Mutation(
         "restart_reads_old_keys",
         "a torchrun restart creates its process group on the agent's store as it is (the failed attempt's keys)",
-        "fsdp_strategy/rendezvous.py",
+        "fsdp_strategy/distributed/rendezvous.py",
         "    return dist.PrefixStore(namespace, store)\n",
         "    return store\n",
         ("tests/test_restarts.py::test_attempts_on_one_store_never_read_each_others_keys",),

@@ -291,14 +291,34 @@ def _prefetch_body(rank: int, world: int) -> dict:
         with torch.no_grad():
             model(tokens, skip=step >= 2)
         gathers.append(_calls(ledger.snapshot(), "all_gather"))
-    return {"gathers": gathers}
+    get_scheduler(model).close()
+    trained = {}
+    for name, skip_from in (("dropped", 2), ("never", 0), ("always", 99)):  # training steps: forward + backward
+        torch.manual_seed(0)
+        model = shard_model(Chain(), auto_wrap_policy={MLPBlock})
+        ledger = get_scheduler(model).ledger
+        counts = []
+        for step in range(4):
+            ledger.start_step()
+            model(tokens, skip=step >= skip_from).sum().backward()
+            counts.append(_calls(ledger.snapshot(), "all_gather"))
+        get_scheduler(model).close()
+        trained[name] = counts
+    return {"gathers": gathers, "trained": trained}
 
 
-def test_prefetch_follows_the_previous_step_not_the_first(tmp_path):
+def test_prefetch_follows_the_previous_step_in_forward_and_this_steps_forward_in_backward(tmp_path):
     result = run_ranks(_prefetch_body, 2, tmp_path)[0]
     # 5 units ran (root + 4 blocks); from step 2 on block 2 is skipped: step 2 still prefetches it
     # once (the previous step ran it), steps 3 and 4 follow step 2's order and gather 4 units
     assert result["gathers"] == [5, 5, 5, 4, 4]
+    # training: the backward follows this step's forward, so a block dropped at step 2 is not gathered
+    # by that step's backward; only its forward's prefetch (learned from step 1) gathers it once more
+    # than a model that never ran it (the oracle), and from step 3 on they are equal
+    trained = result["trained"]
+    assert trained["always"][0] == trained["always"][3] == trained["dropped"][1], trained
+    assert trained["dropped"][2] == trained["never"][2] + 1, trained
+    assert trained["dropped"][3] == trained["never"][3], trained
 
 
 def _returns_input_body(rank: int, world: int) -> dict:

@@ -56,3 +56,46 @@ def test_cpu_offload_conversions_and_errors():
         CPUOffload.from_any("yes")
     with pytest.raises(TypeError, match="offload_params must be a bool"):
         CPUOffload(offload_params="yes")
+
+
+def test_the_plan_refuses_what_the_strategies_refuse_without_building_one():
+    """``StrategyOptions`` is the one check: the Trainer strategy, Fabric's and the memory plan raise
+    the same error for the same bad argument; the defaults a plan assumes are the Trainer's."""
+    import dataclasses
+    import inspect
+
+    from fsdp_strategy import FSDPCustomFabricStrategy, FSDPCustomStrategy
+    from fsdp_strategy.options import STRATEGY_DEFAULTS, ShardingOptions, StrategyOptions
+    from fsdp_strategy.plan import plan
+
+    model, batch = torch.nn.Linear(4, 4), torch.zeros(2, 4)
+    for bad in (
+        {"state_dict_type": "bogus"},
+        {"sharding_strategy": "ZERO9"},
+        {"device_mesh": (2, 2), "sharding_strategy": "FULL_SHARD"},
+        {"collective_timeout": -1},
+        {"activation_checkpointing": [int]},
+        {"use_orig_params": False},
+        {"auto_wrap_polcy": {torch.nn.Linear}},
+    ):
+        told = []
+        for build, args in (
+            (FSDPCustomStrategy, ()),
+            (FSDPCustomFabricStrategy, ()),
+            (plan, (model, batch)),
+        ):
+            extra = {"world_size": 2} if build is plan else {}
+            with pytest.raises((TypeError, ValueError)) as error:
+                build(*args, **extra, **bad)
+            message = str(error.value).replace("FSDPCustomFabricStrategy", "FSDPCustomStrategy")
+            told.append(message.split(" Accepted:")[0])  # each lists its own arguments
+        assert len(set(told)) == 1, (bad, told)
+    signature = inspect.signature(FSDPCustomStrategy.__init__).parameters
+    defaults = {f.name: f.default for f in dataclasses.fields(ShardingOptions)} | STRATEGY_DEFAULTS
+    differ = {name: (value, signature[name].default) for name, value in defaults.items() if name != "timeout"}
+    differ = {
+        name: pair
+        for name, pair in differ.items()
+        if StrategyOptions.from_arguments({name: pair[1]}) != (StrategyOptions.from_arguments({name: pair[0]}))
+    }
+    assert not differ, differ

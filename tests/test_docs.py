@@ -5,6 +5,7 @@ plan the README's command prints is the one docs/memory-plans.md shows."""
 
 from __future__ import annotations
 
+import ast
 import inspect
 import re
 import subprocess
@@ -16,8 +17,8 @@ from fsdp_strategy import FSDPCustomFabricStrategy, FSDPCustomStrategy
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-FENCE = re.compile(r"^\s*```(python|bash)\s*$")
-MARK = re.compile(r"^\s*<!-- (not run: .+|run by (\.ci/run|tests/[\w/]+\.py::\w+)) -->\s*$")
+FENCE = re.compile(r"^\s*(```|~~~)\s*(python|py|bash|sh|shell|console|zsh)\b")
+MARK = re.compile(r"^\s*<!-- (not run: \S.{9,}|run by (\.ci/run|tests/[\w/]+\.py::\w+)) -->\s*$")
 
 
 def _documented(cls: type) -> set[str]:
@@ -50,10 +51,22 @@ def _blocks() -> list[tuple[Path, int, str, str]]:
         lines = page.read_text().splitlines()
         for number, line in enumerate(lines):
             if FENCE.match(line):
-                end = next(i for i in range(number + 1, len(lines)) if lines[i].strip().startswith("```"))
+                fence = line.strip()[:3]
+                end = next(i for i in range(number + 1, len(lines)) if lines[i].strip().startswith(fence))
                 before = lines[number - 1] if number else ""
                 found.append((page, number + 1, before, "\n".join(lines[number + 1 : end])))
     return found
+
+
+def _reads(path: Path, name: str, page: str) -> bool:
+    """Whether test ``name`` in ``path`` (or a function of that file it calls) names ``page``."""
+    source = path.read_text()
+    functions = {node.name: node for node in ast.walk(ast.parse(source)) if isinstance(node, ast.FunctionDef)}
+    if name not in functions:
+        return False
+    body = ast.get_source_segment(source, functions[name]) or ""
+    called = {node.id for node in ast.walk(functions[name]) if isinstance(node, ast.Name)} & set(functions)
+    return any(page in (ast.get_source_segment(source, functions[f]) or "") for f in {name, *called}) or page in body
 
 
 def test_every_shell_and_python_block_is_run_by_a_test_or_marked_not_run():
@@ -73,8 +86,8 @@ def test_every_shell_and_python_block_is_run_by_a_test_or_marked_not_run():
             source = (ROOT / path).read_text() if (ROOT / path).exists() else ""
             if f"def {name}(" not in source:
                 wrong.append(f"{where}: {how} does not exist")
-            elif page.stem not in source:
-                wrong.append(f"{where}: {path} never reads {page.name}")
+            elif not _reads(ROOT / path, name, page.name):
+                wrong.append(f"{where}: {how} never reads {page.name}")
     assert not unmarked, (
         "put '<!-- run by tests/<file>.py::<test> -->' or '<!-- not run: <why> -->' on the line before "
         f"each of these blocks: {unmarked}"
@@ -112,3 +125,27 @@ def test_readme_plan_command_prints_the_plan_the_docs_show(tmp_path):
     quoted = _block_after("docs/memory-plans.md", "The same from the shell").strip()
     assert command in _block_after("docs/memory-plans.md", "The same from the shell", "```bash")
     assert done.stdout.strip() == quoted, f"update docs/memory-plans.md to what the command prints:\n{done.stdout}"
+
+
+def _slug(heading: str) -> str:
+    """The anchor MkDocs (and GitHub) gives a heading."""
+    text = re.sub(r"[^\w\s-]", "", heading.strip().lower())
+    return re.sub(r"[\s]+", "-", text)
+
+
+def test_readme_links_point_at_files_and_headings_that_exist():
+    """mkdocs checks the links inside docs/; README's, which GitHub renders, are checked here."""
+    readme = (ROOT / "README.md").read_text()
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", readme):
+        if target.startswith(("http://", "https://")):
+            continue
+        path, _, anchor = target.partition("#")
+        page = ROOT / path if path else ROOT / "README.md"
+        if not page.exists():
+            broken.append(target)
+        elif anchor and page.suffix == ".md":
+            headings = re.findall(r"^#+ (.+)$", page.read_text(), re.MULTILINE)
+            if anchor not in {_slug(h) for h in headings}:
+                broken.append(target)
+    assert not broken, broken

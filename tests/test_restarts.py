@@ -226,7 +226,7 @@ def _attempt(rank: int, port: int, delay: float, queue) -> None:
     import torch
     import torch.distributed as dist
 
-    from fsdp_strategy import rendezvous
+    from fsdp_strategy.distributed import rendezvous
 
     time.sleep(delay)
     try:
@@ -266,7 +266,7 @@ def test_attempts_on_one_store_never_read_each_others_keys():
 def test_a_rank_that_never_comes_is_named():
     import torch.distributed as dist
 
-    from fsdp_strategy import rendezvous
+    from fsdp_strategy.distributed import rendezvous
 
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     with pytest.raises(TimeoutError, match="0 joined, rank 2 never started"):

@@ -23,7 +23,7 @@ from oracle import PrecisionOracle, gathered_and_reduced_dtypes
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from fsdp_strategy import FSDPCustomPrecision, FSDPCustomStrategy
-from fsdp_strategy.arguments import init_process_group_kwargs
+from fsdp_strategy.options import init_process_group_kwargs
 
 STEPS = 6
 PER_RANK = 2

@@ -268,7 +268,7 @@ class OneOptimizer(MuonBesideAdamW):
         return loss
 
     def configure_optimizers(self):
-        from fsdp_strategy.optim import MuonWithAdamW
+        from fsdp_strategy import MuonWithAdamW
 
         hidden = [p for p in self.blocks.parameters() if p.ndim == 2]
         rest = [p for p in self.parameters() if all(p is not h for h in hidden)]
@@ -371,7 +371,7 @@ def test_muon_beside_adamw_in_fabric_equals_fabric_ddp(tmp_path):
 
 
 def test_muon_with_adamw_state_dict_round_trips():
-    from fsdp_strategy.optim import MuonWithAdamW
+    from fsdp_strategy import MuonWithAdamW
 
     def build():
         torch.manual_seed(0)

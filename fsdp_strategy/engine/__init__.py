@@ -19,7 +19,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_strategy.arguments import ShardingOptions, check_collective_timeout, options_from
 from fsdp_strategy.config import ShardingStrategy, validate_device_mesh
 from fsdp_strategy.engine import build
 from fsdp_strategy.engine.collectives import CommContext, CommGroup
@@ -28,6 +27,7 @@ from fsdp_strategy.engine.init import ParamInitFn
 from fsdp_strategy.engine.runtime import Scheduler
 from fsdp_strategy.engine.summon import summon_all_units
 from fsdp_strategy.engine.watchdog import CollectiveError, Watchdog
+from fsdp_strategy.options import ShardingOptions, check_collective_timeout, options_from
 
 __all__ = [
     "shard_model",

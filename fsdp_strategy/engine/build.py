@@ -9,7 +9,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_strategy.arguments import ShardingOptions
 from fsdp_strategy.config import MixedPrecision
 from fsdp_strategy.engine import collectives
 from fsdp_strategy.engine.accounting import MemoryAccount
@@ -24,6 +23,7 @@ from fsdp_strategy.engine.param import ShardedParam, ShardLayout
 from fsdp_strategy.engine.placement import Placement, plan_units
 from fsdp_strategy.engine.runtime import Scheduler
 from fsdp_strategy.engine.unit import FSDPUnit, UnitContext
+from fsdp_strategy.options import ShardingOptions
 from fsdp_strategy.wrap import select_unit_modules
 
 

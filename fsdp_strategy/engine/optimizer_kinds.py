@@ -21,19 +21,11 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
-from enum import Enum
-from typing import Any
 
 import torch
 
-from fsdp_strategy.optim import MuonWithAdamW
-
-
-class UpdateKind(str, Enum):
-    """How an optimizer's update of a parameter depends on the parameter."""
-
-    ELEMENTWISE = "elementwise"  # each element's update depends on that element alone: shards step as they are
-    WHOLE_MATRIX = "whole_matrix"  # each parameter's update depends on its whole tensor: placed whole on one rank
+from fsdp_strategy.engine.muon_with_adamw import MuonWithAdamW
+from fsdp_strategy.options import UpdateKind
 
 
 def _torch_optimizers(*names: str) -> tuple[type, ...]:
@@ -60,38 +52,6 @@ REFUSED = {
         "'whole_matrix'}",
     ),
 }
-
-
-def check_optimizer_updates(value: Any) -> dict[type, UpdateKind]:
-    """``optimizer_updates``: ``{optimizer class (or its dotted path): "elementwise" | "whole_matrix"}``."""
-    if value is None:
-        return {}
-    if not isinstance(value, Mapping):
-        raise TypeError(
-            f"optimizer_updates must be a dict {{optimizer class: 'elementwise' | 'whole_matrix'}}, got {value!r}"
-        )
-    declared = {}
-    for key, kind in value.items():
-        cls = _import(key) if isinstance(key, str) else key
-        if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
-            raise TypeError(f"optimizer_updates key {key!r} is not a torch.optim.Optimizer class (or a dotted path)")
-        try:
-            declared[cls] = UpdateKind(kind)
-        except ValueError:
-            raise ValueError(
-                f"optimizer_updates[{cls.__name__}]={kind!r}; accepted: {[k.value for k in UpdateKind]}"
-            ) from None
-    return declared
-
-
-def _import(path: str) -> Any:
-    import importlib
-
-    module, _, name = path.rpartition(".")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError, ValueError) as error:
-        raise ValueError(f"optimizer_updates key {path!r}: cannot import it ({error})") from None
 
 
 class OptimizerKinds:

@@ -18,9 +18,10 @@ from typing import Any
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from fsdp_strategy.engine.device import DeviceLayer
-from fsdp_strategy.engine.optimizer_kinds import OptimizerKinds, UpdateKind
+from fsdp_strategy.engine.optimizer_kinds import OptimizerKinds
 from fsdp_strategy.engine.unit import FSDPUnit, ShardedState
 from fsdp_strategy.engine.whole_matrix import WholeMatrixSteps
+from fsdp_strategy.options import UpdateKind
 
 
 class OptimizerSteps:

@@ -8,6 +8,15 @@ as it has followed the previous run so far. A step that takes another path (a un
 different branch) stops prefetching for the rest of that run instead of gathering units that
 will not run; its own order is what the following step prefetches from. At most one unit is
 prefetched ahead of the one running (see [Note: bounded prefetch] in runtime.py).
+
+A backward does not wait for a step to learn the path: it follows the reverse of this
+iteration's forward (``follow_reversed``: the order units finished forward, FSDP2's post-forward
+order), so a unit that did not
+run forward in this step is not gathered by its backward (a layer dropped from this step on). Of
+that order it keeps the units its own previous run reached, so the backward of one network of a
+GAN does not prefetch the other's. The forward can only predict from the previous step: a unit
+skipped for the first time is gathered once in that step's forward (``forward_prefetch=False``
+avoids it).
 """
 
 from __future__ import annotations
@@ -54,6 +63,14 @@ class ExecutionOrder:
             self._following[phase] = False
             return None
         return previous[index + 1] if index + 1 < len(previous) else None
+
+    def follow_reversed(self, phase: Hashable, forward: list[Any]) -> None:
+        """Let the run of ``phase`` just started prefetch in the reverse of ``forward`` (the order in
+        which this iteration's units finished forward), keeping the units the previous run of
+        ``phase`` reached (all of them the first time). Costs: one pass over ``forward``."""
+        before = self._previous.get(phase)
+        reached = None if before is None else {id(unit) for unit in before}
+        self._previous[phase] = [unit for unit in reversed(forward) if reached is None or id(unit) in reached]
 
     def commit(self, phase: Hashable) -> None:
         """End the run of ``phase``: its order is what the next run prefetches from."""

@@ -92,7 +92,7 @@ from fsdp_strategy.engine.clipping import clip_grad_norm
 from fsdp_strategy.engine.collectives import CommContext
 from fsdp_strategy.engine.guard import shard_used_by
 from fsdp_strategy.engine.iteration import BackwardPass, PostBackward, autograd_running
-from fsdp_strategy.engine.optimizer_kinds import OptimizerKinds, UpdateKind
+from fsdp_strategy.engine.optimizer_kinds import OptimizerKinds
 from fsdp_strategy.engine.optimizer_steps import OptimizerSteps
 from fsdp_strategy.engine.order import ExecutionOrder, Prefetch
 from fsdp_strategy.engine.param import ShardedParam
@@ -102,6 +102,7 @@ from fsdp_strategy.engine.trace import traced
 from fsdp_strategy.engine.traversal import grad_tensors, replace_grad_tensors
 from fsdp_strategy.engine.unit import FSDPUnit, ShardedState, raise_for_lost_edits
 from fsdp_strategy.engine.whole_matrix import WholeMatrixSteps
+from fsdp_strategy.options import UpdateKind
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +148,7 @@ class Scheduler:
         self._backwards_in_iteration = 0
         self._backward: BackwardPass | None = None
         self._ran_forward: dict[int, FSDPUnit] = {}  # units that ran forward with grad since their last reduction
+        self._post_forward_order: list[FSDPUnit] = []  # this iteration's, units with hooked outputs
         self.device_layer = units[0].device_layer  # [Note: host and device] in device.py
         self.reductions = Reductions(self.device_layer)  # the gradient reductions in flight (reductions.py)
         shard_comm = units[0].shard_comm
@@ -238,6 +240,8 @@ class Scheduler:
                 if id(tensor) not in frame.input_ids:  # a unit returning its input: backward is not its own
                     tensor.register_hook(self._backward_hooks[id(unit)])
                     hooked = True
+        if hooked and not in_backward:
+            self._post_forward_order.append(unit)  # [Note: prefetch from the previous run]
         if not state.on_stack:
             policy = self.sharding_strategy.reshard_after_forward
             if state.reshards_after_forward(hooked, self._root_depth, policy):
@@ -326,6 +330,7 @@ class Scheduler:
             log.warning("fsdp_custom: the previous iteration did not finish (an exception in backward?); resetting")
             self.reset()
         self._backwards_in_iteration = 0
+        self._post_forward_order = []
         self.comm.recorder.iteration += 1
         self._forward_phase = ("forward", torch.is_grad_enabled())
         self._order.start(self._forward_phase)
@@ -373,6 +378,7 @@ class Scheduler:
             self._backward = BackwardPass(self._backwards_in_iteration, torch.is_grad_enabled(), expected)
             self._backwards_in_iteration += 1
             self._order.start(("backward", self._backward.index))
+            self._order.follow_reversed(("backward", self._backward.index), self._post_forward_order)
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _reduce(self, unit: FSDPUnit) -> None:
@@ -402,6 +408,7 @@ class Scheduler:
         self._root_depth = 0
         self._backward = None
         self._ran_forward.clear()
+        self._post_forward_order = []
         self._forward_phase = None
         self._order.discard()
 

@@ -366,7 +366,7 @@ class Watchdog:
         rank = dist.get_rank()
         count = store.add(f"fsdp_custom/watchdog/starts/{rank}", 1)  # the k-th start of every rank: k
         # under torchrun the store is the agent's, kept across restarts: the group's keys are this attempt's
-        # ([Note: one namespace per attempt] in fsdp_strategy/rendezvous.py)
+        # ([Note: one namespace per attempt] in fsdp_strategy/distributed/rendezvous.py)
         channel = StoreChannel.connect(store, f"fsdp_custom/watchdog/{count}/")
         if node is None:
             node = int(os.environ.get("GROUP_RANK") or os.environ.get("NODE_RANK") or 0)

@@ -11,6 +11,8 @@ step's gradients are alive during the forward) while ``LiveBytes`` counts every 
 Nothing here models the units, buffers or schedule a second time: the engine allocates what it
 allocates in training, and the fake collectives keep the schedule's order. The engine skips
 the two checks that read values (order stamps, edits of gathered parameters) on fake tensors.
+The arguments are checked by ``StrategyOptions``, the check both strategies run, and the precision
+follows ``PrecisionRules``, which their precision plugins follow too (``options.py``).
 
 A model whose forward reads tensor values (``.item()``, ``nonzero``, data-dependent routing)
 cannot be planned on fake tensors; that is reported as such.
@@ -31,6 +33,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
 from torch.utils._pytree import tree_map
 
+from fsdp_strategy.options import PrecisionRules, StrategyOptions
 from fsdp_strategy.plan.flops import FlopCount
 from fsdp_strategy.plan.result import PARTS, MemoryPlan
 from fsdp_strategy.plan.tracker import ACTIVATIONS, LiveBytes
@@ -108,8 +111,6 @@ class Planned:
 def run(model: nn.Module, example_input: Any, planned: Planned) -> MemoryPlan:
     """Plan one configuration ([Note: memory plan]); the model given is not changed."""
     from fsdp_strategy.distributed import build_mesh, mesh_shape
-    from fsdp_strategy.precision import FSDPCustomPrecision
-    from fsdp_strategy.strategy import FSDPCustomStrategy
 
     if planned.strategy_kwargs.get("ignored_modules") is not None:
         raise ValueError(
@@ -122,26 +123,26 @@ def run(model: nn.Module, example_input: Any, planned: Planned) -> MemoryPlan:
             "runs its own optimizers and backward, which a plan does not have; plan the module it trains (e.g. each "
             "network of a GAN with its own batch) instead"
         )
-    strategy = FSDPCustomStrategy(**planned.strategy_kwargs)  # checks every argument as training would
-    precision = FSDPCustomPrecision(planned.precision)
+    options = StrategyOptions.from_arguments(*StrategyOptions.split(planned.strategy_kwargs))  # as training checks
+    precision = PrecisionRules(planned.precision)
     make_optimizer = optimizer_factory(planned.optimizer)
     nodes = planned.num_nodes
-    shape = mesh_shape(strategy._device_mesh, strategy.sharding_strategy, nodes, planned.world_size // nodes)
+    shape = mesh_shape(options.device_mesh, options.sharding.sharding_strategy, nodes, planned.world_size // nodes)
     module = _meta_copy(model)
     with fake_world(planned.world_size), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # self.log() without a trainer, and the like
         mesh = build_mesh(shape, "cpu")  # outside fake mode: the mesh reads its rank layout
-        result = _PlannedSteps(strategy, precision, mesh).run(module, example_input, make_optimizer)
+        result = _PlannedSteps(options, precision, mesh).run(module, example_input, make_optimizer)
     return dataclasses.replace(result, settings=planned.settings(), strategy_kwargs=dict(planned.strategy_kwargs))
 
 
 class _PlannedSteps:
     """Shard a meta model as the strategy's ``setup`` does and run ``STEPS`` steps on fake tensors."""
 
-    def __init__(self, strategy: Any, precision: Any, mesh: Any) -> None:
-        self.strategy, self.precision, self.mesh = strategy, precision, mesh
+    def __init__(self, options: StrategyOptions, precision: PrecisionRules, mesh: Any) -> None:
+        self.options, self.precision, self.mesh = options, precision, mesh
         self.device = torch.device("cpu")  # byte counts do not depend on the device type
-        self.offload = strategy.cpu_offload.offload_params
+        self.offload = options.sharding.cpu_offload.offload_params
         self.state = _State()
         host = (SHARDS, OPTIMIZER, GRADIENTS) if self.offload else ()
         self.tracker = LiveBytes(self.state.describe, host_tags=host)
@@ -158,11 +159,11 @@ class _PlannedSteps:
         tracker, state, precision, device = self.tracker, self.state, self.precision, self.device
         flops = FlopCount()
         module = precision.convert_module(module)
-        if self.strategy.activation_checkpointing_policy is not None:
-            apply_activation_checkpointing(module, self.strategy.activation_checkpointing_policy)
+        if self.options.activation_checkpointing_policy is not None:
+            apply_activation_checkpointing(module, self.options.activation_checkpointing_policy)
         options = dataclasses.replace(
-            self.strategy._options,
-            mixed_precision=self.strategy.mixed_precision or precision.engine_mixed_precision,
+            self.options.sharding,
+            mixed_precision=self.options.sharding.mixed_precision or precision.engine_mixed_precision,
             param_init_fn=lambda m: _allocate(m, device),
             sync_module_states=False,
         )
@@ -175,7 +176,6 @@ class _PlannedSteps:
             tracker.tag = OPTIMIZER  # an optimizer that makes its state at construction (Adagrad)
             optimizer = make_optimizer([p for p in shards if p.requires_grad])
             tracker.tag = ACTIVATIONS
-            precision.attach(device.type)
             batch = precision.convert_input(tree_map(lambda t: _fake_like(t, device), example_input))
             for step in range(STEPS):
                 last = step == STEPS - 1
@@ -183,7 +183,7 @@ class _PlannedSteps:
                     scheduler.ledger.start_step()
                 with flops if last else nullcontext():
                     state.phase = "forward"
-                    with precision.forward_context():
+                    with precision.forward_context(device.type):
                         loss = loss_of(_planned_forward(module, batch))
                     optimizer.zero_grad(set_to_none=True)  # Lightning's order: last step's gradients live to here
                     state.phase = "backward"

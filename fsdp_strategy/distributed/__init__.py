@@ -23,10 +23,10 @@ from lightning.fabric.utilities.distributed import (
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 
-from fsdp_strategy import rendezvous
-from fsdp_strategy.arguments import init_process_group_kwargs
 from fsdp_strategy.config import ShardingStrategy
+from fsdp_strategy.distributed import rendezvous
 from fsdp_strategy.engine import watchdog
+from fsdp_strategy.options import init_process_group_kwargs
 
 
 def set_world_ranks(strategy: Any) -> None:
