@@ -57,9 +57,7 @@ def check_fsdp_keywords(kwargs: dict[str, Any], accepted: list[str], owner: str 
     for name in sorted(set(kwargs) - set(FSDP_KEYWORDS)):
         close = difflib.get_close_matches(name, everything, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise TypeError(
-            f"{owner} got an unexpected argument {name!r}{hint} Accepted: {', '.join(everything)}"
-        )
+        raise TypeError(f"{owner} got an unexpected argument {name!r}{hint} Accepted: {', '.join(everything)}")
     for name, value in kwargs.items():
         accepted_value, why = FSDP_KEYWORDS[name]
         if accepted_value is None or value is not accepted_value:  # True only: not 1, not 1.0

@@ -46,7 +46,7 @@ MUTATIONS = [
         "backward_prefetch_from_last_step",
         "backward prefetches in the previous step's backward order (a layer dropped this step is gathered)",
         "fsdp_strategy/engine/runtime.py",
-        "            self._order.follow_reversed((\"backward\", self._backward.index), self._post_forward_order)\n",
+        '            self._order.follow_reversed(("backward", self._backward.index), self._post_forward_order)\n',
         "",
         (
             "tests/test_comm_schedule.py::"
