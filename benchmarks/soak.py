@@ -71,7 +71,7 @@ class Probe(Callback):
                 "rss_mib": process.memory_info().rss / 2**20,
                 "threads": process.num_threads(),
                 "fds": process.num_fds(),
-                "flight_ring": len(scheduler.comm.recorder.ring),
+                "flight_ring": len(scheduler.observer.recorder.ring),
                 "ledger_units": len(scheduler.ledger.per_unit) + len(scheduler.ledger.last_step_per_unit),
                 "memory_timeline": len(scheduler.memory.timeline or []),
                 "monitor_entries": sum(_entries(c) for c in trainer.callbacks if c is not self),

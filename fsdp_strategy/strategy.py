@@ -455,7 +455,7 @@ class FSDPCustomStrategy(StrategyArguments, WatchdogHooks, CheckpointHooks, Ligh
         self._resume_notice.remove()  # the epoch loop has checked the dataloader by now
         global_step = self.lightning_module.trainer.global_step
         self._requeue.at_batch_start(global_step)
-        self.scheduler.comm.recorder.step = global_step  # the flight recorder names steps as the trainer does
+        self.scheduler.observer.at_step(global_step)  # the flight recorder names steps as the trainer does
         if global_step != self._ledger_global_step:
             self.comm_ledger.start_step()
             self._ledger_global_step = global_step

@@ -21,7 +21,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor
 
 from fsdp_strategy.engine import get_scheduler, is_sharded
-from fsdp_strategy.engine.collectives import watched
+from fsdp_strategy.engine.monitoring import watched
 from fsdp_strategy.engine.watchdog import Watchdog
 from fsdp_strategy.sync_batchnorm import SyncBatchNorm
 
@@ -44,7 +44,7 @@ class WatchdogHooks:
     def _attach_watchdog(self, dog: Watchdog | None) -> None:
         """Let ``dog`` (this run's, or None after it) watch the sharded model's collectives and its
         SyncBatchNorm layers."""
-        get_scheduler(self.model).comm.attach(dog)
+        get_scheduler(self.model).observer.attach(dog)
         for layer in self.model.modules():
             if isinstance(layer, SyncBatchNorm):
                 layer.watchdog = dog

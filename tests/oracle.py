@@ -190,7 +190,7 @@ def gathered_and_reduced_dtypes(model: nn.Module) -> dict[str, set[str]]:
     from fsdp_strategy.engine import get_scheduler
 
     seen: dict[str, set[str]] = {}
-    for record in get_scheduler(model).comm.recorder.snapshot():
+    for record in get_scheduler(model).observer.recorder.snapshot():
         if record["dtype"]:
             seen.setdefault(record["kind"], set()).add(record["dtype"])
     return seen

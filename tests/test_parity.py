@@ -92,7 +92,7 @@ def _train_pair(rank: int, world: int, config: dict, accumulate: int = 1) -> dic
         (gathered[name].float() - value.float()).abs().max().item() for name, value in reference.state_dict().items()
     )
     out["keys_equal"] = set(gathered) == set(reference.state_dict())
-    out["flight"] = scheduler.comm.recorder.snapshot()
+    out["flight"] = scheduler.observer.recorder.snapshot()
     out["exchanged"] = scheduler.comm.exchange._thread is not None  # point to point was used
     return out
 

@@ -17,6 +17,7 @@ from fsdp_strategy.engine import collectives, get_scheduler, shard_model
 from fsdp_strategy.engine.collectives import CommContext, CommGroup
 from fsdp_strategy.engine.exchange import Exchange
 from fsdp_strategy.engine.flight import STAMP_SLOTS
+from fsdp_strategy.engine.monitoring import CollectiveObserver
 
 
 def _inputs(rank: int, world: int, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -27,8 +28,9 @@ def _inputs(rank: int, world: int, numel: int) -> tuple[torch.Tensor, torch.Tens
 
 
 def _two_models_in_either_order(rank: int, world: int, comm: CommGroup) -> bool:
-    """Two engines' contexts (own thread, own tag) gather same-size tensors, issued in opposite
-    orders on odd and even ranks: each still gets its own model's rows."""
+    """Two engines' contexts (own thread, own tag, no observer: nothing watched, the same bytes
+    moved) gather same-size tensors, issued in opposite orders on odd and even ranks: each still
+    gets its own model's rows."""
     contexts = [CommContext(tag=1 << 21), CommContext(tag=1 << 22)]
     outputs = [torch.empty(world * 8) for _ in contexts]
     order = [0, 1] if rank % 2 == 0 else [1, 0]
@@ -45,8 +47,8 @@ def _two_models_in_either_order(rank: int, world: int, comm: CommGroup) -> bool:
 
 def _collectives_body(rank: int, world: int) -> dict:
     comm = CommGroup.of(dist.group.WORLD)
-    ctx = CommContext()
-    ledger = ctx.ledger
+    ctx = CommContext(CollectiveObserver())
+    ledger = ctx.observer.ledger
     numel = 1000 + STAMP_SLOTS
     shard, full = _inputs(rank, world, numel)
     # torch's own collectives are the oracle

@@ -27,11 +27,15 @@ from fsdp_strategy.engine.channel import StoreChannel, StoreLost
 from fsdp_strategy.engine.collectives import CommContext, CommGroup, all_gather, all_reduce, reduce_scatter
 from fsdp_strategy.engine.diagnosis import Peer, PeerState
 from fsdp_strategy.engine.flight import RING_SIZE, STAMP_SLOTS
+from fsdp_strategy.engine.monitoring import CollectiveObserver
 from fsdp_strategy.engine.watchdog import Watchdog
 
 
 def _mismatch_body(rank: int, world: int, kind: str, folder: str) -> str:
-    comm, ctx = CommGroup.of(dist.group.WORLD), CommContext(watchdog=Watchdog.start(60.0, dump_dir=folder))
+    comm, ctx = (
+        CommGroup.of(dist.group.WORLD),
+        CommContext(CollectiveObserver(watchdog=Watchdog.start(60.0, dump_dir=folder))),
+    )
     unit = "blocks.1" if rank == 1 else "blocks.0"  # rank 1 is on another unit of the same size
     data = torch.full((world * (8 + STAMP_SLOTS),), float(rank))
     try:
@@ -155,7 +159,7 @@ def test_the_default_collective_limit_is_the_process_groups_timeout(tmp_path):
 
 def _outside_body(rank: int, world: int) -> dict:
     dog = Watchdog.start()  # the group's 90 s: nothing here may end a process
-    comm, ctx = CommGroup.of(dist.group.WORLD), CommContext(watchdog=dog)
+    comm, ctx = CommGroup.of(dist.group.WORLD), CommContext(CollectiveObserver(watchdog=dog))
     all_reduce(torch.ones(4), comm, ctx, "warm-up").wait()
     if rank == 1:
         dog.report_exception(ValueError("a failure of rank 1's own"))
@@ -178,7 +182,7 @@ def test_a_rank_outside_collectives_goes_on_and_its_next_collective_raises_at_on
 
 
 def _stopped_peer_body(rank: int, world: int) -> str:
-    comm, ctx = CommGroup.of(dist.group.WORLD), CommContext(watchdog=Watchdog.start(2.0))
+    comm, ctx = CommGroup.of(dist.group.WORLD), CommContext(CollectiveObserver(watchdog=Watchdog.start(2.0)))
     pids = [None] * world
     dist.all_gather_object(pids, os.getpid())
     if rank == 1:
@@ -309,3 +313,20 @@ def test_the_failure_message_puts_the_headline_and_first_report_before_the_peers
     assert "First report" not in diagnosis.failure_message("same", "same", [], [])
     line = diagnosis.store_unreachable_line("StoreLost: Broken pipe")
     assert line.startswith("the store is unreachable (StoreLost: Broken pipe)") and "torchrun agent" in line
+
+
+def test_peer_liveness_decides_from_heartbeats_and_this_ranks_clock_alone():
+    """The watchdog thread's decision, without a store, a thread or a process: a peer on another
+    host whose heartbeat stops moving is lost after ``silence`` seconds of this rank's clock; one on
+    this host only when its process exits (a live process that is slow is not lost); reads are paced."""
+    liveness = diagnosis.PeerLiveness("hostA", silence=60.0, every=2.0)
+    hosts = {0: "hostA", 1: "hostB", 2: "hostA"}
+    assert liveness.due(100.0) and not liveness.due(101.0) and liveness.due(102.0)
+    assert liveness.lost(set(), {0: "5", 1: "7", 2: "3"}, hosts, now=100.0) is None
+    assert liveness.lost(set(), {0: "6", 1: "7", 2: "3"}, hosts, now=159.0) is None  # 59 s of silence
+    told = liveness.lost(set(), {0: "7", 1: "7", 2: "3"}, hosts, now=160.5)
+    assert told == "rank 1 sent no heartbeat for 60 s (its process or host is down?)"
+    assert liveness.lost(set(), {1: "8", 2: "3"}, hosts, now=161.0) is None  # it beat again; rank 2 is local
+    assert liveness.lost({2}, {}, hosts, now=162.0) == "rank 2 LOST, its process has exited"
+    liveness.forget()  # not waiting any more: silence is measured afresh
+    assert liveness.lost(set(), {1: "8"}, hosts, now=500.0) is None

@@ -118,7 +118,7 @@ def schedule(
         buffers = [b for b in module.buffers() if b is not None]
         collectives.broadcast_from_rank0([*ignored.params.values(), *buffers], where.device, comm.watchdog)
     prefetch = Prefetch(options.forward_prefetch, options.backward_prefetch)
-    scheduler = Scheduler(
+    return Scheduler(
         units,
         options.sharding_strategy,
         precision,
@@ -128,11 +128,10 @@ def schedule(
         where.mesh,
         prefetch,
         options.optimizer_updates,
+        saved_buffer_dtypes=buffer_dtypes,
+        ignored_params=ignored.params,
+        guards=install_guards(module, units),  # [Note: loud misuse]; the Scheduler's own hooks come first
     )
-    scheduler.saved_buffer_dtypes = buffer_dtypes
-    scheduler.ignored_params = ignored.params
-    scheduler.hook_handles += install_guards(module, units)
-    return scheduler
 
 
 def compute_device(device: torch.device | str | None, module: nn.Module, group: Any) -> torch.device:

@@ -4,17 +4,20 @@ shards, and one all-reduce."""
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 from fsdp_strategy.engine import collectives
 
+if TYPE_CHECKING:  # runtime.py calls this module
+    from fsdp_strategy.engine.runtime import Scheduler
+
 
 @torch.no_grad()
 def clip_grad_norm(
-    scheduler: Any, max_norm: float, norm_type: float = 2.0, parameters: Iterable[torch.Tensor] | None = None
+    scheduler: Scheduler, max_norm: float, norm_type: float = 2.0, parameters: Iterable[torch.Tensor] | None = None
 ) -> torch.Tensor:
     """Clip the sharded gradients of ``scheduler``'s model by their global norm over all ranks
     (see ``Scheduler.clip_grad_norm_``). Costs: a norm per gradient and one all-reduce of a scalar."""

@@ -1,40 +1,37 @@
 """The engine's only ``torch.distributed`` calls: stateless functions over a ``CommContext``.
 
-The data-plane collectives (all-gather, reduce-scatter, all-reduce of tensors) are async and
-counted; a few blocking control-plane ones (object gathers, barriers, groups) serve checkpoints.
+They only move bytes. The data-plane collectives (all-gather, reduce-scatter, all-reduce and
+all-to-all of tensors) are async; a few blocking control-plane ones (object gathers, barriers,
+groups) serve checkpoints. How a collective moves is chosen once per context and group: torch's
+collectives, or for CPU tensors on gloo the context's exchange thread ([Note: point to point on
+gloo] in exchange.py). What watches them (ledger, flight recorder, order stamps, watchdog) is the
+context's ``CollectiveObserver`` (monitoring.py), which each collective reports to; a context
+without one moves the same bytes and watches nothing.
 
 Every collective is issued with ``async_op=True`` and returned as a :class:`Pending` handle.
-On gloo the process group's worker threads run it (or the context's exchange thread: [Note:
-point to point on gloo] in exchange.py) while Python goes on; ``wait()`` blocks the host. On
-NCCL it runs on the process group's own communication stream (which first waits for the stream
-that issued it), and ``wait()`` makes the *current* stream wait on its completion event without
-blocking the host; NCCL records the tensors on its stream, so the caching allocator does not
-reuse them early. A group of size 1 does a local copy, counts nothing.
-
-What the collectives of one engine instance share lives in its ``CommContext`` (ledger, flight
-recorder, watchdog, exchange thread, what was computed once about its groups); nothing here is
-kept per process. Reductions are SUM followed by an explicit divide by the caller (see
-[Note: SUM then divide]).
+On gloo the process group's worker threads run it while Python goes on; ``wait()`` blocks the
+host. On NCCL it runs on the process group's own communication stream (which first waits for the
+stream that issued it), and ``wait()`` makes the *current* stream wait on its completion event
+without blocking the host; NCCL records the tensors on its stream, so the caching allocator does
+not reuse them early. A group of size 1 does a local copy and reports nothing. Reductions are
+SUM followed by an explicit divide by the caller (see [Note: SUM then divide]).
 """
 
 from __future__ import annotations
 
 import os
-import threading
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import FakeTensor
 
 from fsdp_strategy.engine import exchange
-from fsdp_strategy.engine.flight import STAMP_SLOTS, CollectiveRecord, FlightRecorder, Stamp, stamp_exact
-from fsdp_strategy.engine.ledger import CollectiveKind, CommLedger
-from fsdp_strategy.engine.trace import span
-from fsdp_strategy.engine.watchdog import CollectiveError, Watchdog
+from fsdp_strategy.engine.flight import STAMP_SLOTS
+from fsdp_strategy.engine.ledger import CollectiveKind
+from fsdp_strategy.engine.monitoring import CollectiveObserver, Watch, watched
+
+if TYPE_CHECKING:  # the control-plane calls take a watchdog to report to; nothing here uses it
+    from fsdp_strategy.engine.watchdog import Watchdog
 
 # [Note: SUM then divide]
 # Gradients are reduced with ReduceOp.SUM and divided by the data-parallel size afterwards.
@@ -87,23 +84,17 @@ class CommGroup(NamedTuple):
 
 
 class CommContext:
-    """What the collectives of one engine instance share: its ``ledger``, the flight ``recorder``
-    (the watchdog's when one is given, so one process has one sequence), the ``watchdog`` its
-    caller started (or None), its exchange thread with its message tag, and what it learned once
-    about its groups. Owned by the Scheduler, ``close``d with it. Costs: one thread, started by
-    the first point-to-point exchange."""
+    """What the collectives of one engine instance share: how they move (its exchange thread with
+    its message tag, and what it learned once about each group: gloo or not, its peers) and the
+    ``observer`` they report to (None: nothing watched). Owned by the Scheduler, ``close``d with it.
+    Costs: one thread, started by the first point-to-point exchange."""
 
-    def __init__(
-        self, ledger: CommLedger | None = None, watchdog: Watchdog | None = None, tag: int = exchange.DEFAULT_TAG
-    ) -> None:
-        self.ledger = ledger or CommLedger()
-        self.watchdog = watchdog
-        self.recorder = watchdog.recorder if watchdog is not None else FlightRecorder()
+    def __init__(self, observer: CollectiveObserver | None = None, tag: int = exchange.DEFAULT_TAG) -> None:
+        self.observer = observer
         self.exchange = exchange.ExchangeThread(tag)
         self.point_to_point = point_to_point_on_gloo()
         self._gloo: dict[int, bool] = {}
         self._peers: dict[tuple[int, int, int], exchange.Peers] = {}
-        self._stamps: dict[tuple[str, str], Stamp] = {}
 
     def exchanged(self, tensor: torch.Tensor, comm: CommGroup) -> bool:
         """Whether a collective of ``tensor`` on ``comm`` goes point to point ([Note: point to point on gloo]):
@@ -122,126 +113,51 @@ class CommContext:
             self._peers[key] = exchange.peers_of(comm.group, comm.rank, comm.size)
         return self._peers[key]
 
-    def stamp(self, kind: CollectiveKind, unit: str) -> Stamp:
-        """The order stamp of (kind, unit) ([Note: order stamps])."""
-        key = (kind.value, unit)
-        if key not in self._stamps:
-            self._stamps[key] = Stamp(kind.value, unit)
-        return self._stamps[key]
+    @property
+    def watchdog(self) -> Watchdog | None:
+        """The observer's watchdog, which the blocking control-plane calls report to (None: unwatched)."""
+        return self.observer.watchdog if self.observer is not None else None
 
-    def attach(self, watchdog: Watchdog | None) -> None:
-        """Let ``watchdog`` (a new run's) watch these collectives, recording into its ring; None:
-        unwatched (a closed watchdog's heartbeat has stopped), recording into a ring of its own."""
-        self.watchdog = watchdog
-        self.recorder = watchdog.recorder if watchdog is not None else FlightRecorder()
-
-    def wedged(self) -> bool:
-        """Whether a collective failed ([Note: watchdog]): none can be waited for."""
-        return self.watchdog is not None and self.watchdog.error is not None
+    def issue(self, kind: CollectiveKind, unit: str, tensor: torch.Tensor, payload: int, wire: int) -> Watch | None:
+        """Report a collective about to be issued to the observer (None without one)."""
+        if self.observer is None:
+            return None
+        return self.observer.issue(kind, unit, tensor.dtype, payload, wire, host_blocking=not tensor.is_cuda)
 
     def close(self) -> None:
         """Stop the exchange thread and forget what was learned about the groups."""
         self.exchange.close()
         self._gloo.clear()
         self._peers.clear()
-        self._stamps.clear()
+        if self.observer is not None:
+            self.observer.close()
 
 
 class Pending:
-    """A collective in flight; ``wait()`` makes its result usable (idempotent) and times it.
+    """A collective in flight; ``wait()`` makes its result usable (idempotent).
 
     On gloo ``wait()`` blocks the host, so the blocked time is the exposed communication. On
     NCCL it only makes the stream wait: the host-side times are then near zero and the
-    device-side stall is not measured. The wait goes through the watchdog ([Note: watchdog]),
-    and a stamped collective's stamps are checked after it ([Note: order stamps]).
+    device-side stall is not measured. With an observer the wait goes through its ``Watch``
+    (the watchdog, the order stamps, the ledger's times).
     """
 
-    def __init__(
-        self,
-        work: Any = None,
-        ctx: CommContext | None = None,
-        kind: Any = None,
-        unit: str = "",
-        record: CollectiveRecord | None = None,
-        check: Callable[[CollectiveRecord], None] | None = None,
-        host_blocking: bool = True,
-    ) -> None:
-        self._work = work
-        self._ctx, self._kind, self._unit = ctx, kind, unit
-        self._record, self._check, self._host_blocking = record, check, host_blocking
-        self._issued = time.perf_counter()
+    def __init__(self, work: Any = None, watch: Watch | None = None) -> None:
+        self._work, self._watch = work, watch
 
     def wait(self) -> None:
-        """Block (gloo) or make the stream wait (NCCL) until the collective is done; record times."""
+        """Block (gloo) or make the stream wait (NCCL) until the collective is done."""
         if self._work is None:
             return
-        assert self._ctx is not None and self._record is not None
-        start = time.perf_counter()
-        with span("wait_" + self._kind.value):
-            dog = self._ctx.watchdog
-            if dog is None:
-                self._work.wait()
-                self._record.ended = time.time()
-            else:
-                dog.wait(self._work, self._record, self._host_blocking)
-        end = time.perf_counter()
-        self._work = None
-        if self._check is not None:
-            self._check(self._record)
-        self._ctx.ledger.record_wait(self._kind, self._unit, end - self._issued, end - start)
-
-
-def _issue(ctx: CommContext, kind: CollectiveKind, unit: str, dtype: torch.dtype, nbytes: int) -> CollectiveRecord:
-    """Record a collective about to be issued; raise if the job was stopped ([Note: watchdog])."""
-    record = ctx.recorder.issue(kind.value, unit, dtype, nbytes)
-    if ctx.watchdog is not None:
-        ctx.watchdog.check_issue(record)
-    return record
+        work, self._work = self._work, None
+        if self._watch is None:
+            work.wait()
+        else:
+            self._watch.wait(work)
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
-
-
-def _sum_stamp(
-    ctx: CommContext, kind: CollectiveKind, unit: str, sent: torch.Tensor, summed: torch.Tensor, comm: CommGroup
-) -> Callable | None:
-    """Write the stamp into ``sent`` (the slots of every row a SUM reads) and return the check of
-    ``summed`` after the wait, or None where a sum of bits is not exact in the dtype."""
-    stamp = ctx.stamp(kind, unit)
-    sent.copy_(stamp.tensor(sent.dtype, sent.device))
-    if not stamp_exact(sent.dtype, comm.size):
-        return None
-    return _stamp_check(ctx, summed, stamp.tensor(sent.dtype, sent.device, comm.size), comm, False)
-
-
-def _stamp_check(
-    ctx: CommContext, slots: torch.Tensor, expected: torch.Tensor, comm: CommGroup, per_rank: bool
-) -> Callable:
-    """The check run after the wait: ``slots`` (after the collective) must equal ``expected``."""
-
-    def check(record: CollectiveRecord) -> None:
-        if isinstance(slots, FakeTensor):  # a memory plan's collectives carry no values ([Note: memory plan])
-            return
-        if slots.is_cuda:
-            if ctx.watchdog is not None:
-                ctx.watchdog.defer_check(record, (slots != expected).any())
-            return
-        if torch.equal(slots, expected):
-            return
-        reason = "the ranks issued different collectives here (order stamps differ)"
-        if per_rank:
-            others = [_global_rank(comm, row) for row in range(comm.size) if not torch.equal(slots[row], expected[row])]
-            reason = f"ranks {others} issued a different collective here (their order stamps differ)"
-        if ctx.watchdog is None:
-            raise CollectiveError(f"fsdp_custom: {record.describe()}: {reason}")
-        ctx.watchdog.fail(record, reason)
-
-    return check
-
-
-def _global_rank(comm: CommGroup, rank: int) -> int:
-    return dist.get_global_rank(comm.group, rank) if comm.group is not None else rank
 
 
 def all_gather(
@@ -256,21 +172,15 @@ def all_gather(
         output.copy_(shard)
         return Pending()
     payload = _nbytes(output)
-    kind = CollectiveKind.ALL_GATHER
-    ctx.ledger.record(kind, unit, payload, payload * (comm.size - 1) // comm.size)
-    check = None
-    if stamped:
-        stamp = ctx.stamp(kind, unit).tensor(shard.dtype, shard.device)
-        shard[-STAMP_SLOTS:].copy_(stamp)
-        slots = output.view(comm.size, -1)[:, -STAMP_SLOTS:]
-        check = _stamp_check(ctx, slots, stamp.expand(comm.size, -1), comm, True)
-    record = _issue(ctx, kind, unit, shard.dtype, payload)
+    watch = ctx.issue(CollectiveKind.ALL_GATHER, unit, shard, payload, payload * (comm.size - 1) // comm.size)
+    if stamped and watch is not None:
+        watch.stamp_rows(shard, output, comm.size, comm.group)
     if ctx.exchanged(shard, comm):
         work = exchange.all_gather(output, shard, comm.group, comm.rank, ctx.peers(comm), ctx.exchange.tag)
         ctx.exchange.submit(work)
     else:
         work = _all_gather(output, shard, group=comm.group, async_op=True)
-    return Pending(work, ctx, kind, unit, record, check, not shard.is_cuda)
+    return Pending(work, watch)
 
 
 def reduce_scatter_scratch_numel(output: torch.Tensor, comm: CommGroup, ctx: CommContext) -> int:
@@ -291,19 +201,15 @@ def reduce_scatter(
         output.copy_(full)
         return Pending()
     payload = _nbytes(full)
-    kind = CollectiveKind.REDUCE_SCATTER
-    ctx.ledger.record(kind, unit, payload, payload * (comm.size - 1) // comm.size)
-    check = None
-    if stamped:
-        sent = full.view(comm.size, -1)[:, -STAMP_SLOTS:]
-        check = _sum_stamp(ctx, kind, unit, sent, output[-STAMP_SLOTS:], comm)
-    record = _issue(ctx, kind, unit, full.dtype, payload)
+    watch = ctx.issue(CollectiveKind.REDUCE_SCATTER, unit, full, payload, payload * (comm.size - 1) // comm.size)
+    if stamped and watch is not None:
+        watch.stamp_sum(full.view(comm.size, -1)[:, -STAMP_SLOTS:], output[-STAMP_SLOTS:], comm.size, comm.group)
     if ctx.exchanged(full, comm):
         work = exchange.reduce_scatter(output, full, comm.group, comm.rank, ctx.peers(comm), ctx.exchange.tag)
         ctx.exchange.submit(work)
     else:
         work = _reduce_scatter(output, full, op=dist.ReduceOp.SUM, group=comm.group, async_op=True)
-    return Pending(work, ctx, kind, unit, record, check, not full.is_cuda)
+    return Pending(work, watch)
 
 
 def all_reduce(
@@ -316,15 +222,12 @@ def all_reduce(
     if comm.size == 1:
         return Pending()
     payload = _nbytes(tensor)
-    kind = CollectiveKind.ALL_REDUCE
-    ctx.ledger.record(kind, unit, payload, 2 * payload * (comm.size - 1) // comm.size)
-    check = None
-    if stamped and op == "sum":
-        check = _sum_stamp(ctx, kind, unit, tensor[-STAMP_SLOTS:], tensor[-STAMP_SLOTS:], comm)
+    watch = ctx.issue(CollectiveKind.ALL_REDUCE, unit, tensor, payload, 2 * payload * (comm.size - 1) // comm.size)
+    if stamped and op == "sum" and watch is not None:
+        watch.stamp_sum(tensor[-STAMP_SLOTS:], tensor[-STAMP_SLOTS:], comm.size, comm.group)
     reduce_op = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
-    record = _issue(ctx, kind, unit, tensor.dtype, payload)
     work = dist.all_reduce(tensor, op=reduce_op, group=comm.group, async_op=True)
-    return Pending(work, ctx, kind, unit, record, check, not tensor.is_cuda)
+    return Pending(work, watch)
 
 
 def all_to_all(
@@ -342,32 +245,10 @@ def all_to_all(
         output.copy_(sent)
         return Pending()
     payload = _nbytes(sent)
-    kind = CollectiveKind.ALL_TO_ALL
-    ctx.ledger.record(kind, unit, payload, payload - sent_sizes[comm.rank] * sent.element_size())
-    record = _issue(ctx, kind, unit, sent.dtype, payload)
+    wire = payload - sent_sizes[comm.rank] * sent.element_size()
+    watch = ctx.issue(CollectiveKind.ALL_TO_ALL, unit, sent, payload, wire)
     work = dist.all_to_all_single(output, sent, output_sizes, sent_sizes, group=comm.group, async_op=True)
-    return Pending(work, ctx, kind, unit, record, None, not sent.is_cuda)
-
-
-@contextmanager
-def watched(kind: str, name: str, dog: Watchdog | None) -> Iterator[None]:
-    """Run a blocking call of the default group (a barrier, a broadcast) under the watchdog ``dog``
-    (if any): it is recorded ([Note: flight recorder]), timed by the thread, and a failure of it
-    becomes a ``CollectiveError`` naming where every rank was. Costs: one record."""
-    if dog is None or threading.current_thread() is not threading.main_thread():  # a background save
-        yield
-        return
-    record = dog.recorder.issue(kind, name)
-    dog.check_issue(record)
-    dog.watch_blocking(record)
-    try:
-        yield
-    except CollectiveError:
-        raise
-    except RuntimeError as error:
-        dog.fail(record, f"it failed: {type(error).__name__}: {str(error).strip()[:300]}", error)
-    finally:
-        record.ended = time.time()
+    return Pending(work, watch)
 
 
 # ---- small control-plane collectives (checkpoints): blocking, pickled Python objects ----------

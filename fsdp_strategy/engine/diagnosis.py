@@ -1,8 +1,10 @@
-"""The text of a failure report: what each rank was doing when one of them stopped the job.
+"""The watchdog's decisions and the text of a failure report: whether a peer this rank waits on
+is lost, and what each rank was doing when one of them stopped the job.
 
-Pure functions of what the ranks published ([Note: watchdog]): reports, identities and
-whether a peer's heartbeat moved. Nothing here touches a store, a thread or a process, so
-every sentence a user may read is tested without starting one.
+Pure functions (and ``PeerLiveness``, a pure state machine) of what the ranks published
+([Note: watchdog]): reports, identities, heartbeats and the time they were read. Nothing here
+touches a store, a clock, a thread or a process, so every decision and every sentence a user may
+read is tested without starting one.
 
 A report (one per rank that failed or saw a failure) is a dict: ``rank``, ``node``, ``host``,
 ``pid``, ``reason`` (one line), ``kind`` ("failed": a collective of that rank failed;
@@ -34,6 +36,44 @@ class Peer(NamedTuple):
     identity: dict[str, Any] | None  # {"node", "host", "pid"} as the peer published it, or None if unknown
     state: PeerState
     report: dict[str, Any] | None = None  # its report, when ``state`` is REPORTED
+
+
+class PeerLiveness:
+    """Whether a rank this one waits on is lost, from heartbeats read while it waits long.
+
+    A peer on this host is lost when its process has exited; one on another host when its
+    heartbeat has not moved for ``silence`` seconds of this rank's own clock (no clocks are
+    compared across hosts). The thread feeds it what it read; ``every`` paces the reads. Costs: a
+    dict of one entry per rank."""
+
+    def __init__(self, my_host: str, silence: float, every: float) -> None:
+        self.my_host, self.silence, self.every = my_host, silence, every
+        self._heard: dict[int, tuple[str, float]] = {}  # rank -> (last heartbeat seen, when it changed)
+        self._next_read = 0.0
+
+    def forget(self) -> None:
+        """This rank is not waiting long (any more): silence is measured afresh next time."""
+        self._heard.clear()
+
+    def due(self, now: float) -> bool:
+        """Whether to read the heartbeats now (then not again for ``every`` seconds)."""
+        if now < self._next_read:
+            return False
+        self._next_read = now + self.every
+        return True
+
+    def lost(self, gone: set[int], beats: dict[int, str], hosts: dict[int, str], now: float) -> str | None:
+        """The sentence for the first lost peer, or None: ``gone`` are ranks of this host whose
+        process exited, ``beats`` each rank's heartbeat as read ``now``, ``hosts`` their hosts."""
+        if gone:
+            return f"rank {min(gone)} LOST, its process has exited"
+        for rank, beat in beats.items():
+            last = self._heard.get(rank)
+            if last is None or last[0] != beat:
+                self._heard[rank] = (beat, now)
+            elif now - last[1] > self.silence and hosts.get(rank) != self.my_host:
+                return f"rank {rank} sent no heartbeat for {self.silence:.0f} s (its process or host is down?)"
+        return None
 
 
 def describe(record: dict[str, Any]) -> str:

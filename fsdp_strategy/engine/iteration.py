@@ -32,7 +32,7 @@ class BackwardPass:
     """One backward pass in progress."""
 
     index: int  # the k-th backward of the iteration (its prefetch phase)
-    create_graph: bool  # [Note: double backward] in runtime.py
+    create_graph: bool  # [Note: double backward] in state.py
     expected: deque[FSDPUnit]  # the reduction order ([Note: post-backward every rank agrees on])
     ready: set[int] = field(default_factory=set)  # ids of units ready to reduce, waiting for their turn
 

@@ -1,5 +1,5 @@
 """Optimizer steps on a sharded model: steps taken while units are gathered ([Note: edits while
-gathered] in unit.py), which optimizers may step shards ([Note: trust by allow-list] in
+gathered] in edits.py), which optimizers may step shards ([Note: trust by allow-list] in
 optimizer_kinds.py) and whole-matrix ones placed whole ([Note: whole-matrix placement] in
 whole_matrix.py).
 

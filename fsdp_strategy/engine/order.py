@@ -7,7 +7,7 @@ the same phase prefetches, at its i-th unit, the unit the previous run started a
 as it has followed the previous run so far. A step that takes another path (a unit skipped, a
 different branch) stops prefetching for the rest of that run instead of gathering units that
 will not run; its own order is what the following step prefetches from. At most one unit is
-prefetched ahead of the one running (see [Note: bounded prefetch] in runtime.py).
+prefetched ahead of the one running ([Note: bounded prefetch]).
 
 A backward does not wait for a step to learn the path: it follows the reverse of this
 iteration's forward (``follow_reversed``: the order units finished forward, FSDP2's post-forward
@@ -17,6 +17,12 @@ that order it keeps the units its own previous run reached, so the backward of o
 GAN does not prefetch the other's. The forward can only predict from the previous step: a unit
 skipped for the first time is gathered once in that step's forward (``forward_prefetch=False``
 avoids it).
+
+[Note: bounded prefetch]
+At most one unit is prefetched ahead of the one running, and at most one reduction is in
+flight beyond the one just issued: besides the running unit, at most two units hold full
+parameters (the root, while its forward is on the stack or its backward is due, and the
+prefetched one).
 """
 
 from __future__ import annotations

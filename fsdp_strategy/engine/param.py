@@ -151,7 +151,7 @@ class ShardedParam:
 
     def keep_full_edits(self) -> torch.Tensor | None:
         """Copy this rank's rows of the full parameter into the shard, so that a change made to the
-        full parameter while it was gathered persists ([Note: edits while gathered] in unit.py).
+        full parameter while it was gathered persists ([Note: edits while gathered] in edits.py).
 
         A full parameter whose ``.data`` was replaced (``p.data = ...``) gives its new value and is
         pointed back at the engine's storage. Returns None once kept; where it is gathered in a

@@ -47,28 +47,6 @@ backward does not reach on some ranks is therefore still reduced in the same pla
 (it only delays the reductions after it on those ranks). A unit that runs forward on some
 ranks only, or that backward reaches on some ranks only under FULL_SHARD (its gather in
 backward is a collective), cannot be supported by any FSDP: the ranks' collectives differ.
-
-[Note: calls without a post-backward]
-A call of a unit whose inputs need no gradient (token ids, real images for a critic) gets no
-``PostBackward``, yet its weights get gradients. If the same unit is also called with inputs
-that do, that call's post-backward says nothing about the other call's weight gradients (which
-autograd may compute after it), so the unit is then reduced by the end-of-backward callback.
-
-[Note: bounded prefetch]
-At most one unit is prefetched ahead of the one running, and at most one reduction is in
-flight beyond the one just issued: besides the running unit, at most two units hold full
-parameters (the root, while its forward is on the stack or its backward is due, and the
-prefetched one).
-
-[Note: forward on the stack]
-A unit whose forward is on the stack stays gathered, whatever runs inside it: backward
-passes (Lightning's ``manual_backward``, ``torch.autograd.grad``), nested calls of the same
-module with or without grad. Lightning runs ``training_step`` inside the root's forward.
-
-[Note: double backward]
-A backward run with ``create_graph=True`` (a gradient penalty, higher-order gradients)
-builds nodes that read the weights of the units it ran through. Those units stay gathered
-after it and are reduced and resharded at the end of the next backward.
 """
 
 from __future__ import annotations
@@ -77,7 +55,7 @@ import functools
 import logging
 import sys
 from collections import deque
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -90,6 +68,7 @@ from fsdp_strategy.config import BackwardPrefetch, MixedPrecision, ShardingStrat
 from fsdp_strategy.engine.accounting import MemoryAccount
 from fsdp_strategy.engine.clipping import clip_grad_norm
 from fsdp_strategy.engine.collectives import CommContext
+from fsdp_strategy.engine.edits import raise_for_lost_edits
 from fsdp_strategy.engine.guard import shard_used_by
 from fsdp_strategy.engine.iteration import BackwardPass, PostBackward, autograd_running
 from fsdp_strategy.engine.optimizer_kinds import OptimizerKinds
@@ -100,7 +79,7 @@ from fsdp_strategy.engine.reductions import Reductions, check_no_late_grads
 from fsdp_strategy.engine.state import AfterPostBackward, Frame, UnitState
 from fsdp_strategy.engine.trace import traced
 from fsdp_strategy.engine.traversal import grad_tensors, replace_grad_tensors
-from fsdp_strategy.engine.unit import FSDPUnit, ShardedState, raise_for_lost_edits
+from fsdp_strategy.engine.unit import FSDPUnit, ShardedState
 from fsdp_strategy.engine.whole_matrix import WholeMatrixSteps
 from fsdp_strategy.options import UpdateKind
 
@@ -125,6 +104,10 @@ class Scheduler:
         device_mesh: Any = None,
         prefetch: Prefetch | None = None,
         optimizer_updates: Mapping[type, UpdateKind] | None = None,
+        *,
+        saved_buffer_dtypes: Mapping[str, torch.dtype] | None = None,
+        ignored_params: Mapping[str, nn.Parameter] | None = None,
+        guards: Sequence[Any] = (),
     ) -> None:
         self.device_mesh = device_mesh  # the HSDP (replicate, shard) mesh, if any
         self.prefetch = prefetch or Prefetch()
@@ -132,14 +115,16 @@ class Scheduler:
         self.root_unit = units[0]
         self.sharding_strategy = sharding_strategy
         self.mixed_precision = mixed_precision
-        self.comm = comm  # [Note: flight recorder]: the engine counts iterations in comm.recorder
-        self.ledger = comm.ledger
+        self.comm = comm  # [Note: flight recorder]: the engine counts iterations in observer.recorder
+        assert comm.observer is not None, "the Scheduler reports to an observer (its ledger, flight recorder)"
+        self.observer = comm.observer
+        self.ledger = comm.observer.ledger
         self.owned_watchdog: Any = None  # a watchdog shard_model started for this model alone, closed with it
         self.memory = memory
         self.device = device
         # [Note: buffers keep their dtype in checkpoints] state-dict name -> dtype before buffer_dtype cast it
-        self.saved_buffer_dtypes: dict[str, torch.dtype] = {}
-        self.ignored_params: dict[str, nn.Parameter] = {}  # [Note: ignored modules] in ignored.py
+        self.saved_buffer_dtypes: dict[str, torch.dtype] = dict(saved_buffer_dtypes or {})
+        self.ignored_params: dict[str, nn.Parameter] = dict(ignored_params or {})  # [Note: ignored modules]
         self._states = {id(unit): UnitState(unit is units[0]) for unit in units}
         self._backward_hooks: dict[int, Any] = {}  # unit id -> the pre-backward hook put on its outputs
         self._root_depth = 0
@@ -156,7 +141,7 @@ class Scheduler:
         whole = WholeMatrixSteps(params, shard_comm, comm, device) if shard_comm.size > 1 else None
         kinds = OptimizerKinds(optimizer_updates or {})
         self.optimizer_steps = OptimizerSteps(units, self.device_layer, kinds, whole)  # [Note: edits while gathered]
-        self.hook_handles: list[Any] = []  # every module hook the engine registered on the model
+        self.hook_handles: list[Any] = list(guards)  # every module hook the engine registered on the model
         self._register_hooks()
 
     # ---- hooks -------------------------------------------------------------------------
@@ -331,7 +316,7 @@ class Scheduler:
             self.reset()
         self._backwards_in_iteration = 0
         self._post_forward_order = []
-        self.comm.recorder.iteration += 1
+        self.observer.recorder.iteration += 1
         self._forward_phase = ("forward", torch.is_grad_enabled())
         self._order.start(self._forward_phase)
         dtype = self.mixed_precision.param_dtype
@@ -397,7 +382,7 @@ class Scheduler:
         Nothing is done after a ``CollectiveError``: the collectives cannot finish, and the
         process ends ([Note: watchdog]).
         """
-        if self.comm.wedged():
+        if self.observer.wedged():
             return
         self.reductions.drop()
         self.device_layer.close()  # what reduced gradients are kept, and what was copied, is complete
@@ -422,7 +407,7 @@ class Scheduler:
         if self.owned_watchdog is not None:
             self.owned_watchdog.close()
             self.owned_watchdog = None
-            self.comm.attach(None)
+            self.observer.attach(None)
 
     def open(self) -> None:
         """Install the optimizer-step hooks again after ``close`` (the strategy, at each setup)."""

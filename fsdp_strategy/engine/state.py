@@ -6,6 +6,22 @@ checkpointing), nested and double backward, calls whose inputs need no gradient,
 ``summon_full_params``. Every fact the Scheduler (runtime.py) acts on lives here, changes only
 through a named transition, and is read through a named decision (``may_reshard``,
 ``needs_reduction``, ...). ``reset`` forgets a failed iteration in one call.
+
+[Note: calls without a post-backward]
+A call of a unit whose inputs need no gradient (token ids, real images for a critic) gets no
+``PostBackward``, yet its weights get gradients. If the same unit is also called with inputs
+that do, that call's post-backward says nothing about the other call's weight gradients (which
+autograd may compute after it), so the unit is then reduced by the end-of-backward callback.
+
+[Note: forward on the stack]
+A unit whose forward is on the stack stays gathered, whatever runs inside it: backward
+passes (Lightning's ``manual_backward``, ``torch.autograd.grad``), nested calls of the same
+module with or without grad. Lightning runs ``training_step`` inside the root's forward.
+
+[Note: double backward]
+A backward run with ``create_graph=True`` (a gradient penalty, higher-order gradients)
+builds nodes that read the weights of the units it ran through. Those units stay gathered
+after it and are reduced and resharded at the end of the next backward.
 """
 
 from __future__ import annotations
@@ -27,7 +43,7 @@ class TrainingState(Enum):
 class AfterPostBackward(Enum):
     """What a unit's post-backward leads to."""
 
-    KEEP = auto()  # [Note: double backward] in runtime.py: stays gathered, reduced at the next backward's end
+    KEEP = auto()  # [Note: double backward]: stays gathered, reduced at the next backward's end
     RESHARD = auto()  # another call of it may be ahead in backward: reshard; the end of backward reduces it
     READY = auto()  # reshard and reduce in its turn ([Note: post-backward every rank agrees on])
 
@@ -52,8 +68,8 @@ class UnitState:
         self.ran_forward = False  # started in the outermost forward in progress
         self.in_backward = False  # backward reached it in the backward in progress
         self.reduced = False  # its gradients were reduced (or stashed) in the backward in progress
-        self.double_backward = False  # [Note: double backward] in runtime.py
-        self.uncovered_call = False  # [Note: calls without a post-backward] in runtime.py
+        self.double_backward = False  # [Note: double backward]
+        self.uncovered_call = False  # [Note: calls without a post-backward]
         self.pinned = 0  # > 0 inside summon_full_params: nothing reshards it
         self.prefetch_after_backward: Any = None  # BACKWARD_POST: the unit to gather once its gradients exist
 

@@ -14,24 +14,8 @@ over all ranks, zeros included: DDP with ``find_unused_parameters=True``. The fl
 elements per rank and no extra collective; reading a global flag back (a device sync on CUDA)
 is only needed for parameters this rank did not use, and is deferred to the end of backward.
 
-[Note: edits while gathered]
-While a unit is gathered, code may change its full parameters: ``training_step`` runs inside the
-root's forward (a WGAN's ``p.data.clamp_()``, an EMA or momentum encoder updated in place or by
-``p.data = ...``), and an optimizer may step inside it (manual optimization, a GAN's two
-optimizers). The shards are the truth, so:
-- at reshard, a change is written back: each rank copies its own rows of the full parameter into
-  its shard (every rank holds the same full parameter, so no communication). Units that user code
-  may have reached while gathered (the root, a unit kept gathered after its forward, a summoned
-  unit with ``writeback``) write back every parameter; other units only those with a visible
-  trace (version counter, replaced ``.data``). Where the full parameter is in a lower
-  ``param_dtype`` than its shard, a change cannot be kept exactly: that is an error naming it;
-- an optimizer step on the shards of a gathered unit (the Scheduler's optimizer hooks) first
-  writes back, then, after the step, gathers the unit again (``refresh``), so the next use of the
-  weights sees the stepped ones. The stepped full parameters get a new version, so a graph that
-  saved the old ones is refused by autograd, as it is for any in-place update without sharding.
-Costs: a copy of 1/N of the unit at each reshard of such a unit (a comparison and a device sync
-with a lower ``param_dtype``); one all-gather of the unit per optimizer step taken while it is
-gathered.
+Changes made to gathered full parameters are kept in the shards by edits.py ([Note: edits while
+gathered]).
 """
 
 from __future__ import annotations
@@ -42,12 +26,12 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor
 
 from fsdp_strategy.engine import collectives
 from fsdp_strategy.engine.accounting import MemoryAccount
 from fsdp_strategy.engine.collectives import CommContext, CommGroup, Pending
 from fsdp_strategy.engine.device import DeviceLayer
+from fsdp_strategy.engine.edits import LostEditCheck, keep_full_edits, raise_for_lost_edits
 from fsdp_strategy.engine.param import ShardedParam
 from fsdp_strategy.engine.trace import span
 
@@ -79,37 +63,6 @@ class GatherInFlight(NamedTuple):
     work: Pending
     gathered: torch.Tensor  # every rank's flat shard, rank-major; this rank's row was filled before the gather
     nbytes: int  # the buffer's bytes ([Note: what gathering allocates])
-
-
-class LostEditCheck(NamedTuple):
-    """A change of a full parameter in a lower dtype than its shard, maybe lost ([Note: edits while gathered])."""
-
-    unit: str
-    fqn: str
-    param_dtype: torch.dtype  # the gathered copy's dtype
-    shard_dtype: torch.dtype
-    lost: torch.Tensor  # 0-dim bool on the device: the change cannot be kept exactly
-
-
-def raise_for_lost_edits(checks: list[LostEditCheck]) -> None:
-    """Raise for the changes that could not be kept (one device sync for all of them, if any)."""
-    if not checks or isinstance(checks[0].lost, FakeTensor):  # a memory plan carries no values ([Note: memory plan])
-        return
-    flags = torch.stack([check.lost for check in checks]).tolist()
-    lossy = [check for check, lost in zip(checks, flags) if lost]
-    if not lossy:
-        return
-    first = lossy[0]
-    names = sorted({check.fqn for check in lossy})
-    dtypes = f"{str(first.param_dtype).removeprefix('torch.')}"
-    shards = f"{str(first.shard_dtype).removeprefix('torch.')}"
-    raise RuntimeError(
-        f"fsdp_custom: parameters {names} of unit {first.unit!r} were changed while gathered in {dtypes} (in "
-        "training_step, in a module's forward, or between a unit's forward and backward), and their "
-        f"{shards} shards cannot keep the change exactly. Change them where the parameters are this rank's "
-        "shards (in a callback's on_train_batch_end, outside the step), give the changed modules a unit of "
-        "their own (auto_wrap_policy), or train in full precision"
-    )
 
 
 class UndecidedGrad(NamedTuple):
@@ -173,7 +126,8 @@ class FSDPUnit:
         self.replicate_comm = context.replicate_comm
         self.device = context.device
         self.comm = context.comm
-        self.ledger = context.comm.ledger
+        assert context.comm.observer is not None
+        self.ledger = context.comm.observer.ledger
         self.memory = context.memory
         self.device_layer = context.device_layer
         self.state = ShardedState.SHARDED
@@ -295,13 +249,7 @@ class FSDPUnit:
         (a device sync) waits for ``take_lost_edit_checks``."""
         if self.state is not ShardedState.UNSHARDED or self._aliased:
             return
-        for param in self.params:
-            if every_param or param.visibly_edited():
-                lost = param.keep_full_edits()
-                if lost is not None:
-                    self._lost_edit_checks.append(
-                        LostEditCheck(self.name, param.fqn, self._param_dtype, param.sharded.dtype, lost)
-                    )
+        self._lost_edit_checks += keep_full_edits(self.name, self.params, self._param_dtype, every_param)
         if not defer:
             raise_for_lost_edits(self.take_lost_edit_checks())
 

@@ -10,7 +10,7 @@ agreements. ``gather`` is the one engine operation it offers (a collective per u
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -19,11 +19,14 @@ from fsdp_strategy.engine import get_scheduler
 from fsdp_strategy.engine.param import ShardedParam
 from fsdp_strategy.engine.unit import FSDPUnit
 
+if TYPE_CHECKING:
+    from fsdp_strategy.engine.runtime import Scheduler
+
 
 class ShardsView:
     """A sharded model as checkpoints see it. Costs: building the id map and the mesh, once."""
 
-    def __init__(self, module: nn.Module, scheduler: Any) -> None:
+    def __init__(self, module: nn.Module, scheduler: Scheduler) -> None:
         self.module = module
         self._units: tuple[FSDPUnit, ...] = tuple(scheduler.units)
         self.unit_names: tuple[str, ...] = tuple(unit.name for unit in self._units)
@@ -35,7 +38,7 @@ class ShardsView:
         self.sharding_strategy = scheduler.sharding_strategy
         root = self._units[0]
         self.shard_world, self.replicate_world = root.shard_comm.size, root.replicate_comm.size
-        self.watchdog = scheduler.comm.watchdog
+        self.watchdog = scheduler.observer.watchdog
         self.mesh = _mesh(root, self.params, scheduler.device_mesh)
         self._device_layer = scheduler.device_layer
 

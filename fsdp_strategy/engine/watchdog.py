@@ -57,7 +57,7 @@ import torch.distributed as dist
 
 from fsdp_strategy.engine.channel import StoreChannel, StoreLost
 from fsdp_strategy.engine.device import DeviceLayer
-from fsdp_strategy.engine.diagnosis import first_line
+from fsdp_strategy.engine.diagnosis import PeerLiveness, first_line
 from fsdp_strategy.engine.flight import CollectiveRecord, FlightRecorder
 from fsdp_strategy.engine.reports import Reports
 
@@ -128,6 +128,9 @@ class Watchdog:
         self.limits = limits
         self.recorder = recorder
         self.identity = {"rank": rank, "node": node, "host": socket.gethostname(), "pid": os.getpid()}
+        # fields the main thread and the watchdog's thread both write are set under this lock (reads
+        # of one field are atomic; what is decided from two of them is decided under it)
+        self._lock = threading.Lock()
         self.error: CollectiveError | None = None  # this rank's failure; every later collective raises it again
         self.abort: str | None = None  # another rank's first report, seen by the thread
         self.peer_lost: str | None = None  # a rank this one waits on has died, seen by the thread
@@ -135,8 +138,7 @@ class Watchdog:
         self._channel = channel
         self.reports = Reports(channel, self.identity, world, recorder, dump_dir)
         self._beats = 0
-        self._heard: dict[int, tuple[str, float]] = {}  # rank -> (last heartbeat seen, monotonic time it changed)
-        self._next_beat_read = 0.0
+        self._liveness = PeerLiveness(self.identity["host"], SILENCE, PEER_CHECK_AFTER)
         self._end_at: float | None = None  # monotonic deadline after which this process is ended
         self._end_reason = ""
         self._outside_published = False
@@ -203,19 +205,22 @@ class Watchdog:
 
     def report_exception(self, error: BaseException) -> None:
         """Publish this rank's own exception: the other ranks' collectives then raise, naming it."""
-        if self.error is not None or isinstance(error, CollectiveError) or self.reported_own:
-            return
-        self.reported_own = True
+        with self._lock:
+            if self.error is not None or isinstance(error, CollectiveError) or self.reported_own:
+                return
+            self.reported_own = True
+            self._end_at = None  # alive and unwinding: no deadline from another rank's report stays
         self.reports.check_store_host()
-        if self.error is None:  # alive and unwinding: no deadline from another rank's report stays
-            self._end_at = None
         self.reports.publish(f"rank {self.rank} raised {first_line(error)}", None, "raised")
 
     def fail(self, record: CollectiveRecord | None, reason: str, cause: BaseException | None = None) -> NoReturn:
         """Publish, diagnose, and raise the ``CollectiveError`` of this rank's failure."""
         if self.error is None:
-            self.error = CollectiveError(self.reports.message(record, reason))
-            self._end_after(self.error, self.limits.collective)
+            message = self.reports.message(record, reason)  # outside the lock: it may read the store
+            with self._lock:
+                if self.error is None:  # the other thread may have failed meanwhile: its error stands
+                    self.error = CollectiveError(message)
+                    self._end_after(self.error, self.limits.collective)
         raise self.error from cause
 
     def _stopped_by(self) -> str | None:
@@ -230,6 +235,7 @@ class Watchdog:
         return f"it waited {record.waited():.1f} s (collective_timeout={record.limit:g} s)"
 
     def _end_after(self, reason: Any, seconds: float) -> None:
+        """Set the deadline to end this process (the caller holds ``_lock``)."""
         if math.isfinite(seconds) and self._end_at is None:
             self._end_at = time.monotonic() + seconds
             self._end_reason = str(reason)
@@ -270,7 +276,8 @@ class Watchdog:
         if text:
             first = json.loads(text)
             if first["rank"] != self.rank:
-                self.abort = self.reports.abort_seen = first["reason"]
+                with self._lock:
+                    self.abort = self.reports.abort_seen = first["reason"]
 
     def _check_device(self) -> None:
         while self._unverified and self._unverified[0][2].query():
@@ -279,30 +286,23 @@ class Watchdog:
                 self._fail_from_thread(record, "the ranks issued different collectives here (order stamps differ)")
 
     def _check_peers(self) -> None:
-        """While this rank waits long, notice a peer that died: gone on this host, or silent on another."""
+        """While this rank waits long, notice a peer that died (``PeerLiveness`` decides)."""
         oldest = self.recorder.waiting or (self._watched[0] if self._watched else None)
         if oldest is None or oldest.waited() < PEER_CHECK_AFTER or self.peer_lost is not None:
-            self._heard.clear()
+            self._liveness.forget()
             return
-        gone = sorted(self.reports.gone_locally())
-        if gone:
-            self.peer_lost = f"rank {gone[0]} LOST, its process has exited"
-            return
-        now = time.monotonic()
-        if len(self.reports.identities) < self.world or self._channel.lost is not None or now < self._next_beat_read:
-            return
-        self._next_beat_read = now + PEER_CHECK_AFTER
-        try:
-            beats = self._channel.read_ranks("beat", self.world)
-        except StoreLost:
-            return
-        for rank, beat in beats.items():
-            last = self._heard.get(rank)
-            if last is None or last[0] != beat:
-                self._heard[rank] = (beat, now)
-            elif now - last[1] > SILENCE and self.reports.identities[rank]["host"] != self.identity["host"]:
-                self.peer_lost = f"rank {rank} sent no heartbeat for {SILENCE:.0f} s (its process or host is down?)"
+        gone, beats, now = self.reports.gone_locally(), {}, time.monotonic()
+        known = len(self.reports.identities) == self.world and self._channel.lost is None
+        if not gone and known and self._liveness.due(now):
+            try:
+                beats = self._channel.read_ranks("beat", self.world)
+            except StoreLost:
                 return
+        hosts = {rank: identity["host"] for rank, identity in self.reports.identities.items()}
+        lost = self._liveness.lost(gone, beats, hosts, now)
+        if lost is not None:
+            with self._lock:
+                self.peer_lost = lost
 
     def _check_watched(self) -> None:
         while self._watched and (self._watched[0].ended is not None or _completed(self._watched[0])):
@@ -342,7 +342,8 @@ class Watchdog:
             self.abort if self.abort.startswith("fsdp_custom: ") else f"fsdp_custom: {self.abort}",
             f" (or in {limit:g} s if it issues none)" if math.isfinite(limit) else "",
         )
-        self._end_after(f"{self.abort}; this rank issued no collective for {limit:g} s after it", limit)
+        with self._lock:
+            self._end_after(f"{self.abort}; this rank issued no collective for {limit:g} s after it", limit)
 
     # ---- life ---------------------------------------------------------------------------
 

@@ -77,6 +77,19 @@ def block_class(model: nn.Module) -> tuple[type[nn.Module], list[str]]:
     return chosen, [name for name, module in model.named_modules() if type(module) is chosen]
 
 
+def _candidates(blocks: int, shardings: list[str]) -> list[Candidate]:
+    """Every setting tried: one unit, or one per block with 0, 1/4, 1/2, 3/4 or all blocks
+    recomputed; each sharding strategy allowed; with and without CPU offload."""
+    steps = sorted({0, blocks // 4, blocks // 2, 3 * blocks // 4, blocks})
+    return [
+        Candidate(per_block, k, sharding, offload)
+        for per_block in (False, True)
+        for k in (steps if per_block else [0])
+        for sharding in shardings
+        for offload in (False, True)
+    ]
+
+
 def choose(model: nn.Module, example_input: Any, planned: Planned, budget: int) -> MemoryPlan:
     """The plan of the fastest candidate whose peak fits ``budget`` bytes per rank, with reasons;
     a ValueError naming the smallest budget and world size that would fit when none does."""
@@ -85,14 +98,7 @@ def choose(model: nn.Module, example_input: Any, planned: Planned, budget: int) 
     given = ShardingStrategy.from_any(planned.strategy_kwargs.get("sharding_strategy", "FULL_SHARD"))
     kept = given.hybrid or given is ShardingStrategy.NO_SHARD  # chosen by the mesh or the user, not the budget
     shardings = [given.value] if kept else ["SHARD_GRAD_OP", "FULL_SHARD"]
-    steps = sorted({0, len(names) // 4, len(names) // 2, 3 * len(names) // 4, len(names)})
-    candidates = [
-        Candidate(per_block, k, sharding, offload)
-        for per_block in (False, True)
-        for k in (steps if per_block else [0])
-        for sharding in shardings
-        for offload in (False, True)
-    ]
+    candidates = _candidates(len(names), shardings)
 
     def kwargs_of(candidate: Candidate) -> dict[str, Any]:
         chosen = {"sharding_strategy": candidate.sharding, "cpu_offload": candidate.offload}
