@@ -157,8 +157,8 @@ MUTATIONS = [
         "clip_norm_local",
         "clipping by norm uses this rank's shards' norm (the all-reduce is left out)",
         "fsdp_strategy/engine/clipping.py",
-        '    collectives.all_reduce(\n        total, scheduler.root_unit.shard_comm, scheduler.comm, "clip_grad_norm", '
-        'op="max" if infinite else "sum"\n    ).wait()\n',
+        '    collectives.all_reduce(total, shard_comm, ctx, "clip_grad_norm", '
+        'op="max" if infinite else "sum").wait()\n',
         "",
         ("tests/test_accumulation_and_clipping.py::test_each_optimizer_is_clipped_by_its_own_norm",),
     ),

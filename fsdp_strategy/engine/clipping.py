@@ -3,34 +3,38 @@ shards, and one all-reduce."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Mapping
 
 import torch
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 from fsdp_strategy.engine import collectives
-
-if TYPE_CHECKING:  # runtime.py calls this module
-    from fsdp_strategy.engine.runtime import Scheduler
+from fsdp_strategy.engine.collectives import CommContext, CommGroup
+from fsdp_strategy.engine.param import ShardedParam
 
 
 @torch.no_grad()
 def clip_grad_norm(
-    scheduler: Scheduler, max_norm: float, norm_type: float = 2.0, parameters: Iterable[torch.Tensor] | None = None
+    sharded: list[ShardedParam],
+    ignored_params: Mapping[str, torch.Tensor],
+    shard_comm: CommGroup,
+    ctx: CommContext,
+    device: torch.device,
+    max_norm: float,
+    norm_type: float = 2.0,
+    parameters: Iterable[torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Clip the sharded gradients of ``scheduler``'s model by their global norm over all ranks
-    (see ``Scheduler.clip_grad_norm_``). Costs: a norm per gradient and one all-reduce of a scalar."""
+    """Clip the gradients of a model's ``sharded`` parameters (and its ``ignored_params``, this
+    rank's own) by their global norm over ``shard_comm`` (see ``Scheduler.clip_grad_norm_``).
+    Costs: a norm per gradient and one all-reduce of a scalar."""
     chosen = None if parameters is None else {id(p) for p in parameters}
-    shards = [p.sharded for p in scheduler.sharded_params() if chosen is None or id(p.sharded) in chosen]
-    ignored = [p for p in scheduler.ignored_params.values() if chosen is None or id(p) in chosen]
+    shards = [p.sharded for p in sharded if chosen is None or id(p.sharded) in chosen]
+    ignored = [p for p in ignored_params.values() if chosen is None or id(p) in chosen]
     norm_type = float(norm_type)
     infinite = norm_type == float("inf")
     local = _total_norm([p.grad for p in shards if p.grad is not None], norm_type)
-    total = (local if infinite else local.pow(norm_type)).to(scheduler.device, copy=True)
-    collectives.all_reduce(
-        total, scheduler.root_unit.shard_comm, scheduler.comm, "clip_grad_norm", op="max" if infinite else "sum"
-    ).wait()
+    total = (local if infinite else local.pow(norm_type)).to(device, copy=True)
+    collectives.all_reduce(total, shard_comm, ctx, "clip_grad_norm", op="max" if infinite else "sum").wait()
     own = [p.grad for p in ignored if p.grad is not None]
     if own:  # this rank's own, as FSDP1 counts parameters it does not manage
         term = _total_norm(own, norm_type).to(total)

@@ -459,4 +459,8 @@ class Scheduler:
         all. Replicas (NO_SHARD, HYBRID_SHARD) hold the same shard, so the norm is reduced over
         the shard group only. Returns the total norm before clipping, as ``clip_grad_norm_`` does.
         """
-        return clip_grad_norm(self, max_norm, norm_type, parameters)
+        shard_comm = self.root_unit.shard_comm
+        sharded = self.sharded_params()
+        return clip_grad_norm(
+            sharded, self.ignored_params, shard_comm, self.comm, self.device, max_norm, norm_type, parameters
+        )
