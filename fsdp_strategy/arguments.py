@@ -11,8 +11,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from fsdp_strategy.config import ShardingStrategy
-from fsdp_strategy.options import FSDP_KEYWORDS, OPTION_NAMES, StrategyOptions, options_from
+from fsdp_strategy.options import FSDP_KEYWORDS, OPTION_NAMES, StrategyOptions, check_auto_choices, options_from
 from fsdp_strategy.wrap import already_checkpointed, apply_activation_checkpointing
 
 
@@ -98,18 +97,7 @@ class BudgetRequest(NamedTuple):
                 "auto_wrap_policy='auto' needs memory_budget (bytes per rank, e.g. '70GiB') and example_batch (one "
                 f"batch as training_step receives it; meta tensors work), got memory_budget={budget!r}"
             )
-        given = [name for name in ("activation_checkpointing", "activation_checkpointing_policy") if arguments[name]]
-        if given:
-            raise ValueError(f"auto_wrap_policy='auto' chooses activation checkpointing itself; drop {given}")
-        chosen = {"cpu_offload": arguments["cpu_offload"], "sharding_strategy": arguments["sharding_strategy"]}
-        grad_op = ShardingStrategy.from_any(chosen["sharding_strategy"]) is ShardingStrategy.SHARD_GRAD_OP
-        if chosen["cpu_offload"] not in (None, False) or grad_op:  # FULL_SHARD is the default: not "given"
-            raise ValueError(
-                f"auto_wrap_policy='auto' chooses cpu_offload and SHARD_GRAD_OP/FULL_SHARD itself; drop {chosen} "
-                "(a HYBRID_SHARD or NO_SHARD sharding_strategy is kept)"
-            )
-        if arguments["ignored_modules"] is not None:
-            raise ValueError("auto_wrap_policy='auto' plans a copy of the model, which ignored_modules cannot name")
+        check_auto_choices(arguments)
         return cls(parse_bytes(budget), batch)
 
     def choose(self, model: Any, world_size: int, num_nodes: int, precision: str, given: dict[str, Any]) -> Any:

@@ -11,10 +11,12 @@ argument, the value and what is accepted.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import importlib
 import math
 import numbers
+from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, fields
@@ -24,7 +26,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_map
 
 from fsdp_strategy.config import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy, validate_device_mesh
 from fsdp_strategy.wrap import ModuleNames, as_policy_fn
@@ -269,6 +270,28 @@ def options_from(arguments: Mapping[str, Any]) -> ShardingOptions:
     return ShardingOptions.validate(**{name: arguments[name] for name in OPTION_NAMES})
 
 
+def check_auto_choices(arguments: Mapping[str, Any]) -> None:
+    """``auto_wrap_policy="auto"`` chooses activation checkpointing, CPU offload and FULL_SHARD or
+    SHARD_GRAD_OP itself and plans a copy of the model: refuse arguments that set them (the
+    strategies and the memory plan alike)."""
+    given = [name for name in ("activation_checkpointing", "activation_checkpointing_policy") if arguments.get(name)]
+    if given:
+        raise ValueError(f"auto_wrap_policy='auto' chooses activation checkpointing itself; drop {given}")
+    sharding = arguments.get("sharding_strategy", "FULL_SHARD")
+    chosen = {"cpu_offload": arguments.get("cpu_offload"), "sharding_strategy": sharding}
+    grad_op = ShardingStrategy.from_any(sharding) is ShardingStrategy.SHARD_GRAD_OP
+    if chosen["cpu_offload"] not in (None, False) or grad_op:  # FULL_SHARD is the default: not "given"
+        raise ValueError(
+            f"auto_wrap_policy='auto' chooses cpu_offload and SHARD_GRAD_OP/FULL_SHARD itself; drop {chosen} "
+            "(a HYBRID_SHARD or NO_SHARD sharding_strategy is kept)"
+        )
+    if arguments.get("ignored_modules") is not None:
+        raise ValueError("auto_wrap_policy='auto' plans a copy of the model, which ignored_modules cannot name")
+
+
+# the Trainer strategy's arguments that Lightning fills in (the plan accepts and ignores them)
+LIGHTNING_PLUMBING = ("accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin")
+
 # The strategy arguments beyond ShardingOptions', with the Trainer strategy's defaults (timeout: the
 # process group's own): what an argument a plan is not given stands for (tests/test_config.py).
 STRATEGY_DEFAULTS: dict[str, Any] = {
@@ -315,7 +338,9 @@ class StrategyOptions:
 
     @staticmethod
     def split(arguments: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-        """``arguments`` as (strategy arguments, FSDP keywords): what ``from_arguments`` takes."""
+        """``arguments`` as (strategy arguments, FSDP keywords): what ``from_arguments`` takes.
+        Lightning's plumbing (``accelerator``, ...) is neither: it means nothing to the checks."""
+        arguments = {key: value for key, value in arguments.items() if key not in LIGHTNING_PLUMBING}
         known = {field.name for field in fields(ShardingOptions)} | set(STRATEGY_DEFAULTS)
         return {k: v for k, v in arguments.items() if k in known}, {
             k: v for k, v in arguments.items() if k not in known
@@ -363,14 +388,35 @@ class PrecisionRules:
         return module if self.mixed else module.to(dtype=self.input_dtype)
 
     def convert_input(self, data: Any) -> Any:
-        """Floating-point tensors of ``data`` (a pytree) in the dtype the module computes in."""
-        return tree_map(lambda t: t.to(self.input_dtype) if torch.is_tensor(t) and t.is_floating_point() else t, data)
+        """Floating-point tensors of ``data`` in the dtype the module computes in, inside the
+        collections Lightning's ``convert_input`` enters (mappings, lists, tuples, named tuples,
+        dataclasses)."""
+        return _map_tensors(data, lambda t: t.to(self.input_dtype) if t.is_floating_point() else t)
 
     def forward_context(self, device_type: str) -> AbstractContextManager:
         """``torch.autocast`` to the low dtype ("*-mixed"), else tensors created in the module's dtype."""
         if self.mixed:
             return torch.autocast(device_type, dtype=self.low)
         return _default_dtype(self.input_dtype)
+
+
+def _map_tensors(data: Any, function: Any) -> Any:
+    """``data`` with ``function`` applied to each tensor in it, collections rebuilt as their type."""
+    if isinstance(data, torch.Tensor):
+        return function(data)
+    if dataclasses.is_dataclass(data) and not isinstance(data, type):
+        changed = {f.name: _map_tensors(getattr(data, f.name), function) for f in dataclasses.fields(data) if f.init}
+        return dataclasses.replace(data, **changed)
+    if isinstance(data, Mapping):
+        items = [(key, _map_tensors(value, function)) for key, value in data.items()]
+        if isinstance(data, defaultdict):
+            return defaultdict(data.default_factory, items)
+        return type(data)(items)
+    if isinstance(data, tuple) and hasattr(data, "_fields"):  # a named tuple
+        return type(data)(*(_map_tensors(value, function) for value in data))
+    if isinstance(data, (list, tuple)):
+        return type(data)(_map_tensors(value, function) for value in data)
+    return data
 
 
 @contextmanager

@@ -45,12 +45,12 @@ MUTATIONS = [
     Mutation(
         "backward_prefetch_from_last_step",
         "backward prefetches in the previous step's backward order (a layer dropped this step is gathered)",
-        "fsdp_strategy/engine/runtime.py",
-        '            self._order.follow_reversed(("backward", self._backward.index), self._post_forward_order)\n',
-        "",
+        "fsdp_strategy/engine/order.py",
+        "            self._previous[phase] = [unit for unit in before if id(unit) in ran]\n",
+        "            pass\n",
         (
             "tests/test_comm_schedule.py::"
-            "test_prefetch_follows_the_previous_step_in_forward_and_this_steps_forward_in_backward",
+            "test_prefetch_follows_the_previous_step_in_forward_and_this_steps_units_in_backward",
         ),
     ),
     Mutation(

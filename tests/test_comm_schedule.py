@@ -9,7 +9,7 @@ import math
 import torch
 from dist_utils import run_ranks
 from models import Block, TiedLM, lm_loss, make_batches
-from pattern_models import VOCAB, LoRABlock, LoRAModel, MLPBlock
+from pattern_models import DIM, VOCAB, Critic, InsideForward, LoRABlock, LoRAModel, MLPBlock, Staged
 from pattern_models import lm_loss as next_token_loss
 from torch import nn
 
@@ -307,14 +307,14 @@ def _prefetch_body(rank: int, world: int) -> dict:
     return {"gathers": gathers, "trained": trained}
 
 
-def test_prefetch_follows_the_previous_step_in_forward_and_this_steps_forward_in_backward(tmp_path):
+def test_prefetch_follows_the_previous_step_in_forward_and_this_steps_units_in_backward(tmp_path):
     result = run_ranks(_prefetch_body, 2, tmp_path)[0]
     # 5 units ran (root + 4 blocks); from step 2 on block 2 is skipped: step 2 still prefetches it
     # once (the previous step ran it), steps 3 and 4 follow step 2's order and gather 4 units
     assert result["gathers"] == [5, 5, 5, 4, 4]
-    # training: the backward follows this step's forward, so a block dropped at step 2 is not gathered
-    # by that step's backward; only its forward's prefetch (learned from step 1) gathers it once more
-    # than a model that never ran it (the oracle), and from step 3 on they are equal
+    # training: the backward keeps only the units that ran forward in this step, so a block dropped at
+    # step 2 is not gathered by that step's backward; only its forward's prefetch (learned from step 1)
+    # gathers it once more than a model that never ran it (the oracle), and from step 3 on they are equal
     trained = result["trained"]
     assert trained["always"][0] == trained["always"][3] == trained["dropped"][1], trained
     assert trained["dropped"][2] == trained["never"][2] + 1, trained
@@ -475,3 +475,73 @@ def test_forward_and_backward_prefetch_options_change_when_not_what(tmp_path):
     assert none["at_output"] == [False] * 3 and none["between"] == [False] * 3
     for mode in (post, none):  # the schedule changes, the numbers do not
         assert all(torch.equal(mode["state"][k], v) for k, v in pre["state"].items())
+
+
+class _TwoBackwardGAN(nn.Module):
+    """A GAN step inside the root forward: the critic's backward first, then the generator's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.generator = nn.Sequential(MLPBlock(), MLPBlock())
+        self.critic = Critic()
+
+    def forward(self, real: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        fake = torch.tanh(self.generator(noise))
+        critic_loss = self.critic(fake.detach()).mean() - self.critic(real).mean()
+        critic_loss.backward()
+        generator_loss = -self.critic(fake).mean()
+        generator_loss.backward()
+        return (critic_loss + generator_loss).detach()
+
+
+def _prefetch_patterns_body(rank: int, world: int) -> dict:
+    """All-gathers per step and backward prefetches per step, with and without prefetching, for
+    patterns whose backward order is not the reverse of one forward."""
+    torch.manual_seed(rank)
+    tokens = torch.randint(0, VOCAB, (4, 6))
+    real, noise = torch.randn(4, DIM), torch.randn(4, DIM)
+    patterns = {
+        "gan_two_backwards": (_TwoBackwardGAN, lambda m: m(real, noise)),
+        "inside_forward": (InsideForward, lambda m: m(tokens)),
+        "reentrant_checkpoint": (lambda: Staged(True), lambda m: next_token_loss(m(tokens), tokens).backward()),
+    }
+    out = {}
+    for name, (build, step) in patterns.items():
+        for prefetch in (True, False):
+            torch.manual_seed(0)
+            model = shard_model(
+                build(),
+                auto_wrap_policy={MLPBlock},
+                forward_prefetch=prefetch,
+                backward_prefetch="BACKWARD_PRE" if prefetch else None,
+            )
+            scheduler = get_scheduler(model)
+            record, prefetched = scheduler._order.record, []
+
+            def counted(phase, unit, record=record, prefetched=prefetched):
+                target = record(phase, unit)
+                if target is not None and phase[0] == "backward":
+                    prefetched[-1] += 1
+                return target
+
+            scheduler._order.record = counted
+            gathers = []
+            for _ in range(4):
+                scheduler.ledger.start_step()
+                prefetched.append(0)
+                step(model)
+                gathers.append(_calls(scheduler.ledger.snapshot(), "all_gather"))
+            scheduler.close()
+            out[f"{name}/{prefetch}"] = {"gathers": gathers, "backward_prefetches": list(prefetched)}
+    return out
+
+
+def test_prefetching_never_adds_a_gather_when_backwards_do_not_mirror_one_forward(tmp_path):
+    """Two backwards in a step (a GAN, Lightning's training_step with manual backwards) and reentrant
+    activation checkpointing (whose forward runs without grad): from step 2 on, prefetching gathers
+    exactly what gathering on arrival does (the oracle: prefetch off), and the backward still prefetches."""
+    result = run_ranks(_prefetch_patterns_body, 2, tmp_path)[0]
+    for name in ("gan_two_backwards", "inside_forward", "reentrant_checkpoint"):
+        on, off = result[f"{name}/True"], result[f"{name}/False"]
+        assert on["gathers"][1:] == off["gathers"][1:], (name, on, off)
+        assert all(count > 0 for count in on["backward_prefetches"][1:]), (name, on)

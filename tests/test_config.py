@@ -99,3 +99,70 @@ def test_the_plan_refuses_what_the_strategies_refuse_without_building_one():
         if StrategyOptions.from_arguments({name: pair[1]}) != (StrategyOptions.from_arguments({name: pair[0]}))
     }
     assert not differ, differ
+
+
+def test_plan_accepts_lightnings_plumbing_and_refuses_what_auto_chooses_as_the_strategy_does():
+    from fsdp_strategy import FSDPCustomStrategy
+    from fsdp_strategy.plan import plan
+
+    model, batch = torch.nn.Sequential(torch.nn.Linear(4, 4)), torch.zeros(2, 4)
+    assert plan(model, batch, world_size=2, accelerator=None, cluster_environment=None).peak_bytes > 0
+    with pytest.raises(ValueError, match="second argument"):
+        plan(model, batch, world_size=2, example_batch=batch)
+    auto = {"auto_wrap_policy": "auto", "memory_budget": "1GiB"}
+    for chosen in ({"cpu_offload": True}, {"sharding_strategy": "SHARD_GRAD_OP"}, {"activation_checkpointing": [int]}):
+        told = []
+        with pytest.raises(ValueError) as error:
+            FSDPCustomStrategy(**auto, example_batch=batch, **chosen)
+        told.append(str(error.value))
+        with pytest.raises(ValueError) as error:
+            plan(model, batch, world_size=2, **auto, **chosen)
+        told.append(str(error.value))
+        assert told[0] == told[1] and "itself; drop" in told[0], told
+
+
+def test_precision_rules_convert_a_batch_as_the_precision_plugins_do():
+    """The memory plan converts inputs by ``PrecisionRules``, training by Lightning's
+    ``convert_input``: the same dtypes inside dicts, lists, named tuples and dataclasses."""
+    import dataclasses
+    from collections import OrderedDict, defaultdict
+    from typing import NamedTuple
+
+    from fsdp_strategy import FSDPCustomPrecision
+    from fsdp_strategy.options import PrecisionRules
+
+    @dataclasses.dataclass
+    class Batch:
+        x: torch.Tensor
+        rest: list
+
+    class Pair(NamedTuple):
+        a: torch.Tensor
+        n: int
+
+    batch = {
+        "batch": Batch(torch.ones(2, dtype=torch.float64), [torch.ones(1), torch.arange(3)]),
+        "pair": Pair(torch.ones(2), 3),
+        "ordered": OrderedDict(k=torch.ones(1)),
+        "default": defaultdict(list, {"q": torch.ones(1, dtype=torch.float16)}),
+    }
+
+    def leaves(data):
+        return [
+            data["batch"].x.dtype,
+            data["batch"].rest[0].dtype,
+            data["batch"].rest[1].dtype,
+            data["pair"].a.dtype,
+            type(data["pair"]),
+            data["ordered"]["k"].dtype,
+            type(data["ordered"]),
+            data["default"]["q"].dtype,
+            type(data["default"]),
+        ]
+
+    for precision in ("32-true", "16-true", "bf16-true", "16-mixed", "bf16-mixed"):
+        ours, lightnings = (
+            PrecisionRules(precision).convert_input(batch),
+            FSDPCustomPrecision(precision).convert_input(batch),
+        )
+        assert leaves(ours) == leaves(lightnings), precision

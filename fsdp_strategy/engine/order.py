@@ -9,14 +9,14 @@ different branch) stops prefetching for the rest of that run instead of gatherin
 will not run; its own order is what the following step prefetches from. At most one unit is
 prefetched ahead of the one running ([Note: bounded prefetch]).
 
-A backward does not wait for a step to learn the path: it follows the reverse of this
-iteration's forward (``follow_reversed``: the order units finished forward, FSDP2's post-forward
-order), so a unit that did not
-run forward in this step is not gathered by its backward (a layer dropped from this step on). Of
-that order it keeps the units its own previous run reached, so the backward of one network of a
-GAN does not prefetch the other's. The forward can only predict from the previous step: a unit
-skipped for the first time is gathered once in that step's forward (``forward_prefetch=False``
-avoids it).
+A backward knows more than the previous step: which units ran forward in this one. It follows its
+previous run without the units that did not run forward in this step (``follow_forward``), so a
+layer dropped from this step on is not gathered by its backward, while a GAN's two backwards, a
+unit called twice or recomputed (activation checkpointing) keep the exact order they took. The
+first backward of the first step, which has no previous run, follows the reverse of the order in
+which units finished this step's forward (FSDP2's post-forward order). The forward can only predict
+from the previous step: a unit skipped for the first time is gathered once in that step's forward
+(``forward_prefetch=False`` avoids it).
 
 [Note: bounded prefetch]
 At most one unit is prefetched ahead of the one running, and at most one reduction is in
@@ -70,13 +70,16 @@ class ExecutionOrder:
             return None
         return previous[index + 1] if index + 1 < len(previous) else None
 
-    def follow_reversed(self, phase: Hashable, forward: list[Any]) -> None:
-        """Let the run of ``phase`` just started prefetch in the reverse of ``forward`` (the order in
-        which this iteration's units finished forward), keeping the units the previous run of
-        ``phase`` reached (all of them the first time). Costs: one pass over ``forward``."""
+    def follow_forward(self, phase: Hashable, ran: set[int], finished: list[Any] | None) -> None:
+        """Let the backward ``phase`` just started prefetch from its previous run without the units
+        whose ids are not in ``ran`` (those that ran forward in this step); without a previous run,
+        in the reverse of ``finished`` (the order units finished this step's forward), if given.
+        Costs: one pass over the previous run."""
         before = self._previous.get(phase)
-        reached = None if before is None else {id(unit) for unit in before}
-        self._previous[phase] = [unit for unit in reversed(forward) if reached is None or id(unit) in reached]
+        if before is not None:
+            self._previous[phase] = [unit for unit in before if id(unit) in ran]
+        elif finished is not None:
+            self._previous[phase] = list(reversed(finished))
 
     def commit(self, phase: Hashable) -> None:
         """End the run of ``phase``: its order is what the next run prefetches from."""

@@ -342,8 +342,9 @@ class Watchdog:
             self.abort if self.abort.startswith("fsdp_custom: ") else f"fsdp_custom: {self.abort}",
             f" (or in {limit:g} s if it issues none)" if math.isfinite(limit) else "",
         )
-        with self._lock:
-            self._end_after(f"{self.abort}; this rank issued no collective for {limit:g} s after it", limit)
+        with self._lock:  # unless this rank raised meanwhile: alive and unwinding, it is not ended
+            if not self.reported_own and self.error is None:
+                self._end_after(f"{self.abort}; this rank issued no collective for {limit:g} s after it", limit)
 
     # ---- life ---------------------------------------------------------------------------
 

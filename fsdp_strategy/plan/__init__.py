@@ -16,6 +16,7 @@ from typing import Any
 
 from torch import nn
 
+from fsdp_strategy.options import check_auto_choices
 from fsdp_strategy.plan.result import MemoryPlan, parse_bytes
 from fsdp_strategy.plan.run import Planned, run
 
@@ -51,10 +52,16 @@ def plan(
         raise ValueError(f"world_size={world_size!r} must be a positive int (the number of ranks)")
     if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1 or world_size % num_nodes:
         raise ValueError(f"num_nodes={num_nodes!r} must be a positive int dividing world_size={world_size}")
+    if "example_batch" in strategy_kwargs:
+        raise ValueError(
+            "plan() takes the batch as its second argument (example_input); example_batch is the strategies' "
+            "argument for auto_wrap_policy='auto'"
+        )
     planned = Planned(world_size, num_nodes, precision, optimizer, strategy_kwargs)
     if strategy_kwargs.get("auto_wrap_policy") == "auto":
         from fsdp_strategy.plan.budget import choose
 
+        check_auto_choices(strategy_kwargs)
         if memory_budget is None:
             raise ValueError("auto_wrap_policy='auto' needs memory_budget (bytes per rank, e.g. '70GiB')")
         return choose(model, example_input, planned, parse_bytes(memory_budget))
