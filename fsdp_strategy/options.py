@@ -4,21 +4,17 @@ engine, the memory plan and both strategies share.
 ``ShardingOptions`` is how the engine shards and schedules a model; ``StrategyOptions`` adds what
 both strategies take beyond Lightning's plumbing (checkpoint type, mesh, backend, timeouts) and is
 what the memory plan checks its arguments with, so a plan refuses what training would refuse,
-without building a strategy; ``PrecisionRules`` is what a precision name ("bf16-mixed", ...) means
-for the model, its inputs and the engine. A bad value is a ``TypeError``/``ValueError`` naming the
-argument, the value and what is accepted.
+without building a strategy (``PrecisionRules``, in config.py, is what a precision name means). A
+bad value is a ``TypeError``/``ValueError`` naming the argument, the value and what is accepted.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import importlib
 import math
 import numbers
-from collections import defaultdict
 from collections.abc import Iterable, Mapping
-from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, fields
 from datetime import timedelta
 from enum import Enum
@@ -345,85 +341,3 @@ class StrategyOptions:
         return {k: v for k, v in arguments.items() if k in known}, {
             k: v for k, v in arguments.items() if k not in known
         }
-
-
-PRECISIONS = ("32-true", "16-true", "bf16-true", "16-mixed", "bf16-mixed")  # Lightning's FSDP precisions
-_LOW = {"bf16": torch.bfloat16, "16": torch.float16}
-
-
-class PrecisionRules:
-    """What a precision name means for the model, its inputs and the engine, on any device type:
-    "*-mixed" gathers parameters and keeps buffers in the low dtype, reduces gradients in fp32,
-    keeps fp32 master shards and runs forward under ``torch.autocast``; "*-true" converts the whole
-    module (shards, optimizer state) and the inputs to the low dtype. The strategies' precision
-    plugins and the memory plan both follow these rules."""
-
-    def __init__(self, precision: str) -> None:
-        if precision not in PRECISIONS:
-            raise ValueError(
-                f"precision={precision!r} is not supported by the fsdp_custom strategy; accepted: {list(PRECISIONS)}"
-            )
-        self.precision = precision
-        self.low = _LOW.get(precision.split("-")[0], torch.float32)  # the dtype the name asks for
-        self.mixed = precision.endswith("-mixed")
-        self.input_dtype = torch.float32 if self.mixed else self.low
-
-    @property
-    def engine_mixed_precision(self) -> MixedPrecision | None:
-        """What the engine is given: for "*-mixed", params and buffers low, gradients reduced in fp32;
-        None otherwise (the module itself is in the precision's dtype: nothing to cast)."""
-        if not self.mixed:
-            return None
-        return MixedPrecision(param_dtype=self.low, reduce_dtype=torch.float32, buffer_dtype=self.low)
-
-    @property
-    def mixed_precision_config(self) -> MixedPrecision:
-        """The dtypes training runs in, one object for every precision (as Lightning's
-        ``FSDPPrecision.mixed_precision_config`` is; "*-true": every dtype that of the module)."""
-        engine = self.engine_mixed_precision
-        return engine if engine is not None else MixedPrecision(self.low, self.low, self.low)
-
-    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
-        """ "*-true": the module in the low dtype; otherwise unchanged."""
-        return module if self.mixed else module.to(dtype=self.input_dtype)
-
-    def convert_input(self, data: Any) -> Any:
-        """Floating-point tensors of ``data`` in the dtype the module computes in, inside the
-        collections Lightning's ``convert_input`` enters (mappings, lists, tuples, named tuples,
-        dataclasses)."""
-        return _map_tensors(data, lambda t: t.to(self.input_dtype) if t.is_floating_point() else t)
-
-    def forward_context(self, device_type: str) -> AbstractContextManager:
-        """``torch.autocast`` to the low dtype ("*-mixed"), else tensors created in the module's dtype."""
-        if self.mixed:
-            return torch.autocast(device_type, dtype=self.low)
-        return _default_dtype(self.input_dtype)
-
-
-def _map_tensors(data: Any, function: Any) -> Any:
-    """``data`` with ``function`` applied to each tensor in it, collections rebuilt as their type."""
-    if isinstance(data, torch.Tensor):
-        return function(data)
-    if dataclasses.is_dataclass(data) and not isinstance(data, type):
-        changed = {f.name: _map_tensors(getattr(data, f.name), function) for f in dataclasses.fields(data) if f.init}
-        return dataclasses.replace(data, **changed)
-    if isinstance(data, Mapping):
-        items = [(key, _map_tensors(value, function)) for key, value in data.items()]
-        if isinstance(data, defaultdict):
-            return defaultdict(data.default_factory, items)
-        return type(data)(items)
-    if isinstance(data, tuple) and hasattr(data, "_fields"):  # a named tuple
-        return type(data)(*(_map_tensors(value, function) for value in data))
-    if isinstance(data, (list, tuple)):
-        return type(data)(_map_tensors(value, function) for value in data)
-    return data
-
-
-@contextmanager
-def _default_dtype(dtype: torch.dtype):
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)

@@ -19,13 +19,12 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.plugins.precision.fsdp import FSDPPrecision
 from torch.optim import Optimizer
 
-from fsdp_strategy.config import MixedPrecision
-from fsdp_strategy.options import PrecisionRules
+from fsdp_strategy.config import MixedPrecision, PrecisionRules
 
 
 class DeviceAgnosticPrecision:
     """ "32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true" on any device type, by
-    ``PrecisionRules`` (options.py: "*-mixed" gathers parameters in the low dtype, reduces gradients
+    ``PrecisionRules`` (config.py: "*-mixed" gathers parameters in the low dtype, reduces gradients
     in fp32, keeps fp32 master shards and runs forward under ``torch.autocast`` on the device type
     in use; "*-true" converts the whole module and its inputs), with the grad scaler of "16-mixed".
     """

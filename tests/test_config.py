@@ -129,7 +129,7 @@ def test_precision_rules_convert_a_batch_as_the_precision_plugins_do():
     from typing import NamedTuple
 
     from fsdp_strategy import FSDPCustomPrecision
-    from fsdp_strategy.options import PrecisionRules
+    from fsdp_strategy.config import PrecisionRules
 
     @dataclasses.dataclass
     class Batch:

@@ -12,7 +12,7 @@ Nothing here models the units, buffers or schedule a second time: the engine all
 allocates in training, and the fake collectives keep the schedule's order. The engine skips
 the two checks that read values (order stamps, edits of gathered parameters) on fake tensors.
 The arguments are checked by ``StrategyOptions``, the check both strategies run, and the precision
-follows ``PrecisionRules``, which their precision plugins follow too (``options.py``).
+follows ``PrecisionRules``, which their precision plugins follow too (``options.py``, ``config.py``).
 
 A model whose forward reads tensor values (``.item()``, ``nonzero``, data-dependent routing)
 cannot be planned on fake tensors; that is reported as such.
@@ -33,7 +33,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
 from torch.utils._pytree import tree_map
 
-from fsdp_strategy.options import PrecisionRules, StrategyOptions
+from fsdp_strategy.config import PrecisionRules
+from fsdp_strategy.options import StrategyOptions
 from fsdp_strategy.plan.flops import FlopCount
 from fsdp_strategy.plan.result import PARTS, MemoryPlan
 from fsdp_strategy.plan.tracker import ACTIVATIONS, LiveBytes
