@@ -71,9 +71,12 @@ def connect(
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, **kwargs)
     else:
         _init_dist_connection(cluster_environment, backend, **kwargs)
-    if created_here and (backend != "nccl" or on_attempt_store):
-        # Lightning registers this for NCCL groups it creates only; a gloo group left to interpreter
-        # shutdown can abort the process ("terminate called without an active exception") after a good run.
+    if backend != "nccl" or on_attempt_store:
+        # Lightning registers this for NCCL groups it creates only; a gloo group (ours, or one another
+        # strategy of this process created: DDP before us) left to interpreter shutdown can abort the
+        # process ("terminate called without an active exception") or hang after a good run. Registered
+        # once; destroying a destroyed group does nothing.
+        atexit.unregister(_destroy_dist_connection)
         atexit.register(_destroy_dist_connection)
     return backend
 
