@@ -8,8 +8,6 @@ string, a dict or omegaconf ``DictConfig``, or torch's own FSDP types) and raise
 
 from __future__ import annotations
 
-import dataclasses
-from collections import defaultdict
 from collections.abc import Mapping
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
@@ -242,36 +240,11 @@ class PrecisionRules:
         """ "*-true": the module in the low dtype; otherwise unchanged."""
         return module if self.mixed else module.to(dtype=self.input_dtype)
 
-    def convert_input(self, data: Any) -> Any:
-        """Floating-point tensors of ``data`` in the dtype the module computes in, inside the
-        collections Lightning's ``convert_input`` enters (mappings, lists, tuples, named tuples,
-        dataclasses)."""
-        return _map_tensors(data, lambda t: t.to(self.input_dtype) if t.is_floating_point() else t)
-
     def forward_context(self, device_type: str) -> AbstractContextManager:
         """``torch.autocast`` to the low dtype ("*-mixed"), else tensors created in the module's dtype."""
         if self.mixed:
             return torch.autocast(device_type, dtype=self.low)
         return _default_dtype(self.input_dtype)
-
-
-def _map_tensors(data: Any, function: Any) -> Any:
-    """``data`` with ``function`` applied to each tensor in it, collections rebuilt as their type."""
-    if isinstance(data, torch.Tensor):
-        return function(data)
-    if dataclasses.is_dataclass(data) and not isinstance(data, type):
-        changed = {f.name: _map_tensors(getattr(data, f.name), function) for f in dataclasses.fields(data) if f.init}
-        return dataclasses.replace(data, **changed)
-    if isinstance(data, Mapping):
-        items = [(key, _map_tensors(value, function)) for key, value in data.items()]
-        if isinstance(data, defaultdict):
-            return defaultdict(data.default_factory, items)
-        return type(data)(items)
-    if isinstance(data, tuple) and hasattr(data, "_fields"):  # a named tuple
-        return type(data)(*(_map_tensors(value, function) for value in data))
-    if isinstance(data, (list, tuple)):
-        return type(data)(_map_tensors(value, function) for value in data)
-    return data
 
 
 @contextmanager

@@ -122,14 +122,16 @@ def test_plan_accepts_lightnings_plumbing_and_refuses_what_auto_chooses_as_the_s
 
 
 def test_precision_rules_convert_a_batch_as_the_precision_plugins_do():
-    """The memory plan converts inputs by ``PrecisionRules``, training by Lightning's
-    ``convert_input``: the same dtypes inside dicts, lists, named tuples and dataclasses."""
+    """The memory plan converts inputs with ``planned_input`` (the engine's traversal and
+    ``PrecisionRules``' dtype), training by Lightning's ``convert_input``: the same dtypes inside
+    dicts, lists, named tuples and dataclasses."""
     import dataclasses
     from collections import OrderedDict, defaultdict
     from typing import NamedTuple
 
     from fsdp_strategy import FSDPCustomPrecision
     from fsdp_strategy.config import PrecisionRules
+    from fsdp_strategy.plan.run import planned_input
 
     @dataclasses.dataclass
     class Batch:
@@ -162,7 +164,7 @@ def test_precision_rules_convert_a_batch_as_the_precision_plugins_do():
 
     for precision in ("32-true", "16-true", "bf16-true", "16-mixed", "bf16-mixed"):
         ours, lightnings = (
-            PrecisionRules(precision).convert_input(batch),
+            planned_input(batch, PrecisionRules(precision), torch.device("cpu")),
             FSDPCustomPrecision(precision).convert_input(batch),
         )
         assert leaves(ours) == leaves(lightnings), precision

@@ -70,13 +70,14 @@ class ExecutionOrder:
             return None
         return previous[index + 1] if index + 1 < len(previous) else None
 
-    def follow_forward(self, phase: Hashable, ran: set[int], finished: list[Any] | None) -> None:
+    def follow_forward(self, phase: Hashable, forward: Hashable, finished: list[Any] | None) -> None:
         """Let the backward ``phase`` just started prefetch from its previous run without the units
-        whose ids are not in ``ran`` (those that ran forward in this step); without a previous run,
-        in the reverse of ``finished`` (the order units finished this step's forward), if given.
-        Costs: one pass over the previous run."""
+        that did not start in this step's run of the ``forward`` phase (in progress, or just ended);
+        without a previous run, in the reverse of ``finished`` (the order units finished this step's
+        forward), if given. Costs: one pass over both runs."""
         before = self._previous.get(phase)
         if before is not None:
+            ran = {id(unit) for unit in self._current.get(forward, self._previous.get(forward, []))}
             self._previous[phase] = [unit for unit in before if id(unit) in ran]
         elif finished is not None:
             self._previous[phase] = list(reversed(finished))

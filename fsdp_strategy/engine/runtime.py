@@ -134,7 +134,6 @@ class Scheduler:
         self._backward: BackwardPass | None = None
         self._ran_forward: dict[int, FSDPUnit] = {}  # units that ran forward with grad since their last reduction
         self._post_forward_order: list[FSDPUnit] = []  # this iteration's, units with hooked outputs
-        self._forward_units: set[int] = set()  # ids of the units that ran forward in this iteration
         self.device_layer = units[0].device_layer  # [Note: host and device] in device.py
         self.reductions = Reductions(self.device_layer)  # the gradient reductions in flight (reductions.py)
         shard_comm = units[0].shard_comm
@@ -183,7 +182,6 @@ class Scheduler:
         if not in_backward and torch.is_grad_enabled():
             self._ran_forward.setdefault(id(unit), unit)
         if not in_backward and self._forward_phase is not None:
-            self._forward_units.add(id(unit))
             state.ran_in_forward_pass()
             target = self._order.record(self._forward_phase, unit)
             if target is not None and self.prefetch.forward:
@@ -318,7 +316,6 @@ class Scheduler:
             self.reset()
         self._backwards_in_iteration = 0
         self._post_forward_order = []
-        self._forward_units = set()
         self.observer.recorder.iteration += 1
         self._forward_phase = ("forward", torch.is_grad_enabled())
         self._order.start(self._forward_phase)
@@ -368,7 +365,7 @@ class Scheduler:
             self._order.start(("backward", self._backward.index))
             first = self._backward.index == 0
             finished = self._post_forward_order if first else None
-            self._order.follow_forward(("backward", self._backward.index), self._forward_units, finished)
+            self._order.follow_forward(("backward", self._backward.index), ("forward", True), finished)
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _reduce(self, unit: FSDPUnit) -> None:
@@ -399,7 +396,6 @@ class Scheduler:
         self._backward = None
         self._ran_forward.clear()
         self._post_forward_order = []
-        self._forward_units = set()
         self._forward_phase = None
         self._order.discard()
 

@@ -1,15 +1,16 @@
-"""Find and replace the tensors that require grad inside a module's inputs or outputs.
+"""Find and replace the tensors inside a module's inputs or outputs (or a batch).
 
 Containers traversed: tuple, list, dict (any Mapping subclass rebuilt as a dict of the same type
-where possible), NamedTuple and dataclass instances (Hugging Face ``ModelOutput`` is both a
-dataclass and an OrderedDict). Anything else is a leaf: a tensor inside a custom object is not
-seen. Both walks visit the tensors in the same order.
+where possible, a ``defaultdict`` with its factory), NamedTuple and dataclass instances (Hugging
+Face ``ModelOutput`` is both a dataclass and an OrderedDict). Anything else is a leaf: a tensor
+inside a custom object is not seen. Both walks visit the tensors in the same order.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Mapping
+from collections import defaultdict
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -55,32 +56,42 @@ def replace_grad_tensors(value: Any, replacements: list[torch.Tensor]) -> Any:
     Containers that hold no replaced tensor are returned as they are (same object).
     """
     iterator = iter(replacements)
-    result = _replace(value, iterator, 0)
+    result = map_tensors(value, lambda tensor: next(iterator) if tensor.requires_grad else tensor)
     if next(iterator, None) is not None:
         raise RuntimeError("more replacement tensors than tensors requiring grad")
     return result
 
 
-def _replace(value: Any, replacements: Iterator[torch.Tensor], depth: int) -> Any:
+def map_tensors(value: Any, function: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``value`` with ``function`` applied to each of its tensors, in traversal order; containers
+    that hold no changed tensor are returned as they are (same object)."""
+    return _map(value, function, 0)
+
+
+def _map(value: Any, function: Callable[[torch.Tensor], torch.Tensor], depth: int) -> Any:
+    if depth > _MAX_DEPTH:
+        raise RuntimeError(f"module inputs/outputs nest deeper than {_MAX_DEPTH} levels (a reference cycle?)")
     if isinstance(value, torch.Tensor):
-        return next(replacements) if value.requires_grad else value
+        return function(value)
     if _is_namedtuple(value):
-        items = [_replace(item, replacements, depth + 1) for item in value]
+        items = [_map(item, function, depth + 1) for item in value]
         return value if all(a is b for a, b in zip(items, value)) else type(value)(*items)
     if isinstance(value, (list, tuple)):
-        items = [_replace(item, replacements, depth + 1) for item in value]
+        items = [_map(item, function, depth + 1) for item in value]
         return value if all(a is b for a, b in zip(items, value)) else type(value)(items)
     if _is_dataclass_instance(value):
         changes = {}
         for field in dataclasses.fields(value):
             old = getattr(value, field.name)
-            new = _replace(old, replacements, depth + 1)
+            new = _map(old, function, depth + 1)
             if new is not old:
                 changes[field.name] = new
         return dataclasses.replace(value, **changes) if changes else value
     if isinstance(value, Mapping):
-        items = {key: _replace(item, replacements, depth + 1) for key, item in value.items()}
+        items = {key: _map(item, function, depth + 1) for key, item in value.items()}
         if all(items[key] is item for key, item in value.items()):
             return value
+        if isinstance(value, defaultdict):
+            return defaultdict(value.default_factory, items)
         return type(value)(items) if isinstance(value, dict) else items
     return value

@@ -31,9 +31,9 @@ from typing import Any
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
-from torch.utils._pytree import tree_map
 
 from fsdp_strategy.config import PrecisionRules
+from fsdp_strategy.engine.traversal import map_tensors
 from fsdp_strategy.options import StrategyOptions
 from fsdp_strategy.plan.flops import FlopCount
 from fsdp_strategy.plan.result import PARTS, MemoryPlan
@@ -177,7 +177,7 @@ class _PlannedSteps:
             tracker.tag = OPTIMIZER  # an optimizer that makes its state at construction (Adagrad)
             optimizer = make_optimizer([p for p in shards if p.requires_grad])
             tracker.tag = ACTIVATIONS
-            batch = precision.convert_input(tree_map(lambda t: _fake_like(t, device), example_input))
+            batch = planned_input(example_input, precision, device)
             for step in range(STEPS):
                 last = step == STEPS - 1
                 if last:
@@ -282,10 +282,16 @@ def _allocate(module: nn.Module, device: torch.device) -> None:
             module._buffers[name] = torch.empty_like(buffer, device=device)
 
 
-def _fake_like(value: Any, device: torch.device) -> Any:
-    if not isinstance(value, torch.Tensor):
-        return value
-    return torch.zeros(value.shape, dtype=value.dtype, device=device)
+def planned_input(batch: Any, precision: PrecisionRules, device: torch.device) -> Any:
+    """``batch`` as the planned step receives it: each tensor (inside mappings, lists, tuples, named
+    tuples and dataclasses, as Lightning's ``convert_input`` enters them) a new one of its shape on
+    ``device``, floating ones in the dtype the precision computes in. Under ``FakeTensorMode``: fake."""
+
+    def planned(tensor: torch.Tensor) -> torch.Tensor:
+        dtype = precision.input_dtype if tensor.is_floating_point() else tensor.dtype
+        return torch.zeros(tensor.shape, dtype=dtype, device=device)
+
+    return map_tensors(batch, planned)
 
 
 def _short(value: Any) -> Any:
