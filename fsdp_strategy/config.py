@@ -8,6 +8,7 @@ string, a dict or omegaconf ``DictConfig``, or torch's own FSDP types) and raise
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
@@ -220,6 +221,11 @@ class PrecisionRules:
         self.low = _LOW.get(precision.split("-")[0], torch.float32)  # the dtype the name asks for
         self.mixed = precision.endswith("-mixed")
         self.input_dtype = torch.float32 if self.mixed else self.low
+        self.converts = precision != "32-true"  # "32-true" converts nothing, as DDP: not the module, not a batch
+
+    def input_dtype_of(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype a batch's floating tensor of ``dtype`` is given to the model in (others keep theirs)."""
+        return self.input_dtype if self.converts and dtype.is_floating_point else dtype
 
     @property
     def engine_mixed_precision(self) -> MixedPrecision | None:
@@ -237,14 +243,30 @@ class PrecisionRules:
         return engine if engine is not None else MixedPrecision(self.low, self.low, self.low)
 
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
-        """ "*-true": the module in the low dtype; otherwise unchanged."""
-        return module if self.mixed else module.to(dtype=self.input_dtype)
+        """ "bf16-true" / "16-true": the module's floating parameters and buffers in the low dtype, its
+        complex ones in complex64 (no complex bfloat16 exists, and torch's complex32 cannot train: its
+        backward lacks kernels as basic as ``sum``), integer and bool ones untouched. "32-true" and
+        "*-mixed": unchanged, as under DDP. (``module.to(dtype)`` would keep only the real part of a
+        complex tensor: a rotary table ``freqs_cis`` would become its cosines.)"""
+        if self.mixed or not self.converts:
+            return module
+        return module._apply(functools.partial(convert_tensor, dtype=self.low))
 
     def forward_context(self, device_type: str) -> AbstractContextManager:
         """``torch.autocast`` to the low dtype ("*-mixed"), else tensors created in the module's dtype."""
         if self.mixed:
             return torch.autocast(device_type, dtype=self.low)
         return _default_dtype(self.input_dtype)
+
+
+def convert_tensor(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor`` in the low floating ``dtype`` if it is floating; a complex one in complex64 (the
+    narrowest complex dtype torch trains in); any other unchanged."""
+    if tensor.is_floating_point():
+        return tensor.to(dtype)
+    if tensor.is_complex():
+        return tensor.to(torch.complex64)
+    return tensor
 
 
 @contextmanager

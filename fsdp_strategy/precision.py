@@ -10,13 +10,16 @@ all-reduced over all ranks), and the Trainer's clips by the global norm of the s
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 from lightning.fabric.plugins import precision as fabric_precision
 from lightning.fabric.plugins.precision.fsdp import _PRECISION_INPUT
+from lightning.fabric.plugins.precision.utils import _DtypeContextManager
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.plugins.precision.fsdp import FSDPPrecision
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.optim import Optimizer
 
 from fsdp_strategy.config import MixedPrecision, PrecisionRules
@@ -49,12 +52,10 @@ class DeviceAgnosticPrecision:
         self.clip_fn = clip_fn
         self.before_update = before_update
         if self.precision == "16-mixed" and self.scaler is None:
-            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
             settings = dict(self._scaler_settings)
             if not settings.get("enabled", True) and self._scaler_device not in (None, device_type):
                 settings = {}  # disabled only because its device is absent here (FSDPPrecision's CUDA default on a CPU)
-            self.scaler = ShardedGradScaler(device=device_type, **settings)
+            self.scaler = ComplexAwareGradScaler(device=device_type, **settings)
 
     @property
     def mixed_precision_config(self) -> MixedPrecision:
@@ -72,8 +73,42 @@ class DeviceAgnosticPrecision:
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
         return self.rules.convert_module(module)
 
+    def convert_input(self, data: Any) -> Any:
+        """Floating tensors of a batch in the precision's input dtype (complex, integer and bool ones as
+        they are); "32-true" converts nothing, as under DDP."""
+        return super().convert_input(data) if self.rules.converts else data
+
+    def convert_output(self, data: Any) -> Any:
+        """Fabric's outputs, as Lightning's FSDP precision returns them; "32-true": as they are, as under DDP."""
+        return super().convert_output(data) if self.rules.converts else data
+
     def forward_context(self) -> AbstractContextManager:
-        return self.rules.forward_context(self.device_type)
+        """What Lightning's FSDP precision returns, on this device type: ``torch.autocast`` ("*-mixed"),
+        Lightning's ``_DtypeContextManager`` ("*-true": tensors created in the precision's dtype)."""
+        if self.rules.mixed:
+            return self.rules.forward_context(self.device_type)
+        return _DtypeContextManager(self.rules.input_dtype)
+
+
+class ComplexAwareGradScaler(ShardedGradScaler):
+    """torch's ``ShardedGradScaler`` (its inf check all-reduced over every rank's shards) that also
+    unscales complex gradients, as their real and imaginary parts: torch's unscale kernel has none
+    for complex dtypes. Costs: nothing more where no gradient is complex."""
+
+    def _unscale_grads_(
+        self, optimizer: Any, inv_scale: torch.Tensor, found_inf: torch.Tensor, allow_fp16: bool = True
+    ) -> dict[torch.device, torch.Tensor]:
+        groups = optimizer.param_groups
+        if not any(p.grad is not None and p.grad.is_complex() for group in groups for p in group["params"]):
+            return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+        real_views = [  # the same memory: unscaling a view unscales the gradient
+            SimpleNamespace(grad=torch.view_as_real(p.grad) if p.grad.is_complex() else p.grad)
+            for group in groups
+            for p in group["params"]
+            if p.grad is not None
+        ]
+        viewed = SimpleNamespace(param_groups=[{"params": real_views}])
+        return super()._unscale_grads_(viewed, inv_scale, found_inf, allow_fp16)
 
 
 def _convert(cls: type, plugin: Any, convertible: tuple[type, ...], how: str) -> Any:

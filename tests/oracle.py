@@ -37,9 +37,15 @@ def weight_error(model: nn.Module, reference: nn.Module) -> float:
     expected = reference.state_dict()
     assert set(gathered) == set(expected), sorted(set(gathered) ^ set(expected))
     return max(
-        ((gathered[name].float().cpu() - value.float().cpu()).abs() / (1 + value.float().cpu().abs())).max().item()
+        ((_real(gathered[name]) - _real(value)).abs() / (1 + _real(value).abs())).max().item()
         for name, value in expected.items()
     )
+
+
+def _real(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` on the CPU in float32 for comparison; a complex one as its real and imaginary parts."""
+    tensor = tensor.detach().cpu()
+    return torch.view_as_real(tensor.to(torch.complex64)) if tensor.is_complex() else tensor.float()
 
 
 def _to(batch: Any, device: str | torch.device) -> Any:
@@ -116,7 +122,7 @@ def assert_matches(result: dict, what: str, rel: float = 1e-5) -> None:
     assert result["weight_error"] < rel, f"{what}: final weights differ by {result['weight_error']:.2e}"
 
 
-_LOW = {"bf16": torch.bfloat16, "16": torch.float16, "32": torch.float32}
+_LOW = {"bf16": torch.bfloat16, "16": torch.float16, "32": torch.float32, "64": torch.float64}
 
 
 class PrecisionOracle:
@@ -134,8 +140,8 @@ class PrecisionOracle:
         low = _LOW[precision.split("-")[0]]
         self.mixed = precision.endswith("-mixed")
         self.low, self.reduce_dtype, self.scale = low, torch.float32 if self.mixed else low, scale
-        self.master = model if self.mixed else model.to(low)
-        self.compute = copy.deepcopy(model).to(low) if self.mixed else self.master
+        self.master = model if self.mixed else _floating_to(model, low)
+        self.compute = _floating_to(copy.deepcopy(model), low) if self.mixed else self.master
         self.optimizer = make_optimizer(self.master)
         self._sums: dict[str, torch.Tensor] = {}
 
@@ -156,7 +162,7 @@ class PrecisionOracle:
             for name, param in self.compute.named_parameters():
                 if param.grad is None:
                     continue
-                grad = param.grad.to(self.reduce_dtype)
+                grad = param.grad.to(self.reduce_dtype) if param.grad.is_floating_point() else param.grad
                 key = (rank, name)
                 self._sums[key] = self._sums[key] + grad if key in self._sums else grad
             losses.append(loss.item() * divide)
@@ -175,13 +181,23 @@ class PrecisionOracle:
         norm = None
         if clip_norm is not None:
             params = [p for p in self.master.parameters() if p.grad is not None]
-            norms = [torch.linalg.vector_norm(p.grad, 2.0, dtype=torch.float32) for p in params]
+            norms = [
+                torch.linalg.vector_norm(p.grad.to(torch.promote_types(p.grad.dtype, torch.float32))) for p in params
+            ]
             norm = torch.nn.utils.get_total_norm(norms, 2.0)
             torch.nn.utils.clip_grads_with_norm_(params, clip_norm, norm)
             norm = norm.item()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return norm
+
+
+def _floating_to(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """``model`` with its floating parameters and buffers in ``dtype`` (complex and integer ones kept)."""
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if tensor.is_floating_point():
+            tensor.data = tensor.data.to(dtype)
+    return model
 
 
 def gathered_and_reduced_dtypes(model: nn.Module) -> dict[str, set[str]]:

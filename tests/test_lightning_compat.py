@@ -1,7 +1,8 @@
 """What code written for Lightning's ``FSDPStrategy`` reads of a strategy works on ours: the class
 (``isinstance``), ``mixed_precision_config`` on the strategies and precision plugins for every
 precision (Lightning's ``ThroughputMonitor`` reads it), Lightning's arguments and attributes, its
-warning for layers already checkpointed, and ``RuntimeError`` for a strict load that does not fit."""
+warning for layers already checkpointed, the contexts the precision plugins return (Lightning's own
+types), and ``RuntimeError`` for a strict load that does not fit."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import lightning as L
 import pytest
 import torch
 from lightning.fabric import Fabric
+from lightning.fabric.plugins.precision.utils import _DtypeContextManager
 from lightning.fabric.strategies import FSDPStrategy as FabricFSDPStrategy
 from lightning.fabric.utilities.throughput import _plugin_to_compute_dtype
 from lightning.pytorch.strategies import FSDPStrategy as TrainerFSDPStrategy
@@ -56,6 +58,24 @@ def test_mixed_precision_config_is_an_object_for_every_precision(precision):
     assert _plugin_to_compute_dtype(fabric.strategy.precision) == PRECISIONS[precision][1]
     trainer = L.Trainer(strategy="fsdp_custom", accelerator="cpu", devices=1, precision=precision, logger=False)
     assert trainer.strategy.mixed_precision_config.param_dtype == PRECISIONS[precision][0]
+
+
+@pytest.mark.parametrize("precision", list(PRECISIONS))
+def test_forward_context_is_what_lightnings_fsdp_precision_returns(precision):
+    """Lightning's ``test_fsdp_precision_forward_context_bf16``, for every precision, both plugins:
+    ``torch.autocast`` on the plugin's device type for "*-mixed", ``_DtypeContextManager`` for "*-true"."""
+    low = PRECISIONS[precision][0]
+    for plugin in (FSDPCustomPrecision(precision), FSDPCustomFabricPrecision(precision)):
+        context = plugin.forward_context()
+        if precision.endswith("-mixed"):
+            assert isinstance(context, torch.autocast) and (context.device, context.fast_dtype) == ("cpu", low)
+            continue
+        assert isinstance(context, _DtypeContextManager), type(context)
+        assert isinstance(plugin.tensor_init_context(), _DtypeContextManager)
+        assert isinstance(plugin.module_init_context(), _DtypeContextManager)
+        with context:
+            assert torch.get_default_dtype() == low
+        assert torch.get_default_dtype() == torch.float32
 
 
 def test_lightnings_attributes_are_there():

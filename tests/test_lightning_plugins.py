@@ -15,6 +15,7 @@ from lightning.pytorch.plugins.precision import FSDPPrecision, MixedPrecision, P
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from test_strategy import LIGHTNING_ENV, quiet_trainer
 from torch import nn
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.utils.data import DataLoader, TensorDataset
 
 from fsdp_strategy import FSDPCustomStrategy
@@ -123,7 +124,7 @@ def test_precision_plugins_are_converted_or_refused():
     )
     plugin = trainer.strategy.precision_plugin
     plugin.attach("cpu", clip_fn=None)
-    assert type(plugin.scaler).__name__ == "ShardedGradScaler"  # its inf check covers every rank's shards
+    assert isinstance(plugin.scaler, ShardedGradScaler)  # its inf check covers every rank's shards
     assert (plugin.scaler.get_scale(), plugin.scaler.get_growth_interval()) == (1024.0, 7)
 
     for given, enabled in (

@@ -72,6 +72,74 @@ class Attention(nn.Module):
         return nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).float().square().mean()
 
 
+class CountedLayer(Layer):
+    """A ``Layer`` that counts its forward calls (class-wide) and knows its index, as Hugging Face's
+    decoder layers keep ``layer_idx``; ``window`` differs per layer where a model makes it so."""
+
+    calls = 0
+
+    def __init__(self, width: int, layer_idx: int, window: int = 0) -> None:
+        super().__init__(width)
+        self.layer_idx, self.window = layer_idx, window
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        CountedLayer.calls += 1
+        return super().forward(x)
+
+
+def counted_stack(depth: int, alternating: bool = False) -> nn.Module:
+    model = Stack(width=24, depth=1)
+    model.layers = nn.Sequential(*[CountedLayer(24, i, window=i % 2 if alternating else 0) for i in range(depth)])
+    return model
+
+
+BF16, EVERY = {"precision": "bf16-mixed"}, range(24)
+
+
+def _planned(model: nn.Module, **kwargs) -> tuple:
+    result = plan(model, torch.empty(64, 24, device="meta"), world_size=3, **kwargs)
+    numbers = (result.peak_bytes, result.parts, result.phase, result.unit, result.host_bytes)
+    return (*numbers, result.sent_bytes_per_step, result.flops_per_step, result.shard_bytes)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"auto_wrap_policy": {CountedLayer}},
+        {
+            "auto_wrap_policy": {CountedLayer},
+            "activation_checkpointing_policy": {CountedLayer},
+            "precision": "bf16-true",
+        },
+        {"auto_wrap_policy": {CountedLayer}, "sharding_strategy": "SHARD_GRAD_OP", "cpu_offload": True},
+        {
+            "auto_wrap_policy": {nn.Linear},
+            "activation_checkpointing_policy": ModuleNames(f"layers.{i}" for i in range(18)),
+        },
+        {"precision": "bf16-true"},  # the whole model one unit
+    ],
+    ids=["units", "recomputed-bf16", "grad-op-offload", "linear-units-named-recomputation", "one-unit"],
+)
+def test_identical_layers_are_planned_from_a_few_and_counted_exactly(monkeypatch, kwargs):
+    from fsdp_strategy.plan import repeats
+
+    counted = _planned(counted_stack(24), **kwargs)
+    monkeypatch.setattr(repeats, "MIN_LAYERS", 10**9)  # every layer run, as before [Note: identical layers ...]
+    assert counted == _planned(counted_stack(24), **kwargs)
+
+
+def test_planning_n_identical_layers_costs_what_a_few_cost():
+    calls = {}
+    for depth in (24, 64):
+        CountedLayer.calls = 0
+        plan(counted_stack(depth), torch.empty(64, 24, device="meta"), world_size=8, auto_wrap_policy={CountedLayer})
+        calls[depth] = CountedLayer.calls
+    assert calls[24] == calls[64] == 2 * (5 + 6 + 7)  # two steps of the 5, 6 and 7 layer plans
+    CountedLayer.calls = 0  # layers that differ (every other one another window) are all run
+    plan(counted_stack(24, alternating=True), torch.empty(64, 24, device="meta"), world_size=8)
+    assert CountedLayer.calls == 2 * 24
+
+
 def test_flops_count_attention_as_its_matmuls():
     # the CPU flash kernel by the CUDA kernels' formula: two matmuls forward, five backward (the scores
     # are recomputed), 2*b*h*s*s*d each (h*d = w); the projection: forward and grad weight

@@ -147,11 +147,17 @@ class LoadPlan(NamedTuple):
 
 
 def load_plan(
-    view: ShardsView, stored: Mapping[str, Any], strict: bool, source: Any, shapes: Mapping[str, tuple] | None = None
+    view: ShardsView,
+    stored: Mapping[str, Any],
+    strict: bool,
+    source: Any,
+    shapes: Mapping[str, tuple] | None = None,
+    dtypes: Mapping[str, torch.dtype] | None = None,
 ) -> LoadPlan:
     """Run ``load_state_dict`` of the model on stand-ins ([Note: state dicts through the modules'
     own code]) for a checkpoint holding ``stored`` (key -> tensor, or any other value);
-    ``shapes``: key -> stored shape for entries whose tensor is not read yet (a folder's). Raises
+    ``shapes`` and ``dtypes``: key -> stored shape and dtype for entries whose tensor is not read
+    yet (a folder's). Raises
     ``StrictLoadError`` naming ``source`` for a size mismatch or, with ``strict``, missing or
     unexpected keys; nothing is written."""
     probes: dict[int, tuple[torch.Tensor, str]] = {}
@@ -159,10 +165,8 @@ def load_plan(
     for key, value in stored.items():
         shape = shapes.get(key) if shapes is not None else None
         if torch.is_tensor(value) or shape is not None:
-            like = value if torch.is_tensor(value) else torch.empty(())
-            probe = torch.empty(
-                tuple(value.shape) if torch.is_tensor(value) else shape, dtype=like.dtype, device="meta"
-            )
+            dtype = value.dtype if torch.is_tensor(value) else (dtypes or {}).get(key) or torch.float32
+            probe = torch.empty(tuple(value.shape) if torch.is_tensor(value) else shape, dtype=dtype, device="meta")
             probes[_storage(probe)] = (probe, key)
             values[key] = probe
         else:
@@ -181,6 +185,8 @@ def load_plan(
             f"{source}: checkpoint of another model: keys missing from it {sorted(missing)}, unexpected keys "
             f"{sorted(unexpected)}"
         )
+    for destination, origin in recorder.copies:
+        _refuse_complex_mismatch(source, probes.get(_storage(origin)), destination)
     params: dict[str, list[ShardedParam]] = {}
     for destination, origin in recorder.copies:
         target = stand_ins.sharded.get(_storage(destination))
@@ -198,6 +204,23 @@ def load_plan(
         if param not in params[probe[1]]:
             params[probe[1]].append(param)
     return LoadPlan(params, missing, unexpected)
+
+
+def _refuse_complex_mismatch(source: Any, probe: tuple[torch.Tensor, str] | None, destination: torch.Tensor) -> None:
+    """A complex checkpoint tensor loading into a real one (its imaginary part would be dropped) or a
+    real one into a complex tensor (a rotary table saved as its real part: cosines where rotations
+    belong) is an error naming the key, never a silent ``copy_``."""
+    if probe is not None and probe[0].is_complex() != destination.is_complex():
+        stored, live = str(probe[0].dtype).removeprefix("torch."), str(destination.dtype).removeprefix("torch.")
+        lost = (
+            "drop its imaginary part" if probe[0].is_complex() else "keep only a real part where the model is complex"
+        )
+        raise CheckpointError(
+            f"{source}: the checkpoint holds {probe[1]!r} as {stored} and the model as {live}; loading it would "
+            f"{lost}. fsdp_strategy 0.2.0 and earlier saved the complex buffers of a '*-true' model (a rotary table "
+            "freqs_cis) as their real part: recompute that tensor (leave it out of the loaded state, or make it a "
+            "non-persistent buffer) rather than loading it"
+        )
 
 
 def load_plain(view: ShardsView, values: Mapping[str, Any], plan: LoadPlan) -> None:

@@ -62,9 +62,7 @@ def raise_for_lost_edits(checks: list[LostEditCheck]) -> None:
     )
 
 
-def keep_full_edits(
-    unit: str, params: list[ShardedParam], param_dtype: torch.dtype, every_param: bool
-) -> list[LostEditCheck]:
+def keep_full_edits(unit: str, params: list[ShardedParam], every_param: bool) -> list[LostEditCheck]:
     """Write each rank's rows of the changed full parameters (every one, or those with a visible
     trace) into its shards; the checks of changes a lower ``param_dtype`` may have lost."""
     checks = []
@@ -72,5 +70,5 @@ def keep_full_edits(
         if every_param or param.visibly_edited():
             lost = param.keep_full_edits()
             if lost is not None:
-                checks.append(LostEditCheck(unit, param.fqn, param_dtype, param.sharded.dtype, lost))
+                checks.append(LostEditCheck(unit, param.fqn, param.param_dtype, param.sharded.dtype, lost))
     return checks

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from fsdp_strategy.engine.device import DeviceLayer
+from fsdp_strategy.engine.flat import complex_from_real, real_view
 
 
 class ShardLayout(NamedTuple):
@@ -28,7 +29,7 @@ class ShardLayout(NamedTuple):
     size: int  # ranks in the shard group
     storage_device: torch.device  # where the shard lives (the CPU with offload)
     compute_device: torch.device  # where the full parameter is gathered
-    param_dtype: torch.dtype | None  # dtype of the full parameter; None: the parameter's own
+    param_dtype: torch.dtype | None  # dtype of a floating full parameter; None: the parameter's own
     device_layer: DeviceLayer | None = None  # keeps the shard (pinned when offloaded from CUDA); None: as is
 
 
@@ -72,7 +73,10 @@ class ShardedParam:
         self.shard_rank = shard_rank
         self.chunk_rows = math.ceil(self.dim0 / shard_size)
         self.shard_numel = self.chunk_rows * self.row_numel
-        self.param_dtype = layout.param_dtype or param.dtype
+        floating = layout.param_dtype is not None and param.is_floating_point()
+        self.param_dtype = layout.param_dtype if floating else param.dtype  # a complex one stays complex
+        self.real_row_numel = self.row_numel * (2 if param.is_complex() else 1)  # its real pairs, per row
+        self.real_shard_numel = self.chunk_rows * self.real_row_numel  # its columns in a reduce buffer
 
         rows = param.detach().reshape(self.dim0, self.row_numel)
         local = rows[shard_rank * self.chunk_rows : (shard_rank + 1) * self.chunk_rows]
@@ -216,18 +220,19 @@ class ShardedParam:
         if self.stashed_grad is not None:
             self.stashed_grad += grad.detach()
             return 0
-        self.stashed_grad = grad.detach().to(dtype)
+        self.stashed_grad = grad.detach().to(dtype if grad.is_floating_point() else grad.dtype)  # complex stays
         return self.stashed_nbytes
 
     def take_grad_rows(self, out: torch.Tensor) -> bool:
         """Write the full gradient (stashed + current) into ``out`` (this parameter's ``(N, shard_numel)``
-        columns of a reduce buffer, padding rows zero) and clear both; zeros and False without one."""
+        columns of a reduce buffer, twice that for a complex one's real pairs: [Note: flat buffers of
+        any dtype] in flat.py; padding rows zero) and clear both; zeros and False without one."""
         grad, stashed = self.unsharded.grad, self.stashed_grad
         self.unsharded.grad = self.stashed_grad = None
         if grad is None and stashed is None:
             out.zero_()
             return False
-        padded = out.view(self.world, self.chunk_rows, self.row_numel)
+        padded = out.view(self.world, self.chunk_rows, self.real_row_numel)
         first, second = (stashed, grad) if stashed is not None else (grad, None)
         full_chunks, rest = self._write_rows(padded, first.detach(), add=False)
         if second is not None:
@@ -238,10 +243,11 @@ class ShardedParam:
         return True
 
     def _write_rows(self, padded: torch.Tensor, full: torch.Tensor, add: bool) -> tuple[int, int]:
-        """Copy (or add) a full-shape tensor into ``(N, c, row)`` padded rows without a padded temporary."""
+        """Copy (or add) a full-shape tensor (its real pairs) into ``(N, c, row)`` padded rows without a
+        padded temporary."""
         if self.chunk_rows == 0:  # an empty parameter (dim 0 of size 0): no rows, no padding
             return self.world, 0
-        rows = full.reshape(self.dim0, self.row_numel)
+        rows = real_view(full).view(self.dim0, self.real_row_numel)
         full_chunks, rest = divmod(self.dim0, self.chunk_rows)
         write = torch.Tensor.add_ if add else torch.Tensor.copy_
         if full_chunks:
@@ -255,8 +261,10 @@ class ShardedParam:
         self.unsharded.grad = self.stashed_grad = None
 
     def accumulate_sharded_grad(self, reduced: torch.Tensor, device_layer: DeviceLayer) -> None:
-        """Add this parameter's slice of a reduced gradient shard into ``sharded.grad`` (brought
-        to the shard's device and dtype by ``device_layer``)."""
+        """Add this parameter's slice of a reduced gradient shard (real pairs for a complex one) into
+        ``sharded.grad`` (brought to the shard's device and dtype by ``device_layer``)."""
+        if self.sharded.is_complex():
+            reduced = complex_from_real(reduced, self.sharded.dtype)
         accumulate = self.sharded.grad is not None
         grad = device_layer.grad_to_storage(reduced, self.sharded, self.fqn, accumulate)
         if not accumulate:

@@ -32,6 +32,7 @@ from fsdp_strategy.engine.accounting import MemoryAccount
 from fsdp_strategy.engine.collectives import CommContext, CommGroup, Pending
 from fsdp_strategy.engine.device import DeviceLayer
 from fsdp_strategy.engine.edits import LostEditCheck, keep_full_edits, raise_for_lost_edits
+from fsdp_strategy.engine.flat import FlatLayout, real_dtype, real_view
 from fsdp_strategy.engine.param import ShardedParam
 from fsdp_strategy.engine.trace import span
 
@@ -63,6 +64,7 @@ class GatherInFlight(NamedTuple):
     work: Pending
     gathered: torch.Tensor  # every rank's flat shard, rank-major; this rank's row was filled before the gather
     nbytes: int  # the buffer's bytes ([Note: what gathering allocates])
+    layout: FlatLayout  # where each parameter's columns are ([Note: flat buffers of any dtype] in flat.py)
 
 
 class UndecidedGrad(NamedTuple):
@@ -135,39 +137,34 @@ class FSDPUnit:
         self._lost_edit_checks: list[LostEditCheck] = []  # deferred: ``take_lost_edit_checks``
         self._gathered_versions: list[int] = []  # shard versions when a gather in flight copied them
         self._aliased = bool(params) and all(p.aliased for p in params)  # [Note: aliased shards]
-        self._shard_sizes = [p.shard_numel for p in params]
         self._stamp_slots = context.stamp_slots
         self.unsharded_nbytes = sum(p.unsharded_nbytes for p in params)  # full parameters, padding included
         self._gather: GatherInFlight | None = None
-        self._param_dtype = params[0].param_dtype if params else torch.float32
-        self._reduce_dtype = context.reduce_dtype or (params[0].sharded.dtype if params else torch.float32)
+        self._param_dtypes = [p.param_dtype for p in params]  # gathered in these ([Note: flat buffers of any dtype])
+        shard_reals = [real_dtype(p.sharded.dtype) for p in params] or [torch.float32]
+        self._reduce_dtype = context.reduce_dtype or functools.reduce(torch.promote_types, shard_reals)
         data_parallel_size = self.shard_comm.size * self.replicate_comm.size
         self._divide_before, self._divide_after = collectives.divide_factors(data_parallel_size, self._reduce_dtype)
-        dtypes = {p.param_dtype for p in params}
-        if len(dtypes) > 1:
-            names = {p.fqn: str(p.param_dtype) for p in params}
-            raise ValueError(
-                f"unit {name!r} mixes parameter dtypes {names}; a unit gathers one flat buffer of one dtype. "
-                "Cast the module to one dtype, or wrap the differing parameters in their own unit"
-            )
 
     # ---- gather -----------------------------------------------------------------------
 
-    def _start_gather(self, shards: list[torch.Tensor], dtype: torch.dtype) -> GatherInFlight:
-        """Copy one shard-shaped tensor per parameter (in ``dtype``, on the compute device) into
-        this rank's row of a gather buffer and start ONE all-gather into the buffer in place."""
+    def _start_gather(self, shards: list[torch.Tensor], dtypes: list[torch.dtype]) -> GatherInFlight:
+        """Copy one shard-shaped tensor per parameter (cast to its entry of ``dtypes``, on the compute
+        device) into this rank's row of a gather buffer and start ONE all-gather into the buffer in
+        place ([Note: flat buffers of any dtype] in flat.py)."""
         world, rank = self.shard_comm.size, self.shard_comm.rank
-        total = sum(self._shard_sizes)
+        layout = FlatLayout.of(dtypes, [p.shard_numel for p in self.params])
+        total = layout.total
         self.device_layer.before_gather()  # [Note: host and device] 3
-        gathered = torch.empty(world, total + self._stamp_slots, dtype=dtype, device=self.device)
+        gathered = torch.empty(world, total + self._stamp_slots, dtype=layout.dtype, device=self.device)
         flat_shard = gathered[rank]
         with span("gather_copy_in"):
-            pieces = list(flat_shard[:total].split(self._shard_sizes))
-            self.device_layer.copy_shards_in(pieces, [s.detach().reshape(-1) for s in shards], self.name)
+            pieces = layout.pieces(flat_shard[:total])
+            self.device_layer.copy_shards_in(pieces, [real_view(s.detach()) for s in shards], self.name)
         self.ledger.record_copy("gather_copy_in", total * gathered.element_size())
         stamped = self._stamp_slots > 0
         work = collectives.all_gather(gathered.view(-1), flat_shard, self.shard_comm, self.comm, self.name, stamped)
-        return GatherInFlight(work, gathered, gathered.numel() * gathered.element_size())
+        return GatherInFlight(work, gathered, gathered.numel() * gathered.element_size(), layout)
 
     def _columns(self, gathered: torch.Tensor) -> torch.Tensor:
         """The ``(N, total)`` parameter columns of a gather buffer (stamps left out)."""
@@ -178,7 +175,7 @@ class FSDPUnit:
         if self.state is not ShardedState.SHARDED or not self.params or self._aliased:
             return
         self._gathered_versions = [p.sharded._version for p in self.params]
-        self._gather = self._start_gather([p.sharded for p in self.params], self._param_dtype)
+        self._gather = self._start_gather([p.sharded for p in self.params], self._param_dtypes)
         self.memory.allocated(self.name, self._gather.nbytes, "gather_buffer")
         self.state = ShardedState.GATHERING
 
@@ -220,8 +217,13 @@ class FSDPUnit:
         gather.work.wait()
         with torch.no_grad(), span("gather_copy_out"):
             targets = [param.allocate_unsharded() for param in self.params]
+            reals = [t.view(real_dtype(t.dtype)) if t.is_complex() else t for t in targets]
+            columns, layout = self._columns(gather.gathered), gather.layout
             with torch.autograd._unsafe_preserve_version_counter(tuple(targets)):
-                torch.split_with_sizes_copy(self._columns(gather.gathered), self._shard_sizes, dim=1, out=targets)
+                if layout.bytes_mode:
+                    torch._foreach_copy_(reals, layout.pieces(columns))
+                else:
+                    torch.split_with_sizes_copy(columns, layout.sizes, dim=1, out=reals)
             self.ledger.record_copy("gather_copy_out", self.unsharded_nbytes)
         for param in self.params:
             param.mark_filled()
@@ -233,7 +235,7 @@ class FSDPUnit:
         Costs: one all-gather of the unit and its gather buffer while in flight."""
         if self.state is not ShardedState.UNSHARDED or self._aliased or not self.params:
             return
-        gather = self._start_gather([p.sharded for p in self.params], self._param_dtype)
+        gather = self._start_gather([p.sharded for p in self.params], self._param_dtypes)
         self.memory.allocated(self.name, gather.nbytes, "gather_buffer")
         self._copy_out(gather)
         self.memory.freed(self.name, gather.nbytes, "gather_buffer")
@@ -249,7 +251,7 @@ class FSDPUnit:
         (a device sync) waits for ``take_lost_edit_checks``."""
         if self.state is not ShardedState.UNSHARDED or self._aliased:
             return
-        self._lost_edit_checks += keep_full_edits(self.name, self.params, self._param_dtype, every_param)
+        self._lost_edit_checks += keep_full_edits(self.name, self.params, every_param)
         if not defer:
             raise_for_lost_edits(self.take_lost_edit_checks())
 
@@ -291,13 +293,14 @@ class FSDPUnit:
         """
         if not self.params:
             return []
-        dtype = functools.reduce(torch.promote_types, (s.dtype for s in shards))
-        gather = self._start_gather(shards, dtype)
+        dtypes = [s.dtype for s in shards]
+        gather = self._start_gather(shards, dtypes)
         gather.work.wait()
         if not keep:
             return []
-        columns = self._columns(gather.gathered).split(self._shard_sizes, dim=1)
-        return [param.full_from_rows(rows) for param, rows in zip(self.params, columns)]
+        columns = gather.layout.pieces(self._columns(gather.gathered))
+        rows = [c.contiguous().view(d) if d.is_complex else c for c, d in zip(columns, dtypes)]
+        return [param.full_from_rows(r) for param, r in zip(self.params, rows)]
 
     # ---- reduce -----------------------------------------------------------------------
 
@@ -329,7 +332,7 @@ class FSDPUnit:
                 param.drop_grads()
         if not params:
             return None
-        sizes = [p.shard_numel for p in params]
+        sizes = [p.real_shard_numel for p in params]  # [Note: flat buffers of any dtype]
         total = sum(sizes)
         world = self.shard_comm.size
         stamp = self._stamp_slots
@@ -375,7 +378,8 @@ class FSDPUnit:
             grads, flags = output[:total], output[total : total + len(params)]
             grads.div_(self._divide_after)  # [Note: SUM then divide]
             undecided = []
-            for param, piece, flag, has_grad in zip(params, grads.split([p.shard_numel for p in params]), flags, used):
+            pieces = grads.split([p.real_shard_numel for p in params])
+            for param, piece, flag, has_grad in zip(params, pieces, flags, used):
                 if has_grad:
                     param.accumulate_sharded_grad(piece, self.device_layer)
                 else:

@@ -36,6 +36,7 @@ from fsdp_strategy.config import PrecisionRules
 from fsdp_strategy.engine.traversal import map_tensors
 from fsdp_strategy.options import StrategyOptions
 from fsdp_strategy.plan.flops import FlopCount
+from fsdp_strategy.plan.repeats import LayerList, Moment, PlannedRun, find_layer_list, plan_layers
 from fsdp_strategy.plan.result import PARTS, MemoryPlan
 from fsdp_strategy.plan.tracker import ACTIVATIONS, LiveBytes
 from fsdp_strategy.plan.world import fake_world
@@ -133,8 +134,42 @@ def run(model: nn.Module, example_input: Any, planned: Planned) -> MemoryPlan:
     with fake_world(planned.world_size), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # self.log() without a trainer, and the like
         mesh = build_mesh(shape, "cpu")  # outside fake mode: the mesh reads its rank layout
-        result = _PlannedSteps(options, precision, mesh).run(module, example_input, make_optimizer)
+
+        def moments(shortened: nn.Module, layer_list: LayerList | None = None) -> PlannedRun:
+            run_options = _options_for(options, shortened, layer_list)
+            return _PlannedSteps(run_options, precision, mesh).run(shortened, example_input, make_optimizer)
+
+        layer_list = find_layer_list(module, _selections(module, options))
+        result = None
+        if layer_list is not None:  # [Note: identical layers planned once] in repeats.py
+            result = plan_layers(module, layer_list, lambda shortened: moments(shortened, layer_list))
+        if result is None:
+            result = max((m.plan for m in moments(module).moments), key=lambda plan: plan.peak_bytes)
     return dataclasses.replace(result, settings=planned.settings(), strategy_kwargs=dict(planned.strategy_kwargs))
+
+
+def _selections(module: nn.Module, options: StrategyOptions) -> list[set[int]]:
+    """The modules the wrap policy and the recomputation policy choose in ``module`` (ids)."""
+    from fsdp_strategy.wrap import ModuleNames, as_policy_fn, select_unit_modules
+
+    checkpointing = options.activation_checkpointing_policy
+    policies = [options.sharding.wrap_policy]
+    if isinstance(checkpointing, ModuleNames):
+        policies.append(checkpointing.policy_for(module))
+    elif checkpointing is not None:
+        policies.append(as_policy_fn(checkpointing, argument="activation_checkpointing_policy"))
+    return [{id(m) for m in select_unit_modules(module, policy)} for policy in policies]
+
+
+def _options_for(options: StrategyOptions, module: nn.Module, layer_list: LayerList | None) -> StrategyOptions:
+    """``options`` for a shortened copy: a recomputation policy naming modules keeps those it has."""
+    from fsdp_strategy.wrap import ModuleNames
+
+    checkpointing = options.activation_checkpointing_policy
+    if layer_list is None or not isinstance(checkpointing, ModuleNames):
+        return options
+    present = {name for name, _ in module.named_modules()}
+    return dataclasses.replace(options, activation_checkpointing_policy=ModuleNames(checkpointing & present))
 
 
 class _PlannedSteps:
@@ -145,15 +180,20 @@ class _PlannedSteps:
         self.device = torch.device("cpu")  # byte counts do not depend on the device type
         self.offload = options.sharding.cpu_offload.offload_params
         self.state = _State()
+        self.grads_of: Callable[[], int] = lambda: 0  # the bytes of the shards' gradients
         host = (SHARDS, OPTIMIZER, GRADIENTS) if self.offload else ()
-        self.tracker = LiveBytes(self.state.describe, host_tags=host)
+        self.tracker = LiveBytes(self._describe, host_tags=host, moment=self.state.moment)
 
-    def run(self, module: nn.Module, example_input: Any, make_optimizer: Callable) -> MemoryPlan:
-        """Shard ``module`` (on the meta device) and run the steps; the plan of what they held."""
+    def _describe(self) -> dict[str, Any]:
+        return {**self.state.describe(), "grads": self.grads_of()}
+
+    def run(self, module: nn.Module, example_input: Any, make_optimizer: Callable) -> PlannedRun:
+        """Shard ``module`` (on the meta device) and run the steps: the plan at each moment of them as if
+        it were the peak (in the order those peaks were reached) and the engine's events."""
         with FakeTensorMode(allow_non_fake_inputs=True), self.tracker:
             return self._run(module, example_input, make_optimizer)
 
-    def _run(self, module: nn.Module, example_input: Any, make_optimizer: Callable) -> MemoryPlan:
+    def _run(self, module: nn.Module, example_input: Any, make_optimizer: Callable) -> PlannedRun:
         from fsdp_strategy.engine import shard_with_options
         from fsdp_strategy.wrap import apply_activation_checkpointing
 
@@ -172,14 +212,15 @@ class _PlannedSteps:
         try:
             shards = list(module.parameters())
             tracker.retag(shards, SHARDS)
+            scheduler.memory.record()  # the engine's events: where each moment is ([Note: identical layers ...])
             state.account = scheduler.memory
-            state.grads_of = lambda: tracker.bytes_of(p.grad for p in shards)
+            self.grads_of = lambda: tracker.bytes_of(p.grad for p in shards)
             tracker.tag = OPTIMIZER  # an optimizer that makes its state at construction (Adagrad)
             optimizer = make_optimizer([p for p in shards if p.requires_grad])
             tracker.tag = ACTIVATIONS
             batch = planned_input(example_input, precision, device)
             for step in range(STEPS):
-                last = step == STEPS - 1
+                state.step, last = step, step == STEPS - 1
                 if last:
                     scheduler.ledger.start_step()
                 with flops if last else nullcontext():
@@ -197,31 +238,65 @@ class _PlannedSteps:
             sent = sum(totals.wire_bytes for totals in scheduler.ledger.current.values())
         finally:
             scheduler.close()
-        peak = tracker.peak
-        return MemoryPlan(
-            peak_bytes=peak.bytes,
-            parts=_parts(peak.bytes, peak.by_tag, peak.moment, self.offload),
-            phase=peak.moment.get("phase", "setup"),
-            unit=peak.moment.get("unit", ""),
-            host_bytes=sum(tracker.by_tag[tag] for tag in (SHARDS, OPTIMIZER, GRADIENTS)) if self.offload else 0,
-            sent_bytes_per_step=sent,
-            flops_per_step=flops.total,
-            shard_bytes=tracker.bytes_of(shards),
-        )
+        host_bytes = sum(tracker.by_tag[tag] for tag in (SHARDS, OPTIMIZER, GRADIENTS)) if self.offload else 0
+        moments = []
+        for (step, phase, index), peak in sorted(tracker.peaks.items(), key=lambda item: item[1].order):
+            plan = MemoryPlan(
+                peak_bytes=peak.bytes,
+                parts=_parts(peak.bytes, peak.by_tag, peak.moment, self.offload),
+                phase=phase,
+                unit=peak.moment.get("unit", ""),
+                host_bytes=host_bytes,
+                sent_bytes_per_step=sent,
+                flops_per_step=flops.total,
+                shard_bytes=tracker.bytes_of(shards),
+            )
+            moments.append(Moment((step, phase), index, plan))
+        return PlannedRun(moments, state.sequences())
 
 
 class _State:
-    """What the tracker's ``describe`` reads at a new peak: the phase, the engine's account."""
+    """What the tracker reads: at every operator the moment (step, phase, the engine's events in it so
+    far), at a new peak the phase and the engine's account."""
 
     def __init__(self) -> None:
-        self.phase = "setup"
+        self.step = -1  # -1: setup
+        self._phase = "setup"
+        self._phase_from = 0  # the engine's events before the phase began
+        self.spans: dict[tuple[int, str], int] = {}  # (step, phase) -> its first event's index
         self.account: Any = None
-        self.grads_of: Callable[[], int] = lambda: 0
+
+    def events(self) -> int:
+        """The engine's memory events recorded so far."""
+        timeline = self.account.timeline if self.account is not None else None
+        return len(timeline) if timeline is not None else 0
+
+    @property
+    def phase(self) -> str:
+        """ "setup", "forward", "backward" or "optimizer step"."""
+        return self._phase
+
+    @phase.setter
+    def phase(self, phase: str) -> None:
+        self._phase, self._phase_from = phase, self.events()
+        self.spans[(self.step, phase)] = self._phase_from
+
+    def moment(self) -> tuple[int, str, int]:
+        """(step, phase, the engine's events in this phase so far): cheap, read at every operator."""
+        return self.step, self._phase, self.events() - self._phase_from
+
+    def sequences(self) -> dict[tuple[int, str], list[tuple[str, str]]]:
+        """Each (step, phase)'s engine events as (unit, event), from the account's timeline."""
+        timeline = self.account.stop() if self.account is not None else []
+        starts = sorted(self.spans.items(), key=lambda item: item[1])
+        ends = [start for _, start in starts[1:]] + [len(timeline)]
+        return {span: [(e.unit, e.event) for e in timeline[start:end]] for (span, start), end in zip(starts, ends)}
 
     def describe(self) -> dict[str, Any]:
+        """What a peak keeps of its moment: the phase, the unit, the engine's buffers."""
         engine = dict(self.account.by_kind) if self.account is not None else {}
         unit = self.account.last_unit if self.account is not None else ""
-        return {"phase": self.phase, "unit": unit, "engine": engine, "grads": self.grads_of()}
+        return {"phase": self.phase, "unit": unit, "engine": engine}
 
 
 def _parts(peak: int, by_tag: dict[str, int], moment: dict[str, Any], offload: bool) -> dict[str, int]:
@@ -288,7 +363,7 @@ def planned_input(batch: Any, precision: PrecisionRules, device: torch.device) -
     ``device``, floating ones in the dtype the precision computes in. Under ``FakeTensorMode``: fake."""
 
     def planned(tensor: torch.Tensor) -> torch.Tensor:
-        dtype = precision.input_dtype if tensor.is_floating_point() else tensor.dtype
+        dtype = precision.input_dtype_of(tensor.dtype)
         return torch.zeros(tensor.shape, dtype=dtype, device=device)
 
     return map_tensors(batch, planned)

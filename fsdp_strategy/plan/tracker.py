@@ -10,7 +10,9 @@ Each storage carries a tag from when it was first seen (``tag``: "activations" u
 caller says otherwise, e.g. "optimizer state" during ``optimizer.step()``); ``retag`` moves
 known storages to another tag. ``host_tags`` are left out of the peak: with CPU offload the
 shards and the optimizer state live in host memory. At each new peak a ``Peak`` keeps the bytes
-per tag and what the ``describe`` callback says about the moment.
+per tag and what the ``describe`` callback says about the moment; with a ``moment`` callback
+(cheap: it runs at every operator) the peak is kept per moment it names (``peaks``), and ``peak``
+is the highest of them.
 
 Costs: one Python call per operator and a dict copy per new peak; tensors made in other threads
 or before ``__enter__`` are counted only if given to ``track``.
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 import weakref
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +40,7 @@ class Peak:
     bytes: int = 0
     by_tag: dict[str, int] = field(default_factory=dict)
     moment: dict[str, Any] = field(default_factory=dict)
+    order: int = 0  # when it was reached (among all peaks of a tracker): the earliest wins a tie
 
 
 class LiveBytes(TorchDispatchMode):
@@ -47,15 +50,23 @@ class LiveBytes(TorchDispatchMode):
         self,
         describe: Callable[[], dict[str, Any]] | None = None,
         host_tags: Iterable[str] = (),
+        moment: Callable[[], Hashable] | None = None,
     ) -> None:
         super().__init__()
         self.tag = ACTIVATIONS
         self.by_tag: dict[str, int] = defaultdict(int)
-        self.peak = Peak()
+        self.peaks: dict[Hashable, Peak] = {}  # moment -> the highest bytes seen at it
         self._describe = describe or dict
+        self._moment = moment or (lambda: None)
+        self._reached = 0
         self._host_tags = frozenset(host_tags)
         self._storages: dict[int, list] = {}  # id(storage) -> [weak reference, bytes, tag]
         self._original_resize: Any = None
+
+    @property
+    def peak(self) -> Peak:
+        """The highest of the peaks (the earliest of equal ones)."""
+        return max(self.peaks.values(), key=lambda p: (p.bytes, -p.order), default=Peak())
 
     @property
     def current(self) -> int:
@@ -134,9 +145,11 @@ class LiveBytes(TorchDispatchMode):
         self._note_peak()
 
     def _note_peak(self) -> None:
-        current = self.current
-        if current > self.peak.bytes:
-            self.peak = Peak(current, dict(self.by_tag), self._describe())
+        current, moment = self.current, self._moment()
+        known = self.peaks.get(moment)
+        if known is None or current > known.bytes:
+            self._reached += 1
+            self.peaks[moment] = Peak(current, dict(self.by_tag), self._describe(), self._reached)
 
 
 def _storage(tensor: Any) -> torch.UntypedStorage | None:
