@@ -1,7 +1,13 @@
-"""Muon under ``fsdp_custom`` against Muon under Lightning's DDP, on the GPT example's model.
+"""Optimizers placed whole (Muon, LAMB, Adafactor) under ``fsdp_custom`` against the same optimizer
+under Lightning's DDP, on the GPT example's model.
 
     python benchmarks/muon.py                 # 2 CPU ranks, gloo, the example's small config
     python benchmarks/muon.py --steps 30 --d-model 256 --n-layers 6
+    python benchmarks/muon.py --optimizer lamb  # pytorch-optimizer's LAMB on every parameter (measured)
+
+``--optimizer lamb`` / ``adafactor``: pytorch-optimizer's ``Lamb`` / ``AdaFactor`` on every parameter,
+which the engine measures before the first step and places whole; the probe's time and the bytes
+it allocated are printed first.
 
 The GPT example's LightningModule with ``optimizer.name=muon`` (``MuonWithAdamW``: Muon for the
 blocks' weight matrices, AdamW for the rest) trains ``--steps`` steps under each strategy on
@@ -63,6 +69,8 @@ def _body(rank: int, world: int, args: argparse.Namespace, strategy_name: str) -
     torch.manual_seed(0)
     config = GPTConfig(d_model=args.d_model, n_layers=args.n_layers, n_heads=4, seq_len=args.seq_len)
     module = GPTModule(config, OptimizerSettings(name="muon"), args.steps, batch_size=8)
+    if args.optimizer != "muon":
+        module.configure_optimizers = lambda: _third_party(args.optimizer)(module.parameters())
     strategy = FSDPCustomStrategy(auto_wrap_policy={Block}) if strategy_name == "fsdp_custom" else "ddp"
     timed = Timed()
     trainer = L.Trainer(
@@ -86,6 +94,28 @@ def _body(rank: int, world: int, args: argparse.Namespace, strategy_name: str) -
     }
 
 
+def _third_party(name: str):
+    import pytorch_optimizer
+
+    make = {"lamb": pytorch_optimizer.Lamb, "adafactor": pytorch_optimizer.AdaFactor}[name]
+    return lambda params: make(params, lr=3e-3)
+
+
+def _probe_cost(name: str) -> str:
+    """The probe's time and the bytes it allocated at its peak, measuring ``name`` once."""
+    from fsdp_strategy.engine.optimizer_probe import measure
+    from fsdp_strategy.plan.tracker import LiveBytes
+
+    optimizer = _third_party(name)([torch.nn.Parameter(torch.zeros(4, 4))])
+    tracker = LiveBytes()
+    start = time.perf_counter()
+    with tracker:
+        measured = measure(optimizer, optimizer.param_groups[0])
+    seconds = time.perf_counter() - start
+    peak = tracker.peak.bytes / 1024
+    return f"probe: {measured.kind}, {seconds * 1000:.0f} ms, peak {peak:.1f} KiB ({measured.reason})"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=20)
@@ -93,7 +123,10 @@ def main() -> None:
     parser.add_argument("--n-layers", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--optimizer", choices=["muon", "lamb", "adafactor"], default="muon")
     args = parser.parse_args()
+    if args.optimizer != "muon":
+        print(_probe_cost(args.optimizer))
     folder = Path(__file__).resolve().parent / "results"
     folder.mkdir(exist_ok=True)
     print(

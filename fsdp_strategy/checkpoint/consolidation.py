@@ -232,13 +232,18 @@ def _param_groups(entries: dict[str, Any], group_paths: dict[str, tuple]) -> lis
 
 
 def _by_position(paths: dict[str, tuple], entries: dict[str, Any], groups: list[dict]) -> dict[str, Any]:
-    """One optimizer's name-keyed state as ``optimizer.state_dict()`` of the plain model has it."""
+    """One optimizer's name-keyed state as ``optimizer.state_dict()`` of the plain model has it (state
+    values that are lists or dicts, SOAP's preconditioners, rebuilt from DCP's flattened entries)."""
+    from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
+
     position = {fqn: i for i, fqn in enumerate(fqn for group in groups for fqn in group["params"])}
+    state_paths = {key: paths[key] for key in entries if paths[key][1] != "param_groups"}
     state: dict[int, dict[str, Any]] = {}
-    for key, value in entries.items():
-        fqn, name = paths[key][-2], paths[key][-1]
-        if fqn in position:  # (optimizer_i, "state", fqn, key), or format 1's (optimizer_i, fqn, key)
-            state.setdefault(position[fqn], {})[name] = value
+    if state_paths:
+        rebuilt = next(iter(unflatten_state_dict({k: entries[k] for k in state_paths}, state_paths).values()))
+        version_two = all(path[1] == "state" for path in state_paths.values())
+        by_name = rebuilt["state"] if version_two else rebuilt  # (optimizer_i, "state", fqn, key, ...) or format 1's
+        state = {position[fqn]: dict(values) for fqn, values in by_name.items() if fqn in position}
     torch_groups = [{**group, "params": [position[fqn] for fqn in group["params"]]} for group in groups]
     return {"state": dict(sorted(state.items())), "param_groups": torch_groups}
 

@@ -109,17 +109,45 @@ def full_optimizer_state_dict(
             for p, s in zip(params, states):
                 for key, value in s.items():
                     if key not in keys and id(p.sharded) in position:
-                        entry = out_state.setdefault(position[id(p.sharded)], {})
-                        entry[key] = value.clone() if torch.is_tensor(value) else value
+                        out_state.setdefault(position[id(p.sharded)], {})[key] = _copied(value)
+    _gather_held_apart(view, optimizer, position, out_state, rank0_only)
     if not keep:
         return {}
     for owner in owners.values():  # whole parameters ([Note: ignored modules]): their state as is
         if isinstance(owner, names.WholeParam) and id(owner.sharded) in position:
             state = per_param.get(id(owner.sharded), {})
-            entry = {key: value.clone() if torch.is_tensor(value) else value for key, value in state.items()}
+            entry = {key: _copied(value) for key, value in state.items()}
             if entry:
                 out_state[position[id(owner.sharded)]] = entry
     return {"state": dict(sorted(out_state.items())), "param_groups": names.torch_groups(optimizer)}
+
+
+def _gather_held_apart(
+    view: ShardsView, optimizer: torch.optim.Optimizer, position: dict[int, int], out: dict, rank0_only: bool
+) -> None:
+    """Add the state each rank alone holds (an owner's, [Note: whole-matrix placement]) to ``out``, on
+    rank 0 (every rank unless ``rank0_only``). A collective; costs one object gather of that state."""
+    mine = {position[i]: _copied(entries) for i, entries in view.held_apart(optimizer).items() if i in position}
+    parts = (
+        collectives.gather_objects(mine, dog=view.watchdog)
+        if rank0_only
+        else collectives.all_gather_objects(mine, dog=view.watchdog)
+    )
+    for part in parts or []:
+        for index, entries in part.items():
+            out.setdefault(index, {}).update(entries)
+
+
+def _copied(value: Any) -> Any:
+    """``value`` with every tensor in it copied to the CPU (lists, tuples and dicts rebuilt): a saved
+    state must not change with the optimizer's next step (SOAP updates its lists in place)."""
+    if torch.is_tensor(value):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_copied(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _copied(v) for k, v in value.items()}
+    return value
 
 
 def _shard_shaped(value: Any, param: ShardedParam) -> bool:

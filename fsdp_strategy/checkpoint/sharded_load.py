@@ -55,10 +55,11 @@ class _StoredKeys:
         """The top-level keys the folder holds."""
         return {path[0] for path in self.paths.values()}
 
-    def optimizer(self, prefix: str, format_version: int) -> tuple[dict[tuple[str, str], str], dict[str, tuple]]:
+    def optimizer(self, prefix: str, format_version: int) -> tuple[dict, dict[str, tuple], dict]:
         """(``(parameter name, state key) -> flat key``, ``flat key -> path`` of the param groups'
-        entries) of the optimizer stored under ``prefix``."""
-        state, groups = {}, {}
+        entries, ``(parameter name, state key) -> {flat key -> path}`` of state values DCP stored
+        flattened: lists and dicts, SOAP's preconditioners) of the optimizer stored under ``prefix``."""
+        state, groups, nested = {}, {}, {}
         for key, path in self.paths.items():
             if path[0] != prefix:
                 continue
@@ -66,9 +67,11 @@ class _StoredKeys:
                 state[(path[1], path[2])] = key
             elif len(path) == 4 and path[1] == "state":
                 state[(path[2], path[3])] = key
+            elif len(path) > 4 and path[1] == "state":
+                nested.setdefault((path[2], path[3]), {})[key] = path
             elif path[1] == "param_groups":
                 groups[key] = path
-        return state, groups
+        return state, groups, nested
 
 
 def _object_targets(stored: _StoredKeys, paths: dict[str, tuple]) -> dict[str, Any]:
@@ -183,18 +186,22 @@ def load_tensors(
         shapes = {name: stored.sizes[key] for name, key in model_keys.items() if stored.sizes[key] is not None}
         values = _read_values(folder, stored, model_key, process_group)
         where = folder.child(layout.DCP_METADATA)
-        plan = module_state.load_plan(view, {**values, **dict.fromkeys(shapes)}, strict, where, shapes=shapes)
+        dtypes = {name: stored.dtypes[key] for name, key in model_keys.items() if name in shapes}
+        stand_ins = {**values, **dict.fromkeys(shapes)}
+        plan = module_state.load_plan(view, stand_ins, strict, where, shapes=shapes, dtypes=dtypes)
         flat, plain = _model_targets(view, stored, model_keys, shapes, plan)
     legacy_groups = rest.pop("optimizer_groups", []) if optimizers else []
     if optimizers:
         rest.pop("optimizer_layouts", None)
     loaded = []
     for index, prefix in enumerate(prefixes):
-        state_keys, group_paths = stored.optimizer(prefix, version)
+        state_keys, group_paths, nested = stored.optimizer(prefix, version)
         targets, local_state = _optimizer_targets(view, optimizers[index], stored, state_keys, folder)
         flat.update(targets)
         flat.update(_object_targets(stored, group_paths))
-        loaded.append((local_state, state_keys, group_paths, targets))
+        for paths in nested.values():
+            flat.update(_object_targets(stored, paths))
+        loaded.append((local_state, state_keys, group_paths, targets, nested))
     view.before_host_writes()
     try:
         dcp.load(flat, storage_reader=dcp_reader(folder), process_group=process_group)
@@ -208,10 +215,14 @@ def load_tensors(
         module_state.load_plain(view, {**values, **plain, **_meta(shapes, plan)}, plan)
         _clear_scalar_padding(view)
     owners = names.optimizer_owners(view)
-    for index, (optimizer, (local_state, state_keys, group_paths, targets)) in enumerate(zip(optimizers, loaded)):
+    for index, (optimizer, (local_state, state_keys, group_paths, targets, nested)) in enumerate(
+        zip(optimizers, loaded)
+    ):
         for (fqn, key), flat_key in state_keys.items():
             if targets[flat_key] is None:
                 local_state.setdefault(fqn, {})[key] = flat[flat_key]
+        for (fqn, key), paths in nested.items():
+            local_state.setdefault(fqn, {})[key] = _nested(flat, paths)["state"][fqn][key]
         groups = _nested(flat, group_paths)["param_groups"] if group_paths else legacy_groups[index]
         names.load_state(optimizer, owners, {"state": local_state, "param_groups": groups}, folder, cut_rows=False)
 

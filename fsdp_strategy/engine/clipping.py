@@ -3,6 +3,7 @@ shards, and one all-reduce."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping
 
 import torch
@@ -45,8 +46,23 @@ def clip_grad_norm(
     return total
 
 
+def norm_dtype(grad: torch.Tensor) -> torch.dtype:
+    """The dtype a gradient's norm is taken in: float32, or wider where the gradient is (float64, and
+    complex128's float64): the gradients of a 16-bit model overflow float16 otherwise."""
+    real = grad.dtype.to_real() if grad.is_complex() else grad.dtype
+    return torch.promote_types(real, torch.float32)
+
+
 def _total_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
-    """The ``norm_type``-norm of ``grads`` together, in float32 (the gradients of a 16-bit model
-    overflow float16 otherwise): torch's ``get_total_norm`` over each gradient's float32 norm."""
-    norms = [torch.linalg.vector_norm(grad, norm_type, dtype=torch.float32) for grad in grads]
-    return get_total_norm(norms, norm_type) if norms else torch.zeros((), dtype=torch.float32)
+    """The ``norm_type``-norm of ``grads`` together: torch's ``get_total_norm`` over each gradient's
+    norm in ``norm_dtype`` (a complex gradient's norm is of its absolute values)."""
+    norms = [
+        torch.linalg.vector_norm(grad if grad.is_complex() else grad.to(norm_dtype(grad)), norm_type).to(
+            norm_dtype(grad)
+        )
+        for grad in grads
+    ]
+    if not norms:
+        return torch.zeros((), dtype=torch.float32)
+    widest = functools.reduce(torch.promote_types, (n.dtype for n in norms))
+    return get_total_norm([n.to(widest) for n in norms], norm_type)

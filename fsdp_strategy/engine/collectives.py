@@ -272,6 +272,17 @@ def all_gather_objects(value: Any, group: Any = None, dog: Watchdog | None = Non
     return out
 
 
+def gather_objects(value: Any, group: Any = None, dog: Watchdog | None = None) -> list[Any] | None:
+    """Every rank's ``value`` (pickled) on the group's first rank, in rank order (None elsewhere); blocking."""
+    rank, size = process_rank(group)
+    if size == 1:
+        return [value]
+    out: list[Any] | None = [None] * size if rank == 0 else None
+    with watched("gather_object", "checkpoint", dog):
+        dist.gather_object(value, out, dst=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    return out
+
+
 def all_gather_rows(tensor: torch.Tensor, group: Any = None, dog: Watchdog | None = None) -> torch.Tensor:
     """Every rank's ``tensor`` stacked in rank order, shape ``(world, *tensor.shape)``; blocking."""
     _, size = process_rank(group)

@@ -52,6 +52,11 @@ class OptimizerSteps:
         self._handles: list[Any] = []
         self.open()
 
+    @property
+    def whole_matrix(self) -> WholeMatrixSteps | None:
+        """The placement of whole-parameter optimizers (None for a shard group of one)."""
+        return self._whole_matrix
+
     def open(self) -> None:
         """Install the process-wide step hooks (idempotent); they hold this object weakly."""
         if self._handles:
@@ -84,10 +89,11 @@ class OptimizerSteps:
         return [unit for unit in gathered if any(id(p.sharded) in stepped for p in unit.params)]
 
     def _before_step(self, optimizer: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        params = [id(p) for group in optimizer.param_groups for p in group["params"]]
-        if not any(i in self._held or i in self._replaced for i in params):
-            return None  # another model's optimizer (or a reference's)
-        kind = self._kinds.of(optimizer)  # a refused one raises here, before anything changes
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if not any(id(p) in self._held or self._was_replaced(p) for p in params):
+            return None  # another model's optimizer (or a reference's, or the probe's: optimizer_probe.py)
+        # a refused one raises here, before anything changes; with a shard group of one every parameter is whole
+        kind = self._kinds.of(optimizer) if self._whole_matrix is not None else UpdateKind.ELEMENTWISE
         self._refuse_replaced(optimizer)
         self._device_layer.before_host_writes_shards()  # [Note: host and device] 1
         units = self._gathered_units_of(optimizer)
@@ -118,6 +124,12 @@ class OptimizerSteps:
         if "closure" in kwargs:
             return args, {**kwargs, "closure": placed_closure}
         return (args[0], placed_closure, *args[2:]), kwargs
+
+    def _was_replaced(self, param: Any) -> bool:
+        """Whether ``param`` is a parameter sharding replaced (by identity: a new tensor may reuse the
+        id of one that is gone)."""
+        entry = self._replaced.get(id(param))
+        return entry is not None and entry[0]() is param
 
     def _refuse_replaced(self, optimizer: Any) -> None:
         """An optimizer created before sharding holds the model's old parameters: its steps would

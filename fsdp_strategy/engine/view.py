@@ -41,6 +41,7 @@ class ShardsView:
         self.watchdog = scheduler.observer.watchdog
         self.mesh = _mesh(root, self.params, scheduler.device_mesh)
         self._device_layer = scheduler.device_layer
+        self._whole = scheduler.optimizer_steps.whole_matrix
 
     def saved_dtypes(self) -> dict[int, torch.dtype]:
         """``id(buffer) -> the dtype a checkpoint holds it in``, for the buffers ``buffer_dtype`` cast
@@ -52,6 +53,11 @@ class ShardsView:
         """Wait for copies of shards to the device still in flight: a load is about to write the
         shards (or the average's) on the host ([Note: host and device] 1 in device.py)."""
         self._device_layer.before_host_writes_shards()
+
+    def held_apart(self, optimizer: torch.optim.Optimizer) -> dict[int, dict[str, Any]]:
+        """``id(shard) -> {key: value}``: optimizer state this rank alone holds, as the owner of a
+        parameter placed whole ([Note: whole-matrix placement]); a full checkpoint gathers it."""
+        return self._whole.held_apart(optimizer) if self._whole is not None else {}
 
     @classmethod
     def of(cls, model: nn.Module | ShardsView) -> ShardsView:

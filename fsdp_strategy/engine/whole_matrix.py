@@ -1,27 +1,32 @@
-"""Whole-matrix optimizers (torch's Muon, or one declared so) stepping a sharded model exactly.
+"""Optimizers whose update of a parameter reads the whole parameter (torch's Muon and Adafactor,
+LAMB, SOAP, Shampoo, ... measured or declared so) stepping a sharded model exactly.
 
 [Note: whole-matrix placement]
-Muon orthogonalizes each matrix's momentum (Newton-Schulz iterations) and scales the update by the
-matrix's shape: on a block of rows that computes something else. So each matrix is stepped whole,
-on one rank of the shard group (its owner; owners are chosen once per optimizer, largest matrix
-first to the rank with the fewest elements so far, so each rank steps about 1/N of them):
+Muon orthogonalizes each matrix's momentum, Adafactor factorizes its second moment into row and
+column statistics, LAMB scales each update by norms: on a block of rows they compute something
+else. So each parameter is stepped whole, on one rank of the shard group (its owner; owners are
+chosen once per optimizer, largest parameter first to the rank with the fewest elements so far, so
+each rank steps about 1/N of them):
 1. right before the update (after the closure, if the step has one), ONE all-to-all sends each
-   owner every rank's rows of its matrices, of their gradients and of their row-shaped state (a
-   momentum buffer: kept sharded at rest, as an elementwise optimizer's state);
+   owner every rank's rows of its parameters, of their gradients and of their row-shaped state (a
+   momentum of the parameter's shape: kept sharded at rest, as an elementwise optimizer's state);
 2. the optimizer's own ``step`` runs on the owner with its param groups and state pointed at
-   stand-in full parameters, and no rank steps a matrix it does not own;
-3. after it, ONE all-to-all sends each rank its rows of the updated matrices and their state;
-   state that is not row-shaped (a 0-dim step counter) goes whole to every rank.
-At a parameter's first step its state is created on the owner only: the owners then tell the other
-ranks its layout (names, shapes, dtypes: one small object gather); a layout that changes later is
-an error on every rank. State must be tensors.
+   stand-in whole parameters, and no rank steps a parameter it does not own;
+3. after it, ONE all-to-all sends each rank its rows of the updated parameters and row-shaped state.
+State that is not shaped like its parameter (Adafactor's row and column statistics, SOAP's and
+Shampoo's preconditioners and eigenbases, step counts, plain Python values) stays with the owner
+and never travels: no rank but the owner holds it. At a parameter's first step its state is
+created on the owner only: the owners then tell the other ranks its layout (names, shapes, dtypes:
+one small object gather); a layout that changes later is an error on every rank. A checkpoint
+holds the owner's state under the parameter's name; loaded (on any world size, where the owner may
+be another rank) every rank reads it, and after the next step only the owner keeps it.
 
-At rest nothing differs from an elementwise optimizer: shards, sharded state, checkpoints (which
-therefore reshard at load as any other). Costs per step: the matrices' parameters, gradients and
-row-shaped state cross the group once each way (the gradients only towards the owner): for Muon
-about 5x the matrices' bytes, in two all-to-alls (in the communication ledger as ``all_to_all``);
-memory during the step: the rank's owned matrices, whole, with their gradients and state (about
-1/N of all of them), plus the two payloads.
+At rest the parameters are shards as for an elementwise optimizer. Costs per step: the parameters,
+gradients and row-shaped state cross the group once each way (the gradients only towards the
+owner): for Muon about 5x the parameters' bytes, in two all-to-alls (in the communication ledger
+as ``all_to_all``); memory during the step: the rank's owned parameters, whole, with their
+gradients and state (about 1/N of all of them), plus the two payloads; at rest, the owner-held
+state of about 1/N of the parameters per rank.
 """
 
 from __future__ import annotations
@@ -40,12 +45,12 @@ from fsdp_strategy.engine.param import ShardedParam
 
 
 class _Entry(NamedTuple):
-    """One tensor of a parameter's optimizer state, as every rank holds it at rest."""
+    """One entry of a parameter's optimizer state."""
 
     key: str
-    rows: bool  # of the parameter's shape: sharded by rows (else whole on every rank)
-    shape: tuple[int, ...]  # the whole tensor's shape
-    dtype: torch.dtype
+    rows: bool  # a tensor of the parameter's shape: sharded by rows at rest (else held by the owner only)
+    shape: tuple[int, ...] | None  # the whole tensor's shape (None: not a tensor)
+    dtype: torch.dtype | None
 
 
 class _Step(NamedTuple):
@@ -126,13 +131,7 @@ class WholeMatrixSteps:
         known = self._layouts.get(id(param.sharded))
         if known is None:
             state = optimizer.state.get(param.sharded, {})
-            known = tuple(
-                _Entry(key, value.shape == param.sharded.shape, tuple(param.shape), value.dtype)
-                if value.shape == param.sharded.shape
-                else _Entry(key, False, tuple(value.shape), value.dtype)
-                for key, value in sorted(state.items())
-                if torch.is_tensor(value)
-            )
+            known = tuple(_at_rest(param, key, value) for key, value in sorted(state.items()))
             if known:
                 self._layouts[id(param.sharded)] = known
         return known
@@ -232,6 +231,7 @@ class WholeMatrixSteps:
         for rank in range(world):
             for param in owned[rank]:
                 offset = self._take_back(optimizer, param, received, offset)
+                self._keep_apart(optimizer, param, states.get(id(param.sharded)) if rank == me else None)
 
     def _learn_layouts(self, step: _Step, states: dict[int, dict[str, Any]]) -> None:
         """Each owner's state layouts after the step; published to every rank at a first step."""
@@ -240,15 +240,7 @@ class WholeMatrixSteps:
             state = states.get(id(param.sharded))
             if state is None:
                 continue
-            entries = []
-            for key, value in sorted(state.items()):
-                if not torch.is_tensor(value):
-                    raise TypeError(
-                        f"whole-matrix placement keeps optimizer state as tensors; {param.fqn!r} has {key!r} of type "
-                        f"{type(value).__name__}"
-                    )
-                entries.append(_Entry(key, tuple(value.shape) == tuple(param.shape), tuple(value.shape), value.dtype))
-            layout = tuple(entries)
+            layout = tuple(_whole_entry(param, key, value) for key, value in sorted(state.items()))
             known = self._layouts.get(id(param.sharded))
             if known is not None and known != layout and not step.first:
                 raise RuntimeError(
@@ -269,25 +261,23 @@ class WholeMatrixSteps:
                     self._layouts[id(param.sharded)] = mine[param.fqn]
 
     def _back_numel(self, param: ShardedParam) -> int:
-        """Elements each rank receives for ``param``: its rows of the matrix and of row state, whole state."""
+        """Elements each rank receives for ``param``: its rows of the parameter and of row-shaped state."""
         layout = self._layouts.get(id(param.sharded), ())
-        rows = 1 + sum(entry.rows for entry in layout)
-        whole = sum(_numel(entry.shape) for entry in layout if not entry.rows)
-        return rows * param.shard_numel + whole
+        return (1 + sum(entry.rows for entry in layout)) * param.shard_numel
 
     def _rows_back(
         self, step: _Step, mine: list[ShardedParam], states: dict[int, dict[str, Any]], world: int
     ) -> torch.Tensor | None:
-        """The payload this owner sends back: for each rank, its rows of each owned matrix and of its
-        row-shaped state, and the state held whole."""
+        """The payload this owner sends back: for each rank, its rows of each owned parameter and of its
+        row-shaped state (the rest stays here)."""
         parts = []
         for rank in range(world):
             for param in mine:
                 proxy, state = step.proxies[id(param.sharded)].detach(), states.get(id(param.sharded), {})
                 parts.append(param.local_rows(proxy, rank).reshape(-1))
                 for entry in self._layouts.get(id(param.sharded), ()):
-                    value = state[entry.key]
-                    parts.append((param.local_rows(value, rank) if entry.rows else value).reshape(-1))
+                    if entry.rows:
+                        parts.append(param.local_rows(state[entry.key], rank).reshape(-1))
         return torch.cat([part.to(self._device, step.dtype) for part in parts]) if parts else None
 
     def _take_back(
@@ -299,17 +289,52 @@ class WholeMatrixSteps:
         offset += param.shard_numel
         state = optimizer.state[param.sharded]
         for entry in self._layouts.get(id(param.sharded), ()):
-            numel = param.shard_numel if entry.rows else _numel(entry.shape)
-            value = received[offset : offset + numel]
-            shape = param.sharded.shape if entry.rows else entry.shape
-            device = param.sharded.device if entry.rows else state.get(entry.key, value).device
-            state[entry.key] = value.view(shape).to(device=device, dtype=entry.dtype).clone()
-            offset += numel
+            if entry.rows:
+                value = received[offset : offset + param.shard_numel].view(param.sharded.shape)
+                state[entry.key] = value.to(device=param.sharded.device, dtype=entry.dtype).clone()
+                offset += param.shard_numel
         return offset
 
+    def _keep_apart(self, optimizer: torch.optim.Optimizer, param: ShardedParam, owned: dict | None) -> None:
+        """The state not shaped like ``param``: the owner keeps its stand-in's (``owned``), on the
+        shard's device; another rank drops any copy (one loaded from a checkpoint)."""
+        state = optimizer.state[param.sharded]
+        for entry in self._layouts.get(id(param.sharded), ()):
+            if entry.rows:
+                continue
+            if owned is None:
+                state.pop(entry.key, None)
+                continue
+            value = owned[entry.key]
+            state[entry.key] = value.to(param.sharded.device) if torch.is_tensor(value) else value
 
-def _numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
+    def held_apart(self, optimizer: torch.optim.Optimizer) -> dict[int, dict[str, Any]]:
+        """``id(shard) -> {key: value}``: the state not shaped like its parameter this rank holds as the
+        owner (what a full checkpoint gathers from the owners)."""
+        held: dict[int, dict[str, Any]] = {}
+        for group in optimizer.param_groups:
+            for shard in group["params"]:
+                param = self._by_id.get(id(shard))
+                layout = self._layouts.get(id(shard), ()) if param is not None else ()
+                state = optimizer.state.get(shard, {})
+                apart = {e.key: state[e.key] for e in layout if not e.rows and e.key in state}
+                if apart:
+                    held[id(shard)] = apart
+        return held
+
+
+def _at_rest(param: ShardedParam, key: str, value: Any) -> _Entry:
+    """The layout entry of a state value as a rank holds it at rest (row-shaped: the shard's shape)."""
+    if not torch.is_tensor(value):
+        return _Entry(key, False, None, None)
+    if value.shape == param.sharded.shape and not (param.shape == torch.Size([]) and key == "step"):
+        return _Entry(key, True, tuple(param.shape), value.dtype)
+    return _Entry(key, False, tuple(value.shape), value.dtype)
+
+
+def _whole_entry(param: ShardedParam, key: str, value: Any) -> _Entry:
+    """The layout entry of a state value of a whole stand-in (row-shaped: the parameter's shape)."""
+    if not torch.is_tensor(value):
+        return _Entry(key, False, None, None)
+    rows = tuple(value.shape) == tuple(param.shape) and not (param.shape == torch.Size([]) and key == "step")
+    return _Entry(key, rows, tuple(value.shape), value.dtype)
