@@ -11,6 +11,7 @@ there the buffer's and parameter's dtypes and values are the check."""
 from __future__ import annotations
 
 import copy
+import io
 import math
 
 import lightning as L
@@ -133,6 +134,11 @@ def _engine_body(rank: int, world: int) -> dict:
     unit.wait_unshard()
     gathered = {"phase": model.blocks[0].phase.detach().clone(), "qkv": model.blocks[0].qkv.weight.dtype}
     unit.reshard()
+    # a unit of float64 beside float32 parameters gathers bytes; its full state dict must save (copies, not views)
+    mixed = shard_model(nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 3).double()))
+    buffer = io.BytesIO()
+    torch.save(full_state_dict(mixed, rank0_only=False), buffer)
+    results["mixed saved"] = buffer.tell() > 0
     results["bf16"] = {
         "losses": losses,
         "ref_losses": ref_losses,
@@ -153,6 +159,7 @@ def test_complex_parameters_and_buffers_train_as_one_process(tmp_path, world):
     assert bf16["gathered"]["phase"].dtype == torch.complex64  # not cast to bf16, imaginary part kept
     assert torch.equal(bf16["gathered"]["phase"], bf16["master_phase"])
     assert_matches(bf16, "bf16 gathers", rel=2e-3)
+    assert results["mixed saved"]
 
 
 # ---- the Trainer and Fabric, every precision ---------------------------------------------------

@@ -42,6 +42,18 @@ from fsdp_strategy.options import UpdateKind
 ELEMENTWISE, WHOLE = UpdateKind.ELEMENTWISE, UpdateKind.WHOLE_MATRIX
 
 
+class LineSearch(torch.optim.Optimizer):
+    """An optimizer that re-evaluates the loss in its step (a line search): it needs a closure."""
+
+    def __init__(self, params, lr: float = 1e-2) -> None:
+        super().__init__(params, {"lr": lr})
+
+    def step(self, closure=None):
+        if closure is None:
+            raise RuntimeError("LineSearch requires a closure to re-evaluate the loss")
+        return closure()
+
+
 def _schedule_free(params):
     optimizer = schedulefree.AdamWScheduleFree(params, lr=1e-2)
     optimizer.train()
@@ -65,7 +77,8 @@ OPTIMIZERS = {  # name -> (build from params, the kind the probe must find: None
     "AdamP": (lambda p: po.AdamP(p, lr=1e-2), WHOLE),
     "Prodigy": (lambda p: po.Prodigy(p), None),
     "DAdaptAdam": (lambda p: po.DAdaptAdam(p), None),
-    "SAM (needs a closure)": (lambda p: po.SAM(p, torch.optim.SGD, lr=1e-2), None),
+    "SAM (wraps SGD)": (lambda p: po.SAM(p, torch.optim.SGD, lr=1e-2), None),
+    "a line search (needs a closure)": (lambda p: LineSearch(p), None),
     "Kron (draws random numbers)": (lambda p: po.Kron(p), None),
 }
 TRAINED = ["Lion (pytorch-optimizer)", "schedule-free AdamW", "LAMB", "AdaFactor (pytorch-optimizer)", "SOAP"]
@@ -79,8 +92,21 @@ def test_the_probe_classifies_real_optimizers():
         found[name] = measure(optimizer, optimizer.param_groups[0])
     assert {name: m.kind for name, m in found.items()} == {name: kind for name, (_, kind) in OPTIMIZERS.items()}
     assert "depends on the others" in found["Prodigy"].reason
-    assert "needs a closure" in found["SAM (needs a closure)"].reason
+    assert "needs a closure" in found["a line search (needs a closure)"].reason
+    assert "wraps another optimizer (its attribute 'base_optimizer')" in found["SAM (wraps SGD)"].reason
     assert "draws random numbers" in found["Kron (draws random numbers)"].reason
+    # what the review found misled the probe: a warmup from lr 0, a history longer than 8 steps, wrappers
+    lamb = po.Lamb([nn.Parameter(torch.randn(4, 3))], lr=0.0)
+    assert measure(lamb, lamb.param_groups[0]).kind is WHOLE  # measured at lr 1e-3
+    shift = po.AdaShift([nn.Parameter(torch.randn(4, 3))])  # keep_num=10: run past it
+    assert measure(shift, shift.param_groups[0]).kind is WHOLE
+    weight = nn.Parameter(torch.randn(4, 3))
+    weight.grad = torch.randn(4, 3)
+    wrapper = po.Lookahead(torch.optim.AdamW([weight]))
+    before = weight.detach().clone()
+    wrapped = measure(wrapper, wrapper.param_groups[0])
+    assert wrapped.kind is None and "wraps another optimizer" in wrapped.reason
+    assert torch.equal(weight.detach(), before) and not wrapper.optimizer.state  # the user's tensors untouched
     kron = OPTIMIZERS["Kron (draws random numbers)"][0]([nn.Parameter(torch.randn(2))])
     state = torch.random.get_rng_state()
     measure(kron, kron.param_groups[0])
@@ -161,7 +187,7 @@ def _engine_body(rank: int, world: int) -> dict:
         for name in ("LAMB", "SOAP"):
             results[(name, setup)] = _train(rank, world, OPTIMIZERS[name][0], dict(options))
     refused = {}
-    for name in ("Prodigy", "SAM (needs a closure)"):
+    for name in ("Prodigy", "a line search (needs a closure)"):
         model = shard_model(_mlp().double(), **UNITS)
         optimizer = OPTIMIZERS[name][0](model.parameters())
         _loss(model, torch.randn(4, 6, dtype=torch.float64)).backward()
@@ -189,7 +215,7 @@ def test_real_optimizers_equal_one_process_on_the_global_batch(tmp_path, world):
     assert prodigy.startswith("fsdp_custom cannot step pytorch_optimizer.") and "Prodigy" in prodigy
     assert "measured before its first step, the update of one parameter depends on the others" in prodigy
     assert "sharding_strategy='NO_SHARD'" in prodigy and "optimizer_updates={Prodigy:" in prodigy
-    assert "it needs a closure" in results["refused"]["SAM (needs a closure)"]
+    assert "it needs a closure" in results["refused"]["a line search (needs a closure)"]
 
 
 def _hybrid_body(rank: int, world: int) -> dict:
@@ -396,3 +422,55 @@ def test_trainer_and_fabric_with_measured_optimizers_equal_ddp(tmp_path):
         ours, ddp = runs[(case, "ours")], runs[(case, "ddp")]
         assert len(ours) == len(ddp) > 1, case
         assert ours == pytest.approx(ddp, rel=2e-3 if case == "bf16-mixed" else 1e-5), case
+
+
+def _up_projection_body(rank: int, world: int, saved: dict) -> dict:
+    """Shampoo on ``Linear(4, 8)`` at world 2: the (4, 4) shard has the shape of the (4, 4) input-side
+    preconditioner its owner holds. A one-process state loaded, two steps, then every save."""
+    model = shard_model(_up_projection())
+    optimizer = po.Shampoo(model.parameters(), lr=1e-2)
+    load_full_state_dict(model, saved["model"])
+    load_full_optimizer_state_dict(model, optimizer, saved["optimizer"])
+    for step in (1, 2):
+        _loss(model, _up_batch(step).chunk(world)[rank]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    save_folder(saved["folder"], model, [optimizer], {})
+    state = full_optimizer_state_dict(model, optimizer, rank0_only=False)
+    weight = full_state_dict(model, rank0_only=False)["weight"]
+    get_scheduler(model).close()
+    return {"weight": weight, "state": state}
+
+
+def _up_projection() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Linear(4, 8, bias=False).double()
+
+
+def _up_batch(step: int) -> torch.Tensor:
+    return torch.randn(6, 4, generator=torch.Generator().manual_seed(step), dtype=torch.float64)
+
+
+def test_owner_state_of_the_shards_shape_is_not_a_row_shard(tmp_path):
+    model = _up_projection()
+    optimizer = po.Shampoo(model.parameters(), lr=1e-2)
+    snapshots = []
+    for step in range(3):
+        for chunk in _up_batch(step).chunk(2):
+            _loss(model, chunk).backward()
+        model.weight.grad /= 2
+        optimizer.step()
+        optimizer.zero_grad()
+        if step == 0:
+            snapshots.append(
+                {"model": copy.deepcopy(model.state_dict()), "optimizer": copy.deepcopy(optimizer.state_dict())}
+            )
+    saved = {**snapshots[0], "folder": str(tmp_path / "folder")}
+    got = run_ranks(_up_projection_body, 2, tmp_path, saved, timeout=120)[0]
+    assert torch.allclose(got["weight"], model.weight.detach(), rtol=1e-12, atol=1e-14)
+    _assert_same(got["state"]["state"], {0: optimizer.state_dict()["state"][0]}, "full state after a load")
+    one_file = torch.load(consolidate(tmp_path / "folder", tmp_path / "one.pt"), weights_only=False)
+    for key, value in optimizer.state_dict()["state"][0].items():  # the folder holds the (4, 4) whole
+        assert torch.allclose(
+            torch.as_tensor(one_file["optimizer_states"][0]["state"][0][key]), torch.as_tensor(value)
+        ), key

@@ -76,14 +76,20 @@ class CountedLayer(Layer):
     """A ``Layer`` that counts its forward calls (class-wide) and knows its index, as Hugging Face's
     decoder layers keep ``layer_idx``; ``window`` differs per layer where a model makes it so."""
 
-    calls = 0
+    calls = 0  # on fake tensors: the planned steps, what a plan's time grows with
+    meta_calls = 0  # on meta tensors: the plan's check that every layer runs alike (shapes only)
 
     def __init__(self, width: int, layer_idx: int, window: int = 0) -> None:
         super().__init__(width)
         self.layer_idx, self.window = layer_idx, window
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        CountedLayer.calls += 1
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        if isinstance(x, FakeTensor):
+            CountedLayer.calls += 1
+        else:
+            CountedLayer.meta_calls += 1
         return super().forward(x)
 
 
@@ -128,12 +134,50 @@ def test_identical_layers_are_planned_from_a_few_and_counted_exactly(monkeypatch
     assert counted == _planned(counted_stack(24), **kwargs)
 
 
+class EveryEighthWide(CountedLayer):
+    """Every eighth layer (by its ``layer_idx``, as Hugging Face reads ``layer_types[layer_idx]``) keeps a
+    wide intermediate: layers 0 to 6, all a short plan runs, do not show it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.layer_idx % 8 == 7:
+            x = x + torch.cat([x] * 8, dim=-1).relu().reshape(*x.shape, 8).mean(-1)
+        return super().forward(x)
+
+
+class FirstHalf(nn.Module):
+    """A model that runs only the first half of its layers (an early exit)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*[CountedLayer(24, i) for i in range(24)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers[:12](x).square().mean()
+
+
+@pytest.mark.parametrize("build", ["every_eighth", "first_half"])
+def test_layers_that_run_otherwise_by_their_index_are_planned_every_one(monkeypatch, build):
+    from fsdp_strategy.plan import repeats
+
+    def model() -> nn.Module:
+        if build == "first_half":
+            return FirstHalf()
+        stack = counted_stack(24)
+        stack.layers = nn.Sequential(*[EveryEighthWide(24, i) for i in range(24)])
+        return stack
+
+    counted = _planned(model(), auto_wrap_policy={CountedLayer})
+    monkeypatch.setattr(repeats, "MIN_LAYERS", 10**9)
+    assert counted == _planned(model(), auto_wrap_policy={CountedLayer})
+
+
 def test_planning_n_identical_layers_costs_what_a_few_cost():
     calls = {}
     for depth in (24, 64):
-        CountedLayer.calls = 0
+        CountedLayer.calls = CountedLayer.meta_calls = 0
         plan(counted_stack(depth), torch.empty(64, 24, device="meta"), world_size=8, auto_wrap_policy={CountedLayer})
         calls[depth] = CountedLayer.calls
+        assert CountedLayer.meta_calls == depth  # one forward on meta tensors checks that every layer runs alike
     assert calls[24] == calls[64] == 2 * (5 + 6 + 7)  # two steps of the 5, 6 and 7 layer plans
     CountedLayer.calls = 0  # layers that differ (every other one another window) are all run
     plan(counted_stack(24, alternating=True), torch.empty(64, 24, device="meta"), world_size=8)

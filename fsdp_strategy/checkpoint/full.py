@@ -94,10 +94,18 @@ def full_optimizer_state_dict(
         id(p.sharded): i for i, p in enumerate(p for group in names.optimizer_params(optimizer, owners) for p in group)
     }
     per_param = {id(p): state for p, state in optimizer.state.items()}
+    apart = view.apart_keys(optimizer)  # an owner's state of the shard's shape is no row shard
     out_state: dict[int, dict[str, Any]] = {}
     for unit, params in view.unit_params():
         states = [per_param.get(id(p.sharded), {}) for p in params]
-        keys = sorted({k for p, s in zip(params, states) for k, v in s.items() if _shard_shaped(v, p)})
+        keys = sorted(
+            {
+                k
+                for p, s in zip(params, states)
+                for k, v in s.items()
+                if _shard_shaped(v, p, apart.get(id(p.sharded)), k)
+            }
+        )
         for key in keys:  # a gather takes every parameter of the unit: zeros where one has no such state
             shards = [
                 s[key] if key in s else torch.zeros_like(p.sharded, dtype=torch.float32) for p, s in zip(params, states)
@@ -150,8 +158,8 @@ def _copied(value: Any) -> Any:
     return value
 
 
-def _shard_shaped(value: Any, param: ShardedParam) -> bool:
-    return torch.is_tensor(value) and value.shape == param.sharded.shape
+def _shard_shaped(value: Any, param: ShardedParam, apart: set[str] | None = None, key: str = "") -> bool:
+    return torch.is_tensor(value) and value.shape == param.sharded.shape and key not in (apart or ())
 
 
 @torch.no_grad()
@@ -164,7 +172,8 @@ def load_full_optimizer_state_dict(
     full files) and keyed by parameter name (FSDP's, Lightning's consolidated folders, our
     format-1 files): see ``names.py``.
     """
-    names.load_state(optimizer, names.optimizer_owners(module), state_dict, source, cut_rows=True)
+    view = ShardsView.of(module)
+    view.loaded_state(names.load_state(optimizer, names.optimizer_owners(view), state_dict, source, cut_rows=True))
 
 
 def load_full_checkpoint(

@@ -124,11 +124,15 @@ def load_state(
     state_dict: Mapping[str, Any],
     source: Any,
     cut_rows: bool,
-) -> None:
-    """Load a torch-layout optimizer state (ids: positions or names) into the sharded optimizer.
+    rows: Mapping[tuple[str, str], bool] | None = None,
+) -> dict[int, dict[str, bool]]:
+    """Load a torch-layout optimizer state (ids: positions or names) into the sharded optimizer;
+    return ``{id(shard): {key: row-shaped in the checkpoint}}`` ([Note: full-shaped optimizer state]),
+    what the placement of whole parameters reads instead of guessing by shape.
 
     ``cut_rows``: the full-shaped tensors are whole and each rank takes its rows (a full file);
-    otherwise they are this rank's shards already (a sharded folder).
+    otherwise they are this rank's shards already (a sharded folder), ``rows`` saying which were
+    full-shaped in it (``(parameter name, key) -> bool``).
     """
     if "state" not in state_dict or "param_groups" not in state_dict:
         raise CheckpointError(f"{source}: optimizer state without 'state' and 'param_groups' keys")
@@ -139,17 +143,21 @@ def load_state(
         raise CheckpointError(f"{source}: optimizer state for ids no param group lists: {unknown}")
     held = optimizer_params(optimizer, owners)
     position = {id(p): index for index, p in enumerate(p for params in held for p in params)}
-    state = {}
+    state, found = {}, {}
     for saved_id, entries in state_dict["state"].items():
         param = mapping[saved_id]
+        if cut_rows:
+            full = {k: torch.is_tensor(v) and is_full_shaped(param, k, v.shape) for k, v in entries.items()}
+        else:
+            full = {k: bool((rows or {}).get((param.fqn, k))) for k in entries}
         state[position[id(param)]] = {
-            key: param.local_rows(value, param.shard_rank)
-            if cut_rows and torch.is_tensor(value) and is_full_shaped(param, key, value.shape)
-            else value
+            key: param.local_rows(value, param.shard_rank) if cut_rows and full[key] else value
             for key, value in entries.items()
         }
+        found[id(param.sharded)] = full
     groups = [
         {**{k: v for k, v in saved.items() if k != "params"}, "params": [position[id(p)] for p in params]}
         for saved, params in zip(saved_groups, held)
     ]
     optimizer.load_state_dict({"state": state, "param_groups": groups})
+    return found

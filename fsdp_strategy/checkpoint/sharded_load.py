@@ -224,7 +224,14 @@ def load_tensors(
         for (fqn, key), paths in nested.items():
             local_state.setdefault(fqn, {})[key] = _nested(flat, paths)["state"][fqn][key]
         groups = _nested(flat, group_paths)["param_groups"] if group_paths else legacy_groups[index]
-        names.load_state(optimizer, owners, {"state": local_state, "param_groups": groups}, folder, cut_rows=False)
+        by_fqn = {p.fqn: p for p in owners.values()}
+        rows = {
+            (fqn, key): stored.sizes[flat_key] is not None
+            and names.is_full_shaped(by_fqn[fqn], key, stored.sizes[flat_key])
+            for (fqn, key), flat_key in state_keys.items()
+        }
+        loaded_state = {"state": local_state, "param_groups": groups}
+        view.loaded_state(names.load_state(optimizer, owners, loaded_state, folder, cut_rows=False, rows=rows))
 
 
 def _read_values(folder: Location, stored: _StoredKeys, model_key: str, process_group: Any) -> dict[str, Any]:

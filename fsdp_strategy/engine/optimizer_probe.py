@@ -6,11 +6,15 @@ an element reads, which no name or warning can tell. So an optimizer class the e
 know is measured, once per class and param group's hyperparameters, on small CPU tensors shaped
 like a model's kinds of parameters (a 7 x 6 matrix, whose rows split unevenly over 2 and 3 ranks,
 and a vector of 6), in float64, over ``STEPS`` steps (or past the largest hyperparameter that
-counts steps: a preconditioner first computed at step 1000 is run to step 1002) whose gradients
-differ by row, by column and by step (one step's far larger than the others', so a clip or a
-running statistic that is uniform at the first step shows; others along the weights or orthogonal
-to them, so a branch on their cosine shows). The optimizer is copied without its state (its attributes kept,
-so settings outside its param groups are measured too). Three layouts step from the same start:
+counts steps: a preconditioner first computed at step 1000 is run to step 1002; any other integer
+of the param group, up to 64, e.g. a history of ``keep_num`` gradients) whose gradients differ by row,
+by column and by step (one step's far larger than the others', so a clip or a running statistic
+that is uniform at the first step shows; others along the weights or orthogonal to them, so a
+branch on their cosine shows). A learning rate of 0 (a warmup's first step) is measured as 1e-3.
+The optimizer is copied without its state (its attributes kept, so settings outside its param
+groups are measured too; tensors of the model it refers to replaced by meta stand-ins, so the probe
+can never touch them); one that wraps another optimizer (Lookahead, OrthoGrad) is refused, to be
+declared. Three layouts step from the same start:
 - whole: one instance of the optimizer over both tensors;
 - rows: one instance per rank over that rank's padded shards ([Note: shard layout] at 3 ranks):
   what stepping shards does;
@@ -47,6 +51,7 @@ RANKS = 3  # the row blocks: shards of SHAPES over 3 ranks, zero-padded as the e
 STEPS = 8
 STEP_SCALES = (1.0, 50.0, 0.02, 1.0)  # a step with far larger gradients: clips and running statistics show
 MAX_STEPS = 2048  # the longest probe: an optimizer that changes its update after N steps is run past N
+OTHER_INTS = 64  # an integer hyperparameter not named as a step count (a history length; a dimension) runs at most this
 DELAY_WORDS = ("step", "freq", "interval", "iteration", "every")  # hyperparameters that count steps
 RTOL, ATOL = 1e-8, 1e-12
 
@@ -63,6 +68,7 @@ def measure(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> Measured
     assumed]). Never raises for the optimizer's own failures: they are the reason it is refused."""
     state = torch.random.get_rng_state()
     steps = probe_steps(optimizer, group)
+    group = _moving(group)
     try:
         whole = _trajectory(optimizer, group, _whole, steps)
         rows = _trajectory(optimizer, group, _rows, steps)
@@ -96,14 +102,29 @@ def _starts() -> list[torch.Tensor]:
 
 
 def probe_steps(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> int:
-    """``STEPS``, or past the largest hyperparameter that counts steps, in the param group or on the
-    optimizer (a preconditioner first computed at step 1000, a warmup of 25 steps), up to ``MAX_STEPS``."""
-    counts = [
-        value
-        for key, value in [*group.items(), *vars(optimizer).items()]
-        if isinstance(value, int) and not isinstance(value, bool) and any(word in key.lower() for word in DELAY_WORDS)
+    """``STEPS``, or past the largest integer hyperparameter of the param group and of the optimizer
+    whose name counts steps (a preconditioner first computed at step 1000), up to ``MAX_STEPS``, and
+    past any other integer of the param group up to ``OTHER_INTS`` (a history of ``keep_num``
+    gradients; a dimension such as ``max_precond_dim`` costs no more than that)."""
+
+    def counted(key: str, value: Any) -> int:
+        if not isinstance(value, int) or isinstance(value, bool):
+            return 0
+        return value if any(word in key.lower() for word in DELAY_WORDS) else min(value, OTHER_INTS)
+
+    counts = [counted(key, value) for key, value in group.items()]
+    counts += [
+        counted(key, value) for key, value in vars(optimizer).items() if any(w in key.lower() for w in DELAY_WORDS)
     ]
-    return min(max([STEPS, *(count + 2 for count in counts)]), MAX_STEPS)
+    return min(max([STEPS, *(count + 2 for count in counts if count)]), MAX_STEPS)
+
+
+def _moving(group: dict[str, Any]) -> dict[str, Any]:
+    """``group`` with a learning rate that moves the tensors: a schedule's warmup from 0 would make every
+    layout equal (nothing moves), and a rate of 0 says nothing of the update's form."""
+    lr = group.get("lr")
+    zero = torch.is_tensor(lr) and bool((lr == 0).all()) or (isinstance(lr, (int, float)) and lr == 0)
+    return {**group, "lr": torch.full_like(lr, 1e-3) if torch.is_tensor(lr) else 1e-3} if zero else group
 
 
 def _gradients(steps: int) -> list[list[torch.Tensor]]:
@@ -189,6 +210,8 @@ def _build(optimizer: torch.optim.Optimizer, group: dict[str, Any], params: list
         probe = _like(optimizer)
         probe.add_param_group({"params": params, **hyper})
         return probe
+    except _Stopped:
+        raise
     except Exception:  # noqa: BLE001 - an optimizer that cannot be copied so is built by its class
         pass
     cls = type(optimizer)
@@ -203,11 +226,27 @@ def _build(optimizer: torch.optim.Optimizer, group: dict[str, Any], params: list
         ) from None
 
 
+def _wrapped(optimizer: torch.optim.Optimizer) -> str | None:
+    """The attribute of ``optimizer`` that holds another optimizer (a wrapper: Lookahead, OrthoGrad), if any."""
+    for key, value in vars(optimizer).items():
+        values = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else [value]
+        if any(isinstance(v, torch.optim.Optimizer) for v in values):
+            return key
+    return None
+
+
 def _like(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """A copy of ``optimizer`` without its param groups, state and hooks (its tensors not copied; its
     bound methods bound to the copy; what an LR scheduler set over ``step`` left out)."""
-    held = {id(t): t for group in optimizer.param_groups for t in group["params"]}
-    held.update({id(v): v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)})
+    wrapped = _wrapped(optimizer)
+    if wrapped is not None:
+        raise _Stopped(
+            f"it wraps another optimizer (its attribute {wrapped!r}), which holds your parameters: a copy to "
+            "measure would step them"
+        )
+    tensors = [t for group in optimizer.param_groups for t in group["params"]]
+    tensors += [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+    held = {id(t): torch.empty_like(t, device="meta") for t in tensors}  # never the model's own tensors
     cls = type(optimizer)
     skipped = ("param_groups", "state", "_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")
     attributes, bound = {}, {}

@@ -300,7 +300,10 @@ class FSDPUnit:
             return []
         columns = gather.layout.pieces(self._columns(gather.gathered))
         rows = [c.contiguous().view(d) if d.is_complex else c for c, d in zip(columns, dtypes)]
-        return [param.full_from_rows(r) for param, r in zip(self.params, rows)]
+        fulls = [param.full_from_rows(r) for param, r in zip(self.params, rows)]
+        if gather.layout.bytes_mode:  # views of one byte buffer as several dtypes: torch.save refuses them
+            fulls = [full.clone() for full in fulls]
+        return fulls
 
     # ---- reduce -----------------------------------------------------------------------
 

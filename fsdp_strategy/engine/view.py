@@ -59,6 +59,17 @@ class ShardsView:
         parameter placed whole ([Note: whole-matrix placement]); a full checkpoint gathers it."""
         return self._whole.held_apart(optimizer) if self._whole is not None else {}
 
+    def apart_keys(self, optimizer: torch.optim.Optimizer) -> dict[int, set[str]]:
+        """``id(shard) -> state keys`` its owner alone holds ([Note: whole-matrix placement]): never row
+        shards, whatever their shape."""
+        return self._whole.apart_keys(optimizer) if self._whole is not None else {}
+
+    def loaded_state(self, rows: dict[int, dict[str, bool]]) -> None:
+        """A load put these shards' optimizer state in place: ``{id(shard): {key: row-shaped in the
+        checkpoint}}`` (what the placement of whole parameters reads instead of guessing by shape)."""
+        if self._whole is not None:
+            self._whole.loaded(rows)
+
     @classmethod
     def of(cls, model: nn.Module | ShardsView) -> ShardsView:
         """The view of a model ``shard_model`` sharded (a view is returned as it is, so a save that

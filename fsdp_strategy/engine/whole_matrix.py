@@ -73,6 +73,7 @@ class WholeMatrixSteps:
         self._comm, self._ctx, self._device = comm, ctx, device
         self._owners: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> (ids, owners)
         self._layouts: dict[int, tuple[_Entry, ...]] = {}  # id(shard) -> its state layout
+        self._loaded_rows: dict[int, dict[str, bool]] = {}  # id(shard) -> {key: row-shaped}, as a load found it
         self._steps: dict[int, _Step] = {}  # id(optimizer) -> the step in progress
 
     def holds(self, optimizer: torch.optim.Optimizer) -> bool:
@@ -131,7 +132,8 @@ class WholeMatrixSteps:
         known = self._layouts.get(id(param.sharded))
         if known is None:
             state = optimizer.state.get(param.sharded, {})
-            known = tuple(_at_rest(param, key, value) for key, value in sorted(state.items()))
+            hints = self._loaded_rows.get(id(param.sharded), {})
+            known = tuple(_at_rest(param, key, value, hints.get(key)) for key, value in sorted(state.items()))
             if known:
                 self._layouts[id(param.sharded)] = known
         return known
@@ -308,6 +310,27 @@ class WholeMatrixSteps:
             value = owned[entry.key]
             state[entry.key] = value.to(param.sharded.device) if torch.is_tensor(value) else value
 
+    def loaded(self, rows: dict[int, dict[str, bool]]) -> None:
+        """A checkpoint was loaded into these shards' state: ``{id(shard): {key: row-shaped}}`` as the
+        checkpoint had them (an entry of the shard's shape is not necessarily a row shard); the
+        layouts learnt before are forgotten."""
+        for shard_id, keys in rows.items():
+            self._layouts.pop(shard_id, None)
+            self._loaded_rows[shard_id] = dict(keys)
+
+    def apart_keys(self, optimizer: torch.optim.Optimizer) -> dict[int, set[str]]:
+        """``id(shard) -> the state keys its owner alone holds`` for the parameters placed whole whose
+        layout every rank knows (what checkpoints must not treat as row shards, whatever their shape)."""
+        apart: dict[int, set[str]] = {}
+        for group in optimizer.param_groups:
+            for shard in group["params"]:
+                layout = self._layouts.get(id(shard), ())
+                hints = self._loaded_rows.get(id(shard), {})
+                keys = {e.key for e in layout if not e.rows} | {k for k, rows in hints.items() if not rows}
+                if keys:
+                    apart[id(shard)] = keys
+        return apart
+
     def held_apart(self, optimizer: torch.optim.Optimizer) -> dict[int, dict[str, Any]]:
         """``id(shard) -> {key: value}``: the state not shaped like its parameter this rank holds as the
         owner (what a full checkpoint gathers from the owners)."""
@@ -323,11 +346,14 @@ class WholeMatrixSteps:
         return held
 
 
-def _at_rest(param: ShardedParam, key: str, value: Any) -> _Entry:
-    """The layout entry of a state value as a rank holds it at rest (row-shaped: the shard's shape)."""
+def _at_rest(param: ShardedParam, key: str, value: Any, rows: bool | None = None) -> _Entry:
+    """The layout entry of a state value as a rank holds it at rest: row-shaped as a loaded checkpoint
+    had it (``rows``), else guessed from the shard's shape."""
     if not torch.is_tensor(value):
         return _Entry(key, False, None, None)
-    if value.shape == param.sharded.shape and not (param.shape == torch.Size([]) and key == "step"):
+    if rows is None:
+        rows = value.shape == param.sharded.shape and not (param.shape == torch.Size([]) and key == "step")
+    if rows:
         return _Entry(key, True, tuple(param.shape), value.dtype)
     return _Entry(key, False, tuple(value.shape), value.dtype)
 

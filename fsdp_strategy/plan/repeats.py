@@ -5,8 +5,11 @@ A Llama of 80 decoder layers runs the same layer 80 times; planning it on fake t
 pass of every operator of every layer, twice (two steps). Where a model holds one list of at
 least ``MIN_LAYERS`` identical layers (a ``ModuleList`` or ``Sequential`` whose layers have the
 same classes, parameter and buffer shapes and dtypes, and the same plain attributes but for their
-own index, that the wrap and recomputation policies treat alike, each holding a unit), the plan
-runs the model with the first 5, 6 and 7 layers instead, and counts the rest:
+own index, that the wrap and recomputation policies treat alike, each holding a unit; the only such
+list), and where a forward of the whole model on the meta device (cheap: shapes only, no engine)
+calls each layer once, in order, and runs the same operators on the same shapes in each (so no
+layer behaves otherwise by its index), the plan runs the model with the first 5, 6 and 7 layers
+instead, and counts the rest:
 
 - every number a plan reports is a sum over the layers of what one layer holds or sends (shards,
   gradients, optimizer state, the activations kept for backward, bytes sent, FLOPs) plus what does
@@ -38,11 +41,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from fsdp_strategy.plan.result import MemoryPlan
 
@@ -79,7 +85,7 @@ def find_layer_list(module: nn.Module, selections: list[set[int]]) -> LayerList 
     """The largest list of at least ``MIN_LAYERS`` identical layers in ``module`` that every policy
     selection in ``selections`` (ids of the modules a policy chose; the wrap policy's first) treats
     alike, each layer holding a unit (its gathers mark where each moment is), or None."""
-    best: tuple[int, LayerList] | None = None
+    found: list[tuple[int, LayerList]] = []
     for name, container in module.named_modules():
         if not isinstance(container, (nn.ModuleList, nn.Sequential)) or len(container) < MIN_LAYERS:
             continue
@@ -88,10 +94,50 @@ def find_layer_list(module: nn.Module, selections: list[set[int]]) -> LayerList 
             continue
         if not any(id(m) in selections[0] for m in layers[0].modules()):
             continue  # no unit in a layer: its moments cannot be told apart ([Note: identical layers ...])
-        size = len(layers) * sum(p.numel() for p in layers[0].parameters())
-        if best is None or size > best[0]:
-            best = (size, LayerList(name, len(layers)))
-    return best[1] if best is not None else None
+        found.append((len(layers) * sum(p.numel() for p in layers[0].parameters()), LayerList(name, len(layers))))
+    # two long lists (an encoder and a decoder): counting one would plan the other three times over
+    return found[0][1] if len(found) == 1 else None
+
+
+def runs_alike(module: nn.Module, layers: LayerList, run_forward: Callable[[], Any]) -> bool:
+    """Whether a forward of the whole model (``run_forward``: on the meta device, no engine) calls each
+    layer of the list once, in order, and runs the same operators on tensors of the same shapes in
+    each: what no comparison of the layers' structure can see (a layer that attends globally by its
+    index, a model that runs only its first half). Costs: one forward on meta tensors, a Python call
+    per operator."""
+    container = module.get_submodule(layers.name)
+    order: list[int] = []
+    traces: dict[int, list] = {}
+    running: list[list] = []
+
+    class Trace(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            out = func(*args, **(kwargs or {}))
+            if running:
+                shapes = [(tuple(t.shape), t.dtype) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+                running[-1].append((str(func), shapes))
+            return out
+
+    def before(index: int, *_: Any) -> None:
+        order.append(index)
+        running.append([])
+
+    def after(index: int, *_: Any) -> None:
+        traces.setdefault(index, running.pop())
+
+    handles = []
+    for index, layer in enumerate(container):
+        handles.append(layer.register_forward_pre_hook(functools.partial(before, index)))
+        handles.append(layer.register_forward_hook(functools.partial(after, index)))
+    try:
+        with Trace():
+            run_forward()
+    except Exception:  # noqa: BLE001 - a model that cannot run so is planned layer by layer
+        return False
+    finally:
+        for handle in handles:
+            handle.remove()
+    return order == list(range(layers.count)) and all(traces[i] == traces[0] for i in range(layers.count))
 
 
 def _identical(layers: list[nn.Module]) -> bool:

@@ -36,7 +36,7 @@ from fsdp_strategy.config import PrecisionRules
 from fsdp_strategy.engine.traversal import map_tensors
 from fsdp_strategy.options import StrategyOptions
 from fsdp_strategy.plan.flops import FlopCount
-from fsdp_strategy.plan.repeats import LayerList, Moment, PlannedRun, find_layer_list, plan_layers
+from fsdp_strategy.plan.repeats import LayerList, Moment, PlannedRun, find_layer_list, plan_layers, runs_alike
 from fsdp_strategy.plan.result import PARTS, MemoryPlan
 from fsdp_strategy.plan.tracker import ACTIVATIONS, LiveBytes
 from fsdp_strategy.plan.world import fake_world
@@ -140,12 +140,20 @@ def run(model: nn.Module, example_input: Any, planned: Planned) -> MemoryPlan:
             return _PlannedSteps(run_options, precision, mesh).run(shortened, example_input, make_optimizer)
 
         layer_list = find_layer_list(module, _selections(module, options))
+        if layer_list is not None and not runs_alike(module, layer_list, lambda: _meta_forward(module, example_input)):
+            layer_list = None
         result = None
         if layer_list is not None:  # [Note: identical layers planned once] in repeats.py
             result = plan_layers(module, layer_list, lambda shortened: moments(shortened, layer_list))
         if result is None:
             result = max((m.plan for m in moments(module).moments), key=lambda plan: plan.peak_bytes)
     return dataclasses.replace(result, settings=planned.settings(), strategy_kwargs=dict(planned.strategy_kwargs))
+
+
+def _meta_forward(module: nn.Module, example_input: Any) -> Any:
+    """One forward of ``module`` (on the meta device) on ``example_input`` as meta tensors."""
+    batch = map_tensors(example_input, lambda t: torch.zeros(t.shape, dtype=t.dtype, device="meta"))
+    return forward(module, batch)
 
 
 def _selections(module: nn.Module, options: StrategyOptions) -> list[set[int]]:
