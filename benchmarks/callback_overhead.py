@@ -25,11 +25,11 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from fsdp_strategy.callbacks import CommunicationMonitor, MemoryMonitor, ThroughputMonitor  # noqa: E402
 from gpt import Block, GPTConfig  # noqa: E402
 from lit_gpt import ByteDataModule, GPTModule, OptimizerSettings  # noqa: E402
 
 import fsdp_strategy  # noqa: E402
+from fsdp_strategy.callbacks import CommunicationMonitor, MemoryMonitor, ThroughputMonitor  # noqa: E402
 
 CONFIGS = {
     "none": list,

@@ -36,11 +36,11 @@ from omegaconf import OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import noise  # noqa: E402
-from fsdp_strategy.callbacks import CommunicationMonitor, MemoryMonitor, ThroughputMonitor  # noqa: E402
 from gpt import Block, GPTConfig  # noqa: E402
 from lit_gpt import ByteDataModule, GPTModule, OptimizerSettings  # noqa: E402
 
 from fsdp_strategy import FSDPCustomStrategy  # noqa: E402
+from fsdp_strategy.callbacks import CommunicationMonitor, MemoryMonitor, ThroughputMonitor  # noqa: E402
 from fsdp_strategy.engine import get_scheduler, summon_full_params  # noqa: E402
 
 CONFIG = OmegaConf.load(Path(__file__).resolve().parents[1] / "examples" / "configs" / "gpt_small.yaml")

@@ -5,14 +5,16 @@ Keys of ``trainer`` and ``strategy`` are checked against ``lightning.Trainer`` a
 ``FSDPCustomStrategy`` (any of their arguments may be set, with a value of the argument's type,
 checked by jsonargparse as LightningCLI checks it); every other key must be in the YAML
 file, and a value replacing an int, float or bool there must be one. A mistake ends the
-script with a message naming the key and what is accepted.
+script with a message naming the key, the closest accepted keys and all of them.
 """
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import sys
-from collections.abc import Callable
+import textwrap
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -46,8 +48,20 @@ def normalize(argv: list[str]) -> list[str]:
     return items
 
 
-def _accepted(section: DictConfig) -> str:
+def _accepted(section: Iterable) -> str:
     return ", ".join(str(key) for key in section)
+
+
+def _unknown(key: str, name: str, accepted: Iterable) -> str:
+    """An unknown key's message: the closest accepted keys first, then all of them, wrapped."""
+    keys = [str(k) for k in accepted]
+    typed = key.rpartition(".")[2]
+    starting = [k for k in keys if k.startswith(typed) or typed.startswith(k)]  # shard -> sharding_strategy
+    close = list(dict.fromkeys([*difflib.get_close_matches(typed, keys, n=2, cutoff=0.6), *starting]))[:2]
+    prefix = key.rpartition(".")[0]
+    hint = f"; did you mean {' or '.join(repr(f'{prefix}.{c}' if prefix else c) for c in close)}?" if close else ""
+    listing = textwrap.fill(", ".join(keys), width=100, initial_indent="  ", subsequent_indent="  ")
+    return f"unknown key {key!r}{hint}\naccepted keys of {name}:\n{listing}"
 
 
 def _check_open_section(name: str, values: DictConfig, target: Callable, reserved: set[str]) -> None:
@@ -60,8 +74,7 @@ def _check_open_section(name: str, values: DictConfig, target: Callable, reserve
     unknown = sorted(set(map(str, values)) - parameters)
     if unknown:
         raise ConfigError(
-            f"unknown key(s) {', '.join(f'{name}.{key}' for key in unknown)}: {name} takes the arguments of "
-            f"{target.__qualname__}: {', '.join(sorted(parameters))}"
+            _unknown(f"{name}.{unknown[0]}", f"{name} (the arguments of {target.__qualname__})", sorted(parameters))
         )
     typed = {key: value for key, value in OmegaConf.to_container(values).items() if key not in passed_through}
     _check_argument_types(name, typed, target)
@@ -122,7 +135,7 @@ def load(argv: list[str], default: Path, open_sections: OpenSections) -> DictCon
     base = OmegaConf.load(path)
     for key in overrides:
         if key not in base:
-            raise ConfigError(f"unknown key {key!r}; accepted top-level keys: config, {_accepted(base)}")
+            raise ConfigError(_unknown(key, "the top level", ["config", *base]))
         section, value = base[key], overrides[key]
         if isinstance(section, DictConfig) and not isinstance(value, DictConfig):
             raise ConfigError(f"{key} is a section ({_accepted(section)}); set one of its keys, e.g. {key}.KEY=VALUE")
@@ -133,7 +146,7 @@ def load(argv: list[str], default: Path, open_sections: OpenSections) -> DictCon
             continue
         unknown = [str(sub) for sub in value if sub not in section]
         if unknown:
-            raise ConfigError(f"unknown key {key}.{unknown[0]}; accepted keys of {key}: {_accepted(section)}")
+            raise ConfigError(_unknown(f"{key}.{unknown[0]}", key, section))
     config = OmegaConf.merge(base, overrides)
     for name, (target, reserved) in open_sections.items():
         _check_open_section(name, config[name], target, reserved)
@@ -162,12 +175,17 @@ def positive_ints_or_exit(config: DictConfig, section: str, keys: tuple[str, ...
 
 
 def resume_or_exit(
-    config: DictConfig, last: Path, step_key: str, max_steps_key: str, read_state: Callable[[Path], dict]
+    config: DictConfig,
+    last: Path,
+    step_key: str,
+    max_steps_key: str,
+    read_state: Callable[[Path], dict],
+    argv: list[str] | None = None,
 ) -> Path | None:
     """The checkpoint ``resume`` names (``"last"``: ``last``; ``"auto"``: ``last`` if it exists, for a
     command that torchrun or the cluster restarts as it is), or None; the script ends when there is
     none, or when its step (``read_state(path)[step_key]``) has reached ``max_steps_key`` (with
-    ``auto``: successfully, the run is done)."""
+    ``auto``: successfully, the run is done; the message repeats the overrides ``argv`` gave)."""
     if config.resume is None or (config.resume == "auto" and not last.exists()):
         return None
     path = last if config.resume in ("last", "auto") else Path(str(config.resume))
@@ -178,11 +196,18 @@ def resume_or_exit(
         print(f"{path} is at step {step}, {max_steps_key}={limit}: the run is done")
         raise SystemExit(0)
     if step >= limit:
-        exit_with(
-            f"{path} is at step {step} and {max_steps_key}={limit}: nothing to train. Continue with a larger "
-            f"max_steps: python examples/{Path(sys.argv[0]).name} resume={config.resume} {max_steps_key}={step + limit}"
-        )
+        again = continue_command(argv or [], str(config.resume), max_steps_key, step + limit)
+        exit_with(f"{path} is at step {step} and {max_steps_key}={limit}: nothing to train. Continue with: {again}")
     return path
+
+
+def continue_command(argv: list[str], resume: str, max_steps_key: str, max_steps: int) -> str:
+    """The command that trains this run further: the script, ``resume=...``, the new step limit and
+    every other override the user gave (``trainer.devices=1`` stays ``trainer.devices=1``)."""
+    kept = [arg for arg in normalize(argv) if not arg.startswith(("resume=", f"{max_steps_key}="))]
+    return " ".join(
+        [f"python examples/{Path(sys.argv[0]).name}", f"resume={resume}", f"{max_steps_key}={max_steps}", *kept]
+    )
 
 
 def exit_with(message: str) -> None:

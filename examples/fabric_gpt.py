@@ -25,7 +25,7 @@ import example_config
 import noise
 import torch
 import torch.nn.functional as F
-from fsdp_strategy.callbacks import CommunicationMonitor, MemoryMonitor, ThroughputMonitor
+import wandb
 from gpt import GPT, Block, GPTConfig
 from lightning.fabric import Fabric
 from lightning.pytorch.loggers import WandbLogger
@@ -34,6 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 from train_gpt import checkpoint_state
 
 from fsdp_strategy import FSDPCustomFabricStrategy
+from fsdp_strategy.callbacks import CommunicationMonitor, MemoryMonitor, ThroughputMonitor
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "fabric_gpt.yaml"
 
@@ -72,11 +73,16 @@ def main(argv: list[str]) -> None:
     )
     strategy, model_config, settings = settings_or_exit(config)
     train, out = config.train, Path(config.train.out_dir)
-    resume = example_config.resume_or_exit(config, out / "last.ckpt", "step", "train.max_steps", checkpoint_state)
+    resume = example_config.resume_or_exit(config, out / "last.ckpt", "step", "train.max_steps", checkpoint_state, argv)
     run_id = checkpoint_state(resume).get("wandb_run_id") if resume is not None else None
     logger = WandbLogger(
-        project=config.logger.project, save_dir=str(out.resolve()), offline=config.logger.offline, id=run_id
+        project=config.logger.project,
+        save_dir=str(out.resolve()),
+        offline=config.logger.offline,
+        id=run_id,
+        settings=wandb.Settings(silent=config.logger.offline, disable_git=True),  # offline: no W&B chatter
     )
+    logger = noise.without_unused_wandb_settings(logger)
     every = train.log_every_n_steps
     monitors = [MemoryMonitor(every), ThroughputMonitor(every), CommunicationMonitor(every)]
     fabric = Fabric(strategy=strategy, loggers=[logger], callbacks=monitors, **OmegaConf.to_container(config.fabric))
@@ -91,7 +97,8 @@ def main(argv: list[str]) -> None:
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 0, "wandb_run_id": run_id}
     if resume is not None:
         fabric.load(resume, state)
-        fabric.print(f"resumed from {resume} at step {state['step']} on {fabric.world_size} ranks")
+        ranks = f"{fabric.world_size} rank" + ("s" if fabric.world_size != 1 else "")
+        fabric.print(f"resumed from {resume} at step {state['step']} on {ranks}")
     data = ByteDataModule(seq_len=model_config.seq_len, **OmegaConf.to_container(config.data))
     data.setup("fit")
     batches = endless(fabric.setup_dataloaders(data.train_dataloader()))
@@ -126,7 +133,8 @@ def main(argv: list[str]) -> None:
     if fabric.is_global_zero:
         logger.experiment.finish()  # closes the run in W&B's service, so that a resume can reopen it
     fabric.print(f"done: {state['step']} steps, train_loss {mean_loss:.4f}; checkpoint: {out / 'last.ckpt'}")
-    fabric.print(f"train further with: python examples/fabric_gpt.py resume=last train.max_steps={2 * train.max_steps}")
+    again = example_config.continue_command(argv, "last", "train.max_steps", 2 * train.max_steps)
+    fabric.print(f"train further with: {again}")
 
 
 if __name__ == "__main__":

@@ -1,11 +1,13 @@
 """Silence messages of the libraries that are known to be harmless for these examples, and only
-those: a deprecation inside Lightning that torch 2.13 reports on every run, and Lightning's tip
-advertising another logger. Every other warning still shows."""
+those: a deprecation inside Lightning that torch 2.13 reports on every run, Lightning's tip
+advertising another logger, and W&B's warning about the ``anonymous`` setting Lightning's
+``WandbLogger`` always passes (None: no effect). Every other warning still shows."""
 
 from __future__ import annotations
 
 import logging
 import warnings
+from typing import Any
 
 
 class _DropLoggerTip(logging.Filter):
@@ -24,3 +26,12 @@ def quiet_known_noise() -> None:
     tips = logging.getLogger("lightning.pytorch.utilities.rank_zero")
     if not any(isinstance(existing, _DropLoggerTip) for existing in tips.filters):
         tips.addFilter(_DropLoggerTip())
+
+
+def without_unused_wandb_settings(logger: Any) -> Any:
+    """``logger`` (Lightning's ``WandbLogger``, before its run starts) without ``anonymous=None``, which
+    Lightning passes to ``wandb.init`` and wandb 0.31 warns has no effect."""
+    init = getattr(logger, "_wandb_init", {})
+    if init.get("anonymous", "set") is None:
+        del init["anonymous"]
+    return logger

@@ -23,7 +23,7 @@ import lightning as L
 import noise
 import progress
 import torch
-from fsdp_strategy.callbacks import CommunicationMonitor, MemoryMonitor, ThroughputMonitor
+import wandb
 from gpt import Block, GPTConfig
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import WandbLogger
@@ -31,6 +31,7 @@ from lit_gpt import ByteDataModule, GPTModule, OptimizerSettings
 from omegaconf import DictConfig, OmegaConf
 
 import fsdp_strategy
+from fsdp_strategy.callbacks import CommunicationMonitor, MemoryMonitor, ThroughputMonitor
 
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "gpt_small.yaml"
 
@@ -54,13 +55,15 @@ class WandbRunInCheckpoint(Callback):
 def wandb_logger(config: DictConfig, root: Path, resume: Path | None) -> WandbLogger:
     """The W&B logger; a resumed run continues the W&B run that saved the checkpoint (same id)."""
     run_id = checkpoint_state(resume).get("wandb_run_id") if resume is not None else None
-    return WandbLogger(
+    logger = WandbLogger(
         project=config.logger.project,
         save_dir=str(root.resolve()),
         offline=config.logger.offline,
         log_model=False,
         id=run_id,  # Lightning's WandbLogger passes resume="allow": the run goes on under this id
+        settings=wandb.Settings(silent=config.logger.offline, disable_git=True),  # offline: no W&B chatter
     )
+    return noise.without_unused_wandb_settings(logger)
 
 
 def settings_or_exit(config: DictConfig) -> list:
@@ -97,7 +100,7 @@ def main(argv: list[str]) -> None:
     root = Path(config.trainer.default_root_dir)
     checkpoint_dir = root / "checkpoints"
     resume = example_config.resume_or_exit(
-        config, checkpoint_dir / "last.ckpt", "global_step", "trainer.max_steps", checkpoint_state
+        config, checkpoint_dir / "last.ckpt", "global_step", "trainer.max_steps", checkpoint_state, argv
     )
     L.seed_everything(config.seed)
     logger = wandb_logger(config, root, resume)
@@ -133,7 +136,7 @@ def main(argv: list[str]) -> None:
         steps = trainer.global_step
         print(f"done: {steps} steps, metrics {metrics}")
         print(f"checkpoints: {checkpoint_dir}")
-        print(f"train further with: python examples/train_gpt.py resume=last trainer.max_steps={2 * steps}")
+        print(f"train further with: {example_config.continue_command(argv, 'last', 'trainer.max_steps', 2 * steps)}")
         print(f"W&B run: {run_dir}" + (f" (upload it with: wandb sync {run_dir})" if config.logger.offline else ""))
 
 

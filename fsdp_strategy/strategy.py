@@ -42,6 +42,7 @@ from fsdp_strategy.checkpoint.writer import CheckpointWriter
 from fsdp_strategy.config import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from fsdp_strategy.distributed import build_mesh, connect, mesh_shape, set_world_ranks
 from fsdp_strategy.engine import Scheduler, get_scheduler, is_sharded, shard_with_options
+from fsdp_strategy.engine.diagnosis import plural
 from fsdp_strategy.engine.ledger import CommLedger
 from fsdp_strategy.engine.watchdog import Watchdog
 from fsdp_strategy.options import check_fsdp_keywords
@@ -52,11 +53,6 @@ from fsdp_strategy.strategy_watchdog import WatchdogHooks
 from fsdp_strategy.sync_batchnorm import convert_sync_batchnorm
 
 log = logging.getLogger(__name__)
-
-
-def _plural(count: int, noun: str) -> str:
-    """``1 rank``, ``2 ranks``."""
-    return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
 def _count(count: int) -> str:
@@ -367,8 +363,8 @@ class FSDPCustomStrategy(StrategyArguments, WatchdogHooks, CheckpointHooks, Ligh
         trainable = sum(math.prod(p.shape) for p in params if p.sharded.requires_grad)
         local = sum(p.sharded.numel() for p in params)
         rank_zero_info(
-            f"fsdp_custom: {self.sharding_strategy.value} over {_plural(self.world_size, 'rank')}, "
-            f"{_plural(len(units), 'unit')} "
+            f"fsdp_custom: {self.sharding_strategy.value} over {plural(self.world_size, 'rank')}, "
+            f"{plural(len(units), 'unit')} "
             f"({', '.join(unit.name for unit in units[:8])}{', ...' if len(units) > 8 else ''}); "
             f"{_count(full_count)} parameters ({_count(trainable)} trainable), {_count(local)} in this rank's "
             "shards (what Lightning's model summary counts)"

@@ -211,9 +211,9 @@ class CheckpointHooks:
             if averaged is not None and with_average:
                 averaging.load_sharded_average(pending.path, self.model, averaged)
         else:
-            rank_zero_info(
-                f"fsdp_custom: loading full checkpoint {pending.path}: each of {self.world_size} ranks takes its rows"
-            )
+            world = self.world_size
+            takes = "one rank takes every row" if world == 1 else f"each of {world} ranks takes its rows"
+            rank_zero_info(f"fsdp_custom: loading full checkpoint {pending.path}: {takes}")
             current = checkpoint.get("current_model_state") if with_average else None
             weights = checkpoint if current is None else {**checkpoint, "state_dict": current}
             full.apply_full_checkpoint(weights, self.model, [], strict, pending.path)

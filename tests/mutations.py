@@ -174,9 +174,9 @@ MUTATIONS = [
         "fabric_optimizer_not_loaded",
         "a sharded folder's optimizer state is not loaded when it was written at another world size",
         "fsdp_strategy/checkpoint/sharded_load.py",
-        "        names.load_state(optimizer, owners, {",
+        "        by_fqn = {p.fqn: p for p in owners.values()}\n",
         "        if meta is not None and meta['world_size'] != collectives.process_rank(process_group)[1]:\n"
-        "            continue\n        names.load_state(optimizer, owners, {",
+        "            continue\n        by_fqn = {p.fqn: p for p in owners.values()}\n",
         ("tests/test_fabric.py::test_fabric_checkpoints_round_trip_and_resume_at_another_world_size",),
     ),
     Mutation(
@@ -236,6 +236,15 @@ MUTATIONS = [
         ("tests/test_optimizer_probe.py::test_real_optimizers_equal_one_process_on_the_global_batch[2]",),
     ),
     Mutation(
+        "layers_assumed_alike",
+        "a memory plan counts identical-looking layers without checking that each runs alike (by its index)",
+        "fsdp_strategy/plan/run.py",
+        "        if layer_list is not None and not runs_alike(module, layer_list, lambda: _meta_forward(module, "
+        "example_input)):\n",
+        "        if False:\n",
+        ("tests/test_plan.py::test_layers_that_run_otherwise_by_their_index_are_planned_every_one",),
+    ),
+    Mutation(
         "complex_buffers_cast_real",
         "'*-true' precisions convert the module with module.to(dtype): a complex rotary table keeps its real part",
         "fsdp_strategy/config.py",
@@ -255,16 +264,14 @@ MUTATIONS = [
 
 
 def installed_copy(folder: Path) -> Path:
-    """The package in its installed layout under ``folder`` (callbacks/ as fsdp_strategy.callbacks)."""
-    ignore = shutil.ignore_patterns("__pycache__")
-    shutil.copytree(ROOT / "fsdp_strategy", folder / "fsdp_strategy", ignore=ignore)
-    shutil.copytree(ROOT / "callbacks", folder / "fsdp_strategy" / "callbacks", ignore=ignore)
+    """The package in its installed layout under ``folder``."""
+    shutil.copytree(ROOT / "fsdp_strategy", folder / "fsdp_strategy", ignore=shutil.ignore_patterns("__pycache__"))
     return folder
 
 
 def copy_path(mutation: Mutation) -> Path:
-    """Where ``mutation.path`` lies in an installed copy."""
-    return Path(mutation.path.replace("callbacks/", "fsdp_strategy/callbacks/", 1))
+    """Where ``mutation.path`` lies in an installed copy (the checkout's layout is the installed one)."""
+    return Path(mutation.path)
 
 
 def check_applies(mutation: Mutation) -> str | None:

@@ -9,14 +9,14 @@ import lightning as L
 import pytest
 import torch
 from dist_utils import run_ranks
-from fsdp_strategy.callbacks import CommunicationMonitor, MemoryMonitor, ThroughputMonitor
-from fsdp_strategy.callbacks.wandb_history import history
 from lightning.pytorch.loggers import WandbLogger
 from models import Block, TiedLM
 from test_strategy import LIGHTNING_ENV, LitLM
 from torch.utils.data import DataLoader, TensorDataset
 
 from fsdp_strategy import FSDPCustomStrategy
+from fsdp_strategy.callbacks import CommunicationMonitor, MemoryMonitor, ThroughputMonitor
+from fsdp_strategy.callbacks.wandb_history import history
 
 MIB = 2**20
 STEPS = 4

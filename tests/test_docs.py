@@ -12,6 +12,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from fsdp_strategy import FSDPCustomFabricStrategy, FSDPCustomStrategy
 
@@ -120,8 +121,13 @@ def test_readme_plan_command_prints_the_plan_the_docs_show(tmp_path):
     """README's `fsdp-plan` command, run as written, prints the plan docs/memory-plans.md quotes."""
     (command,) = _block_after("README.md", "**Check that it fits.**", "```bash").splitlines()
     assert command.startswith("fsdp-plan "), command
-    done = subprocess.run(command, shell=True, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(command, shell=True, cwd=ROOT, capture_output=True, text=True, timeout=300)  # as README
     assert done.returncode == 0, done.stderr[-3000:]
+    readme = (ROOT / "README.md").read_text()
+    prose = readme[readme.index("**Check that it fits.**") :].split("```")[0]
+    assert "pip install '.[plan]'" in prose  # the install line README gives the presets installs what they need
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert any(requirement.startswith("transformers") for requirement in extras["plan"])
     quoted = _block_after("docs/memory-plans.md", "The same from the shell").strip()
     assert command in _block_after("docs/memory-plans.md", "The same from the shell", "```bash")
     assert done.stdout.strip() == quoted, f"update docs/memory-plans.md to what the command prints:\n{done.stdout}"
@@ -149,3 +155,33 @@ def test_readme_links_point_at_files_and_headings_that_exist():
             if anchor not in {_slug(h) for h in headings}:
                 broken.append(target)
     assert not broken, broken
+
+
+def test_moving_from_lightnings_fsdp_changes_the_strategy_class_only():
+    """docs/differences.md's before and after differ in the strategy's import only, and the after
+    builds a Trainer (on the CPU here, with a stand-in block class)."""
+    page = (ROOT / "docs" / "differences.md").read_text()
+    section = page[page.index("## Moving from Lightning's `FSDPStrategy`") :]
+    before, after = (block.split("\n", 1)[1] for block in section.split("```python")[1:3])
+    before, after = before.split("```")[0], after.split("```")[0]
+    changed = [(a, b) for a, b in zip(before.splitlines(), after.splitlines()) if a != b]
+    assert changed == [
+        (
+            "from lightning.pytorch.strategies import FSDPStrategy",
+            "from fsdp_strategy import FSDPCustomStrategy as FSDPStrategy",
+        )
+    ]
+    from torch import nn
+
+    namespace = {"Block": nn.Linear}
+    exec(after.replace('accelerator="cuda", devices=8', 'accelerator="cpu", devices=1'), namespace)
+    assert type(namespace["trainer"].strategy).__name__ == "FSDPCustomStrategy"
+
+
+def test_the_site_fits_a_1280_pixel_screen():
+    """Wide tables fit the page and code lines wrap (checked by eye at 1280 px with chromium: the Options
+    page's Default column, the memory plan's long lines): the stylesheet that does it is in the site."""
+    config = (ROOT / "mkdocs.yml").read_text()
+    assert "extra_css:\n  - stylesheets/extra.css" in config
+    css = (ROOT / "docs" / "stylesheets" / "extra.css").read_text()
+    assert "white-space: pre-wrap" in css and "table-layout: auto" in css and "overflow-wrap" in css

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from dist_utils import free_port
+
 from fsdp_strategy.callbacks.wandb_history import history
 from fsdp_strategy.callbacks.wandb_history import main as read_history
 
@@ -68,6 +69,7 @@ def test_python_script_launch_repeat_and_resume(tmp_path, capsys, monkeypatch):
     assert "done: 4 steps" in first and "FULL_SHARD over 2 ranks" in first
     assert "train further with: python examples/train_gpt.py resume=last trainer.max_steps=8" in first
     assert "W&B run:" in first and "wandb sync" in first
+    assert "wandb:" not in first  # an offline run: nothing from W&B the user did not ask for
     rows = history(tmp_path / "wandb")
     assert any("memory/sharded_params/max" in row for row in rows)
     assert any("comm/all_gather/calls" in row for row in rows)
@@ -98,7 +100,7 @@ def test_python_script_launch_repeat_and_resume(tmp_path, capsys, monkeypatch):
     assert all(row["trainer/global_step"] >= 4 for row in history(newest))
     finished = _main_exits_2(EXAMPLE, ["trainer.max_steps=6", "resume=last", *args], monkeypatch, capsys)
     assert "is at step 6 and trainer.max_steps=6: nothing to train" in finished
-    assert "resume=last trainer.max_steps=12" in finished
+    assert f"resume=last trainer.max_steps=12 {' '.join(args)}" in finished  # the user's overrides repeated
     assert len(_run_ids(tmp_path / "wandb")) == 3  # no empty W&B run
 
 
@@ -106,13 +108,15 @@ def test_example_config_mistakes_are_errors_that_list_what_is_accepted(tmp_path,
     helped = _run([sys.executable, str(EXAMPLE), "--help"], timeout=120)  # as a user runs it
     assert "trainer.max_steps" in helped and "max_steps: 150" in helped and "``" not in helped
     typo = _run([sys.executable, str(EXAMPLE), "trainer.max_stepz=5"], expect=2, timeout=120)
-    assert "trainer.max_stepz" in typo and "max_steps" in typo and "Traceback" not in typo
+    assert "unknown key 'trainer.max_stepz'; did you mean 'trainer.max_steps'" in typo and "Traceback" not in typo
+    assert max(map(len, typo.splitlines())) <= 120  # the accepted keys wrapped, not one 900-character line
 
     # the other mistakes through the script's main in this process (the same code after the imports)
     def run(*args: str) -> str:
         return _main_exits_2(EXAMPLE, list(args), monkeypatch, capsys)
 
-    assert "accepted keys of optimizer: name, lr, weight_decay, warmup_steps, muon_lr" in run("optimizer.lrr=0.1")
+    keys = "name, lr, weight_decay, warmup_steps, muon_lr"
+    assert f"did you mean 'optimizer.lr'?\naccepted keys of optimizer:\n  {keys}" in run("optimizer.lrr=0.1")
     assert "no checkpoint at" in run("resume=last", f"trainer.default_root_dir={tmp_path}")
     assert "resume=1: no checkpoint at 1;" in run("resume=1", f"trainer.default_root_dir={tmp_path}")
     # values each part refuses end the script with that part's message, before anything starts
@@ -157,7 +161,7 @@ def test_example_config_accepts_every_documented_form():
         mistakes = {
             "trainer.strategy=ddp": "cannot be set here",
             "strategy.fsdp_kwargs=1": "unknown key.*strategy.fsdp_kwargs",  # the name of **kwargs is no key
-            "--monitors.log_every=5": "accepted keys of monitors: log_every_n_steps",
+            "--monitors.log_every=5": "accepted keys of monitors:\n  log_every_n_steps",
             "strategy.shard=1": "strategy.shard.*sharding_strategy",
             "--trainer.max_steps": "needs a value",
             "max_steps": "overrides are key=value",
@@ -301,7 +305,9 @@ def test_fabric_example_trains_saves_and_resumes_on_another_world_size(tmp_path,
     first = _run([sys.executable, str(FABRIC_EXAMPLE), "train.max_steps=4", *args])
     assert "done: 4 steps" in first and (tmp_path / "last.ckpt" / "fsdp_meta.json").is_file()
     resumed = _run([sys.executable, str(FABRIC_EXAMPLE), "resume=last", "train.max_steps=6", "fabric.devices=1", *args])
-    assert "resumed from" in resumed and "at step 4 on 1 ranks" in resumed and "done: 6 steps" in resumed
+    assert "resumed from" in resumed and "at step 4 on 1 rank\n" in resumed and "done: 6 steps" in resumed
+    further = "train further with: python examples/fabric_gpt.py resume=last train.max_steps=12 fabric.devices=1"
+    assert further in resumed
     assert len({run.name.rsplit("-", 1)[-1] for run in (tmp_path / "wandb").glob("offline-run-*")}) == 1  # one run
     rows = history(tmp_path / "wandb")
     losses = [row["trainer/global_step"] for row in rows if "train_loss" in row]

@@ -1,5 +1,5 @@
 """README's quick start shows what the example prints and what its W&B run holds: run the example
-exactly as README says (150 steps, about 40 s on 2 CPU cores) and compare every figure README
+exactly as README says (150 steps, about 70 s on 2 CPU cores) and compare every figure README
 quotes from it, to within one unit of its last quoted digit, 0.001 or 0.1 % (the sums of another
 machine's CPU and thread count move the fourth digit of a perplexity: 19.3452 on one machine,
 19.3357 on another). When the example's numbers change, this test names each figure to update."""
@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from fsdp_strategy.callbacks.wandb_history import history
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,8 +39,14 @@ def test_readme_quick_start_figures_are_what_the_example_prints(tmp_path):
     (line,) = [line for line in text.splitlines() if line.startswith("python examples/train_gpt.py")]
     _python, script, *args = line.split()  # README.md's command, run from the checkout's root
     command = [sys.executable, str(ROOT / script), *args, f"trainer.default_root_dir={tmp_path}"]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)  # as README
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert "wandb:" not in done.stdout + done.stderr  # nothing from W&B the user did not ask for
+    # README's reader of the run, from the checkout's root (where the source tree's fsdp_strategy is imported)
+    (reader,) = [line for line in text.splitlines() if line.startswith("python -m fsdp_strategy.callbacks")]
+    reader = reader.replace("runs/gpt_small/wandb", str(tmp_path / "wandb")).split()
+    read = subprocess.run([sys.executable, *reader[1:]], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert read.returncode == 0 and read.stdout.startswith("trainer/global_step,train_loss,val_loss"), read.stderr
     printed = re.search(r"^done: .*$", done.stdout, re.MULTILINE).group(0)
     quoted = re.search(r"^done: .*$", text, re.MULTILINE).group(0)
     pairs = [  # (figure, as README quotes it, as the run logged it)

@@ -37,6 +37,7 @@ from fsdp_strategy.checkpoint import layout, module_state, names, storage
 from fsdp_strategy.checkpoint.layout import CheckpointError
 from fsdp_strategy.checkpoint.storage import Location
 from fsdp_strategy.engine import collectives
+from fsdp_strategy.engine.diagnosis import plural
 from fsdp_strategy.engine.param import ShardedParam
 from fsdp_strategy.engine.view import ShardsView
 from fsdp_strategy.engine.watchdog import Watchdog
@@ -81,11 +82,13 @@ def optimizer_state(model: nn.Module | ShardsView, optimizer: torch.optim.Optimi
     """FSDP's sharded ``optim_state_dict`` layout: state keyed by name, shards as checkpoint views."""
     view = ShardsView.of(model)
     owners = names.optimizer_owners(view)
+    apart = view.apart_keys(optimizer)  # an owner's state of the shard's shape is no row shard
     state: dict[str, dict[str, Any]] = {}
     for group in names.optimizer_params(optimizer, owners):
         for param in group:
             for key, value in optimizer.state.get(param.sharded, {}).items():
                 shard_shaped = torch.is_tensor(value) and value.shape == param.sharded.shape
+                shard_shaped = shard_shaped and key not in apart.get(id(param.sharded), ())
                 local = checkpoint_view(param, value, view.mesh) if shard_shaped else value
                 state.setdefault(param.fqn, {})[key] = local
     return {"state": state, "param_groups": names.named_groups(optimizer, owners)}
@@ -230,21 +233,21 @@ def describe_resharding(meta: dict[str, Any] | None, model: nn.Module | ShardsVi
     now = build_meta(model)
     here = (
         f"loading at world size {now['world_size']} ({now['sharding_strategy']}, "
-        f"{now['shard_world_size']} shards x {now['replicate_world_size']} replicas)."
+        f"{plural(now['shard_world_size'], 'shard')} x {plural(now['replicate_world_size'], 'replica')})."
     )
     if meta is None:
         return f"a sharded checkpoint of Lightning's FSDPStrategy; {here} Parameters are resharded as they load."
     saved_params, here_params = meta["plan"]["params"], now["plan"]["params"]
     lines = [
         f"checkpoint written by fsdp_strategy {meta.get('package_version')} at world size {meta['world_size']} "
-        f"({meta['sharding_strategy']}, {meta['shard_world_size']} shards x {meta['replicate_world_size']} "
-        f"replicas); {here}"
+        f"({meta['sharding_strategy']}, {plural(meta['shard_world_size'], 'shard')} x "
+        f"{plural(meta['replicate_world_size'], 'replica')}); {here}"
     ]
     if (meta["shard_world_size"], meta["world_size"]) != (now["shard_world_size"], now["world_size"]):
         lines.append(
-            f"{len(here_params)} parameters and their optimizer states are resharded from "
-            f"{meta['shard_world_size']} to {now['shard_world_size']} shards; the data position is remapped "
-            f"to {now['world_size']} ranks."
+            f"{plural(len(here_params), 'parameter')} and their optimizer states are resharded from "
+            f"{meta['shard_world_size']} to {plural(now['shard_world_size'], 'shard')}; the data position is "
+            f"remapped to {plural(now['world_size'], 'rank')}."
         )
     else:
         lines.append("same layout: every rank reads back its own shards.")

@@ -150,3 +150,8 @@ def failure_message(headline: str, first: str | None, lines: list[str], dumps: l
     parts += lines
     parts += dumps
     return "\n  ".join(parts)
+
+
+def plural(count: int, noun: str) -> str:
+    """``1 rank``, ``2 ranks``: a count in a message."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"

@@ -59,7 +59,7 @@ from fsdp_strategy.engine.channel import StoreChannel, StoreLost
 from fsdp_strategy.engine.device import DeviceLayer
 from fsdp_strategy.engine.diagnosis import PeerLiveness, first_line
 from fsdp_strategy.engine.flight import CollectiveRecord, FlightRecorder
-from fsdp_strategy.engine.reports import Reports
+from fsdp_strategy.engine.reports import Reports, main_thread_place
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +128,7 @@ class Watchdog:
         self.limits = limits
         self.recorder = recorder
         self.identity = {"rank": rank, "node": node, "host": socket.gethostname(), "pid": os.getpid()}
+        self._launcher = os.getppid()  # the process that started this rank (Lightning's launcher: rank 0)
         # fields the main thread and the watchdog's thread both write are set under this lock (reads
         # of one field are atomic; what is decided from two of them is decided under it)
         self._lock = threading.Lock()
@@ -255,6 +256,11 @@ class Watchdog:
     def _tick(self) -> None:
         if self._end_at is not None and time.monotonic() > self._end_at:  # first: the store may be gone
             self._end(self._end_reason)
+        if self._end_at is not None and os.getppid() != self._launcher:  # the job is over: its launcher exited
+            self._launcher = os.getppid()
+            with self._lock:
+                self._end_at = min(self._end_at, time.monotonic() + ORPHAN_GRACE)
+                self._end_reason += f"; the process that started this rank exited {ORPHAN_GRACE:g} s before"
         self.reports.check_store_host()
         if self._channel.lost is None:
             try:
@@ -333,14 +339,22 @@ class Watchdog:
         self._outside_published = True
         latest = self.recorder.latest()
         doing = f"its last collective: {latest.describe()}" if latest is not None else "no collective issued"
+        place, stack = main_thread_place()
         self.reports.publish(
-            f"rank {self.rank} was not waiting in a collective of the engine ({doing})", None, "outside"
+            f"rank {self.rank} was not waiting in a collective of the engine: it was in {place} ({doing})",
+            None,
+            "outside",
         )
         limit = self.limits.collective
         log.warning(
-            "%s; this rank goes on and stops at its next collective%s",
-            self.abort if self.abort.startswith("fsdp_custom: ") else f"fsdp_custom: {self.abort}",
+            "fsdp_custom: rank %d (node %d) is outside every collective, in %s, while the job stopped: %s. It goes "
+            "on and stops at its next collective%s. Its stack:\n%s",
+            self.rank,
+            self.node,
+            place,
+            (self.abort.splitlines() or [""])[0].removeprefix("fsdp_custom: "),
             f" (or in {limit:g} s if it issues none)" if math.isfinite(limit) else "",
+            stack.rstrip(),
         )
         with self._lock:  # unless this rank raised meanwhile: alive and unwinding, it is not ended
             if not self.reported_own and self.error is None:
@@ -415,6 +429,9 @@ class Watchdog:
         flight ends within its timeout and is not retried."""
         self._stop.set()
         self._channel.close()
+
+
+ORPHAN_GRACE = 3.0  # seconds a failed job's rank outside every collective outlives the process that started it
 
 
 def _completed(record: CollectiveRecord) -> bool:
