@@ -7,12 +7,15 @@ option itself is checked in ``options.py`` (no Lightning), with what the memory 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
 from fsdp_strategy.options import FSDP_KEYWORDS, OPTION_NAMES, StrategyOptions, check_auto_choices, options_from
 from fsdp_strategy.wrap import already_checkpointed, apply_activation_checkpointing
+
+if TYPE_CHECKING:
+    from fsdp_strategy.config import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 
 
 def apply_recomputation(model: torch.nn.Module, policy: Any) -> None:
@@ -131,8 +134,6 @@ class StrategyArguments:
         chosen = self._budget.choose(model, world_size, num_nodes, precision, self._given_options)
         arguments = {**self._given_options, **chosen.strategy_kwargs}
         self._options = options_from(arguments)
-        for name in OPTION_NAMES:
-            setattr(self, name, getattr(self._options, name))
         self.activation_checkpointing_policy = chosen.strategy_kwargs.get("activation_checkpointing_policy")
         self._budget = None
         return chosen
@@ -146,10 +147,70 @@ class StrategyArguments:
         checked = StrategyOptions.from_arguments({**StrategyOptions.split(arguments)[0], "async_save": async_save})
         self._options = checked.sharding
         self._given_options = {name: arguments[name] for name in (*OPTION_NAMES, "device_mesh")}
-        for name in OPTION_NAMES:
-            setattr(self, name, getattr(self._options, name))
         self.activation_checkpointing_policy = checked.activation_checkpointing_policy
         self._state_dict_type = checked.state_dict_type
         self._device_mesh = checked.device_mesh
         self._process_group_backend = checked.process_group_backend
         self._timeout = checked.timeout
+
+    # ---- the checked sharding options, under Lightning's names (read-only) ---------------
+
+    @property
+    def sharding_strategy(self) -> ShardingStrategy:
+        """How parameters, gradients and optimizer state are split (Lightning's name)."""
+        return self._options.sharding_strategy
+
+    @property
+    def auto_wrap_policy(self) -> Any:
+        """The wrap policy as given: which modules become units."""
+        return self._options.auto_wrap_policy
+
+    @property
+    def mixed_precision(self) -> MixedPrecision | None:
+        """The dtypes units gather, compute and reduce in; None: the precision plugin's."""
+        return self._options.mixed_precision
+
+    @property
+    def cpu_offload(self) -> CPUOffload:
+        """Whether shards, their gradients and optimizer state live in host memory."""
+        return self._options.cpu_offload
+
+    @property
+    def param_init_fn(self) -> Any:
+        """How parameters on the meta device are materialized, unit by unit."""
+        return self._options.param_init_fn
+
+    @property
+    def forward_prefetch(self) -> bool:
+        """Whether the next unit's all-gather is issued during this one's forward."""
+        return self._options.forward_prefetch
+
+    @property
+    def backward_prefetch(self) -> BackwardPrefetch | None:
+        """When the next unit's all-gather is issued in backward."""
+        return self._options.backward_prefetch
+
+    @property
+    def sync_module_states(self) -> bool:
+        """Whether rank 0's weights are broadcast before sharding."""
+        return self._options.sync_module_states
+
+    @property
+    def ignored_modules(self) -> tuple[torch.nn.Module, ...] | None:
+        """Modules left unsharded (replicated, reduced as DDP would)."""
+        return self._options.ignored_modules
+
+    @property
+    def collective_timeout(self) -> float | None:
+        """Seconds a collective may wait before the watchdog ends the job; None: the group's."""
+        return self._options.collective_timeout
+
+    @property
+    def check_collective_order(self) -> bool:
+        """Whether collectives carry order stamps that every rank checks."""
+        return self._options.check_collective_order
+
+    @property
+    def optimizer_updates(self) -> dict | None:
+        """Optimizer classes declared elementwise or whole-matrix, instead of measured."""
+        return self._options.optimizer_updates

@@ -260,6 +260,25 @@ MUTATIONS = [
         "        floating = layout.param_dtype is not None\n",
         ("tests/test_complex_tensors.py::test_complex_parameters_and_buffers_train_as_one_process",),
     ),
+    Mutation(
+        "lost_edits_read_at_reshard",
+        "a lower param_dtype's write-back check is read at each reshard (a host wait per unit per step on a GPU)",
+        "fsdp_strategy/engine/unit.py",
+        "        self.lost_edits.add(keep_full_edits(self.name, self.params, every_param))\n",
+        "        checks = keep_full_edits(self.name, self.params, every_param)\n"
+        "        if any(bool(check.lost) for check in checks):\n"
+        "            raise RuntimeError('fsdp_custom: a change made while gathered was lost')\n"
+        "        self.lost_edits.add(checks)\n",
+        ("tests/test_host_reads.py::test_a_steady_state_step_reads_nothing_on_the_host",),
+    ),
+    Mutation(
+        "lost_edits_read_before_landed",
+        "the lost-edit flags are read before their copy to the host has landed (a device sync on CUDA)",
+        "fsdp_strategy/engine/edits.py",
+        "        while self._sent and (wait or self._sent[0][0].landed()):\n",
+        "        while self._sent:\n",
+        ("tests/test_host_reads.py::test_lost_edit_flags_are_read_only_once_landed",),
+    ),
 ]
 
 

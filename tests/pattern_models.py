@@ -292,7 +292,7 @@ class Containers(nn.Module):
             out = block(x)
             x, extra = (out["hidden"], out["aux"]) if isinstance(out, dict) else (out.hidden, out.aux)
             aux = aux + extra
-        return self.head(x) + aux
+        return self.head(x + aux)  # added to the logits, aux would cancel in the softmax: a gradient of rounding noise
 
 
 class SharedProjection(nn.Module):

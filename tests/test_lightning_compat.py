@@ -22,6 +22,7 @@ from fsdp_strategy import (
     FSDPCustomFabricStrategy,
     FSDPCustomPrecision,
     FSDPCustomStrategy,
+    ShardingStrategy,
 )
 
 PRECISIONS = {  # precision -> (param, reduce, buffer) dtypes of mixed_precision_config
@@ -101,3 +102,26 @@ def test_checkpointing_a_model_already_checkpointed_warns_as_lightning_and_is_le
     with pytest.warns(UserWarning, match="already contains checkpointed layers. Checkpointing will be ignored"):
         apply_recomputation(model, {nn.Linear})
     assert "forward" not in model.outer.__dict__  # not made to recompute: the model is as it was given
+
+
+@pytest.mark.parametrize(
+    ("ours", "lightnings"),
+    [(FSDPCustomStrategy, TrainerFSDPStrategy), (FSDPCustomFabricStrategy, FabricFSDPStrategy)],
+    ids=["Trainer", "Fabric"],
+)
+def test_every_method_of_lightnings_fsdp_strategy_is_overridden(ours, lightnings):
+    """Nothing falls back to Lightning's FSDP1 code: every function, property and class or static
+    method Lightning's FSDPStrategy defines is defined again on the way from ours to it."""
+    kinds = (property, staticmethod, classmethod)
+    defined = [name for name, member in vars(lightnings).items() if callable(member) or isinstance(member, kinds)]
+    assert len(defined) > 20  # Lightning's FSDPStrategy itself, not an empty stand-in
+    falling_back = [name for name in defined if next(k for k in ours.__mro__ if name in vars(k)) is lightnings]
+    assert not falling_back, f"{ours.__name__} inherits these from Lightning's FSDPStrategy: {falling_back}"
+
+
+def test_the_sharding_options_are_read_only_views_of_the_checked_ones():
+    strategy = FSDPCustomStrategy(sharding_strategy="shard_grad_op", cpu_offload=True, forward_prefetch=False)
+    assert strategy.sharding_strategy is ShardingStrategy.SHARD_GRAD_OP
+    assert strategy.cpu_offload.offload_params is True and strategy.forward_prefetch is False
+    with pytest.raises(AttributeError):
+        strategy.sharding_strategy = "NO_SHARD"

@@ -14,6 +14,7 @@ from fsdp_strategy.engine import collectives
 from fsdp_strategy.engine.accounting import MemoryAccount
 from fsdp_strategy.engine.collectives import CommContext, CommGroup
 from fsdp_strategy.engine.device import device_layer
+from fsdp_strategy.engine.edits import LostEdits
 from fsdp_strategy.engine.flight import STAMP_SLOTS
 from fsdp_strategy.engine.guard import install_guards
 from fsdp_strategy.engine.ignored import Ignored, find_ignored
@@ -63,7 +64,15 @@ def build(module: nn.Module, sharding: Plan, options: ShardingOptions, where: Wh
     layer = device_layer(where.device, where.storage, options.cpu_offload.offload_params)
     layout = ShardLayout(shard_comm.rank, shard_comm.size, where.storage, where.device, precision.param_dtype, layer)
     context = UnitContext(
-        shard_comm, where.replicate_comm, precision.reduce_dtype, where.device, comm, MemoryAccount(), layer, slots
+        shard_comm,
+        where.replicate_comm,
+        precision.reduce_dtype,
+        where.device,
+        comm,
+        MemoryAccount(),
+        layer,
+        lost_edits=LostEdits([shard_comm, where.replicate_comm], comm, where.device),
+        stamp_slots=slots,
     )
     initializers, order = weight_initializers(module), post_order(module)
     names = {id(m): name for name, m in module.named_modules()}

@@ -6,7 +6,7 @@ for the stream that issued them, and ``wait()`` makes the compute stream wait fo
 (collectives.py). What remains is where the host and the device meet:
 
 [Note: host and device]
-On CUDA the host enqueues work and runs ahead of the device. Three things follow, each handled
+On CUDA the host enqueues work and runs ahead of the device. Four things follow, each handled
 here and nowhere else:
 1. Offloaded shards (CPU, pinned) are copied to the device ``non_blocking`` for a gather: the
    copy reads the shard after the host has moved on, so before the host writes shards again (an
@@ -21,7 +21,12 @@ here and nowhere else:
    buffer. As FSDP1's rate limiter does, a reshard records an event, and a gather waits for the
    event of the reshard two back (``before_gather``): at most two units' full parameters are in
    use on the device beyond the ones being gathered.
-On the CPU there is no running ahead: copies are done when they return and all three are free.
+4. A check the engine computes on the device (a change a lower ``param_dtype`` could not keep,
+   an order stamp) is never read by the host inside a step: each read would stall it until the
+   device drains, and the next gather could not be issued ahead. The flag is copied to pinned
+   memory ``non_blocking`` with an event (``copy_to_host``), and read once the event says it
+   landed: at the end of a later backward or the start of a later iteration.
+On the CPU there is no running ahead: copies are done when they return and all four are free.
 
 ``FSDP_CUSTOM_STREAM_CHECK=1`` replaces the layer of every engine in the process by
 ``StreamCheck``, a CPU model of those semantics: it treats the copies between offloaded shards
@@ -33,11 +38,28 @@ from __future__ import annotations
 
 import os
 from collections import deque
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 RUN_AHEAD = 2  # reshards the host may be ahead of the device before a gather waits ([Note: host and device] 3)
+
+
+class HostCopy(NamedTuple):
+    """A device tensor's copy in host memory, started without blocking ([Note: host and device] 4)."""
+
+    value: torch.Tensor  # valid once ``landed()``
+    event: Any  # the CUDA event recorded after the copy; None where the copy was done at once
+
+    def landed(self) -> bool:
+        """Whether ``value`` may be read without waiting for the device. Costs: one event query."""
+        return self.event is None or bool(self.event.query())
+
+    def wait(self) -> torch.Tensor:
+        """``value``, waiting for the copy first (a device sync: only outside a step)."""
+        if self.event is not None:
+            self.event.synchronize()
+        return self.value
 
 
 class DeviceLayer:
@@ -65,16 +87,18 @@ class DeviceLayer:
         return tensor.pin_memory() if self._pin else tensor
 
     @staticmethod
-    def flag_to_host(flag: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        """Start copying a 0-dim CUDA ``flag`` to pinned host memory; ``(host copy, event)``: the
-        host copy is valid once ``event.query()`` is true. The copy and the event are on the
-        current stream of the flag's own device."""
-        host = torch.empty((), dtype=flag.dtype, pin_memory=True)
-        with torch.cuda.device(flag.device):
-            host.copy_(flag, non_blocking=True)
+    def copy_to_host(tensor: torch.Tensor) -> HostCopy:
+        """Start copying a small device ``tensor`` (a flag) to host memory without blocking
+        ([Note: host and device] 4). On CUDA: pinned memory and an event on the tensor's device's
+        current stream; elsewhere the tensor itself, landed at once."""
+        if tensor.device.type != "cuda":
+            return HostCopy(tensor.detach(), None)
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        with torch.cuda.device(tensor.device):
+            host.copy_(tensor, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
-        return host, event
+        return HostCopy(host, event)
 
     # ---- copies -------------------------------------------------------------------------
 

@@ -63,7 +63,8 @@ class Reductions:
 
     def settle(self) -> None:
         """Finish every reduction in flight and apply the gradients of parameters this rank did
-        not use where another rank did ([Note: usage flags]: one device sync, only if any)."""
+        not use where another rank did ([Note: usage flags]: one device sync, only if any: the one
+        host read of a step the engine keeps, since the gradient is None or a tensor by it)."""
         while self._in_flight:
             self._advance(self._in_flight.popleft())
         self._finish_replicating()

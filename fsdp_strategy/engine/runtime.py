@@ -12,7 +12,8 @@ The functions one weight gradient passes through, in order:
    ``FSDPUnit.reduce_grads``: ``ShardedParam.take_grad_rows`` copies it (and a ``no_sync``
    stash) into a flat buffer with its usage flag, ``collectives.reduce_scatter`` sums it, and
    the full gradient is freed.
-4. At the next reduction or the end of backward: ``PendingReduce`` waits (watchdog.py); on HSDP
+4. At the next reduction or the end of backward: ``PendingReduce`` (unit.py) waits, through its
+   collective's ``Watch`` (monitoring.py: the watchdog, order stamps, ledger); on HSDP
    ``FSDPUnit.replicate_reduced`` all-reduces across replicas, waited one reduction later
    ([Note: replicas reduce behind compute]); ``FSDPUnit.apply_reduced`` divides ([Note: SUM then
    divide]) and ``ShardedParam.accumulate_sharded_grad`` adds it into ``sharded.grad``; a
@@ -68,7 +69,6 @@ from fsdp_strategy.config import BackwardPrefetch, MixedPrecision, ShardingStrat
 from fsdp_strategy.engine.accounting import MemoryAccount
 from fsdp_strategy.engine.clipping import clip_grad_norm
 from fsdp_strategy.engine.collectives import CommContext
-from fsdp_strategy.engine.edits import raise_for_lost_edits
 from fsdp_strategy.engine.guard import shard_used_by
 from fsdp_strategy.engine.iteration import BackwardPass, PostBackward, autograd_running
 from fsdp_strategy.engine.optimizer_kinds import OptimizerKinds
@@ -135,6 +135,8 @@ class Scheduler:
         self._ran_forward: dict[int, FSDPUnit] = {}  # units that ran forward with grad since their last reduction
         self._post_forward_order: list[FSDPUnit] = []  # this iteration's, units with hooked outputs
         self.device_layer = units[0].device_layer  # [Note: host and device] in device.py
+        self.lost_edits = units[0].lost_edits  # [Note: edits while gathered] in edits.py
+        self._lower_param_dtype = any(p.param_dtype != p.sharded.dtype for unit in units for p in unit.params)
         self.reductions = Reductions(self.device_layer)  # the gradient reductions in flight (reductions.py)
         shard_comm = units[0].shard_comm
         params = [p for unit in units for p in unit.params]
@@ -230,7 +232,7 @@ class Scheduler:
         if not state.on_stack:
             policy = self.sharding_strategy.reshard_after_forward
             if state.reshards_after_forward(hooked, self._root_depth, policy):
-                unit.reshard(keep_edits=True, defer_check=True)  # its own forward may have changed it
+                unit.reshard(keep_edits=True)  # its own forward may have changed it
             else:  # gathered past its forward: user code may reach it ([Note: edits while gathered])
                 unit.exposed = True
         if unit is self.root_unit and self._root_depth == 0 and not in_backward:
@@ -288,9 +290,9 @@ class Scheduler:
             self.device_layer.before_host_reads_grads()  # [Note: host and device] 2
             self.device_layer.before_host_writes_shards()  # a closure's step updates next (1)
             check_no_late_grads(self.units)
-            self._raise_for_lost_edits()
         finally:
             self._finish_backward(backward)
+        self._report_lost_edits()  # after the units it reshards wrote back
 
     def _finish_backward(self, backward: BackwardPass) -> None:
         for unit in self.units:
@@ -303,13 +305,18 @@ class Scheduler:
 
     # ---- schedule ----------------------------------------------------------------------
 
-    def _raise_for_lost_edits(self) -> None:
-        """Raise for changes made while gathered that could not be kept ([Note: edits while gathered]):
-        one device sync for every unit's checks, only where a unit is gathered in a lower dtype."""
-        raise_for_lost_edits([check for unit in self.units for check in unit.take_lost_edit_checks()])
+    def _report_lost_edits(self, send: bool = True) -> None:
+        """With a lower ``param_dtype``: ``send`` the checks of changes made while gathered (every
+        rank at the same place) and raise for those landed with a change that could not be kept
+        ([Note: edits while gathered]): no host wait."""
+        if self._lower_param_dtype:
+            if send:
+                self.lost_edits.send()
+            self.lost_edits.raise_landed()
 
     def _start_iteration(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        self._raise_for_lost_edits()  # of a forward without backward
+        previous_without_backward = self.observer.recorder.iteration > 0 and self._backwards_in_iteration == 0
+        self._report_lost_edits(send=previous_without_backward)  # its forward's checks, and those landed since
         stale = self._backward is not None or any(state.on_stack for state in self._states.values())
         if stale:
             log.warning("fsdp_custom: the previous iteration did not finish (an exception in backward?); resetting")
@@ -388,6 +395,7 @@ class Scheduler:
             return
         self.reductions.drop()
         self.device_layer.close()  # what reduced gradients are kept, and what was copied, is complete
+        self.lost_edits.drop_pending()
         for unit in self.units:
             self._states[id(unit)].reset()
             unit.drop_grads()
@@ -402,7 +410,9 @@ class Scheduler:
     def close(self) -> None:
         """Release what this engine instance holds outside the model: the optimizer-step hooks, the
         exchange thread, and a watchdog ``shard_model`` started for it. The model stays sharded
-        and runs again after ``open``. Costs: joins the threads (bounded)."""
+        and runs again after ``open``. Raises for a change of the last steps that a lower
+        ``param_dtype`` could not keep, unless an exception is already unwinding. Costs: joins the
+        threads (bounded) and waits for the device."""
         self.optimizer_steps.close()
         self.device_layer.close()
         self.comm.close()
@@ -410,6 +420,9 @@ class Scheduler:
             self.owned_watchdog.close()
             self.owned_watchdog = None
             self.observer.attach(None)
+        self.lost_edits.send(agree=False)  # peers may be gone: this rank's own checks
+        if sys.exc_info()[1] is None:
+            self.lost_edits.raise_landed(wait=True)
 
     def open(self) -> None:
         """Install the optimizer-step hooks again after ``close`` (the strategy, at each setup)."""

@@ -31,7 +31,7 @@ from fsdp_strategy.engine import collectives
 from fsdp_strategy.engine.accounting import MemoryAccount
 from fsdp_strategy.engine.collectives import CommContext, CommGroup, Pending
 from fsdp_strategy.engine.device import DeviceLayer
-from fsdp_strategy.engine.edits import LostEditCheck, keep_full_edits, raise_for_lost_edits
+from fsdp_strategy.engine.edits import LostEdits, keep_full_edits
 from fsdp_strategy.engine.flat import FlatLayout, real_dtype, real_view
 from fsdp_strategy.engine.param import ShardedParam
 from fsdp_strategy.engine.trace import span
@@ -55,6 +55,7 @@ class UnitContext(NamedTuple):
     comm: CommContext  # the engine's collectives' ledger, recorder, watchdog and exchange
     memory: MemoryAccount  # counts the buffers gathering and reducing allocate
     device_layer: DeviceLayer  # every pinned buffer, non_blocking copy and event ([Note: host and device])
+    lost_edits: LostEdits  # changes a lower param_dtype could not keep ([Note: edits while gathered])
     stamp_slots: int = 0  # elements per rank each collective carries for its order stamp ([Note: order stamps])
 
 
@@ -134,7 +135,7 @@ class FSDPUnit:
         self.device_layer = context.device_layer
         self.state = ShardedState.SHARDED
         self.exposed = False  # gathered where user code may change it ([Note: edits while gathered])
-        self._lost_edit_checks: list[LostEditCheck] = []  # deferred: ``take_lost_edit_checks``
+        self.lost_edits = context.lost_edits
         self._gathered_versions: list[int] = []  # shard versions when a gather in flight copied them
         self._aliased = bool(params) and all(p.aliased for p in params)  # [Note: aliased shards]
         self._stamp_slots = context.stamp_slots
@@ -244,35 +245,27 @@ class FSDPUnit:
                 torch.autograd.graph.increment_version(param.unsharded)
                 param.mark_filled()
 
-    def keep_edits(self, every_param: bool, defer: bool = False) -> None:
+    def keep_edits(self, every_param: bool) -> None:
         """Write changes of the full parameters back into the shards ([Note: edits while gathered]):
         of every parameter, or of those with a visible trace only. A change that cannot be kept
-        exactly raises, naming the parameters, before anything is freed; with ``defer`` the check
-        (a device sync) waits for ``take_lost_edit_checks``."""
+        exactly is checked on the device and reported later by ``lost_edits``, without a wait."""
         if self.state is not ShardedState.UNSHARDED or self._aliased:
             return
-        self._lost_edit_checks += keep_full_edits(self.name, self.params, every_param)
-        if not defer:
-            raise_for_lost_edits(self.take_lost_edit_checks())
+        self.lost_edits.add(keep_full_edits(self.name, self.params, every_param))
 
-    def take_lost_edit_checks(self) -> list[LostEditCheck]:
-        """The deferred checks of ``keep_edits``, handed over (for ``raise_for_lost_edits``)."""
-        checks, self._lost_edit_checks = self._lost_edit_checks, []
-        return checks
-
-    def reshard(self, keep_edits: bool | None = None, defer_check: bool = False) -> None:
+    def reshard(self, keep_edits: bool | None = None) -> None:
         """Register the shards again and free the full parameters (and any gather in flight).
 
         ``keep_edits``: write changes of the full parameters back first ([Note: edits while
         gathered]): True for every parameter, None (default) for every parameter of an exposed
         unit and the visibly changed ones of others, False for none (a failed iteration,
-        ``summon_full_params`` without writeback). ``defer_check``: see ``keep_edits``."""
+        ``summon_full_params`` without writeback)."""
         if self._gather is not None:
             gather, self._gather = self._gather, None
             gather.work.wait()
             self.memory.freed(self.name, gather.nbytes, "gather_buffer")
         if self.state is ShardedState.UNSHARDED and keep_edits is not False:
-            self.keep_edits(every_param=bool(keep_edits) or self.exposed, defer=defer_check)
+            self.keep_edits(every_param=bool(keep_edits) or self.exposed)
         self.exposed = False
         if self.state is ShardedState.UNSHARDED:
             for param in self.params:
@@ -390,9 +383,7 @@ class FSDPUnit:
         return undecided
 
     def drop_grads(self) -> None:
-        """Discard every full and stashed gradient of the unit, and the edit checks not yet read
-        (a failed iteration)."""
-        self._lost_edit_checks = []
+        """Discard every full and stashed gradient of the unit (a failed iteration)."""
         stashed = sum(p.stashed_nbytes for p in self.params)
         for param in self.params:
             param.drop_grads()

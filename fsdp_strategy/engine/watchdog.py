@@ -56,7 +56,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_strategy.engine.channel import StoreChannel, StoreLost
-from fsdp_strategy.engine.device import DeviceLayer
+from fsdp_strategy.engine.device import DeviceLayer, HostCopy
 from fsdp_strategy.engine.diagnosis import PeerLiveness, first_line
 from fsdp_strategy.engine.flight import CollectiveRecord, FlightRecorder
 from fsdp_strategy.engine.reports import Reports, main_thread_place
@@ -144,7 +144,7 @@ class Watchdog:
         self._end_reason = ""
         self._outside_published = False
         self._watched: deque[CollectiveRecord] = deque()  # NCCL / blocking records the thread watches
-        self._unverified: deque[tuple[CollectiveRecord, torch.Tensor, Any]] = deque()  # CUDA stamp checks
+        self._unverified: deque[tuple[CollectiveRecord, HostCopy]] = deque()  # CUDA stamp checks
         self._stop = threading.Event()
         self._previous_excepthook = sys.excepthook
         self._closed = False
@@ -201,8 +201,7 @@ class Watchdog:
 
     def defer_check(self, record: CollectiveRecord, mismatch: torch.Tensor) -> None:
         """Check a CUDA stamp comparison when the device has computed it, without a sync."""
-        host, event = DeviceLayer.flag_to_host(mismatch)
-        self._unverified.append((record, host, event))
+        self._unverified.append((record, DeviceLayer.copy_to_host(mismatch)))
 
     def report_exception(self, error: BaseException) -> None:
         """Publish this rank's own exception: the other ranks' collectives then raise, naming it."""
@@ -286,9 +285,9 @@ class Watchdog:
                     self.abort = self.reports.abort_seen = first["reason"]
 
     def _check_device(self) -> None:
-        while self._unverified and self._unverified[0][2].query():
-            record, host, _ = self._unverified.popleft()
-            if bool(host) and self.error is None:
+        while self._unverified and self._unverified[0][1].landed():
+            record, copy = self._unverified.popleft()
+            if bool(copy.value) and self.error is None:
                 self._fail_from_thread(record, "the ranks issued different collectives here (order stamps differ)")
 
     def _check_peers(self) -> None:

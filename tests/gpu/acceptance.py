@@ -236,6 +236,56 @@ def memory_account() -> str:
     return told
 
 
+def no_host_sync_in_a_step() -> str:
+    """Steps after the first under ``torch.cuda.set_sync_debug_mode("error")``: no call of the
+    engine waits for the device (the count tests/test_host_reads.py makes on the CPU), in fp32 and
+    bf16 (its lost-edit flags go to the host without blocking), FULL_SHARD and SHARD_GRAD_OP, with
+    ``clip_grad_norm_``. CPU offload is left out: its end of backward waits for the gradients'
+    copies to host memory by design. TiedLM's parameters no rank uses (a block never called, a
+    layer in each block) keep the one documented read: their usage flags at the end of backward
+    (``Reductions.settle``), and nowhere else."""
+    _needs_cuda()
+    bf16 = {"mixed_precision": MixedPrecision(*[torch.bfloat16] * 3)}
+    configs = {
+        "fp32": ({}, None),
+        "bf16": (bf16, None),
+        "bf16 + SHARD_GRAD_OP": ({**bf16, "sharding_strategy": "SHARD_GRAD_OP"}, None),
+        "bf16, parameters never used": (bf16, "settle"),
+    }
+    for name, (options, expected) in configs.items():
+        torch.manual_seed(0)
+        model = TiedLM().to(DEVICE)
+        if expected is None:  # every parameter used: no usage flag to read
+            del model.skipped
+            for block in model.blocks:
+                del block.unused
+        shard_model(model, auto_wrap_policy={Block}, device=DEVICE, **options)
+        scheduler = get_scheduler(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        synced_in = None
+        for index, batch in enumerate(make_batches(5, 4).to(DEVICE)):
+            torch.cuda.set_sync_debug_mode("error" if index >= 2 else "default")
+            try:
+                lm_loss(model, batch).backward()
+                scheduler.clip_grad_norm_(1.0)
+                optimizer.step()
+                optimizer.zero_grad()
+            except RuntimeError as error:
+                if "synchronizing" not in str(error):
+                    raise
+                synced_in = traceback.extract_tb(error.__traceback__)[-1].name
+                if synced_in != expected:
+                    raise AssertionError(f"{name}, step {index}: a synchronizing call in {synced_in}()") from error
+                break
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        scheduler.close()
+        if synced_in != expected:
+            raise AssertionError(f"{name}: expected the usage flags' read in {expected}(), saw none")
+    clean = ", ".join(name for name, (_, expected) in configs.items() if expected is None)
+    return f"{clean}: no synchronizing call; parameters never used: only settle()"
+
+
 def step_time_vs_fsdp2() -> str:
     """Median step time of a 12-layer 1024-wide MLP stack in bf16: ours against FSDP2's
     ``fully_shard`` (a report; no threshold)."""
@@ -337,6 +387,7 @@ CHECKS: list[tuple[str, Callable[[], str]]] = [
     ("torch.compile per block", compiled_blocks),
     ("watchdog on a healthy job", watchdog_leaves_a_healthy_job_alone),
     ("memory account vs max_memory_allocated", memory_account),
+    ("no host sync in a step (sync debug mode)", no_host_sync_in_a_step),
     ("step time vs FSDP2", step_time_vs_fsdp2),
     ("torchrun restart on the agent's store (NCCL)", torchrun_restart),
 ]
@@ -350,9 +401,12 @@ MULTI_RANK_CHECKS: list[tuple[str, Callable[[], str]]] = [
 ]
 
 
-def _run_checks(checks: list[tuple[str, Callable[[], str]]], prefix: str = "") -> list[tuple[str, str, str]]:
+def _run_checks(
+    checks: list[tuple[str, Callable[[], str]]], prefix: str = "", echo: bool = False
+) -> list[tuple[str, str, str]]:
     """``(name, result, detail)`` per check; a check that raises ``NotImplementedError`` is a skip on
-    the CPU only: with CUDA present every check must run."""
+    the CPU only: with CUDA present every check must run. ``echo`` prints each row as it ends (a run
+    cut off by a time limit still shows what it reached)."""
     rows = []
     for name, check in checks:
         try:
@@ -363,6 +417,8 @@ def _run_checks(checks: list[tuple[str, Callable[[], str]]], prefix: str = "") -
             row = ("FAIL", f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
             traceback.print_exc(file=sys.stderr)
         rows.append((prefix + name, *row))
+        if echo:
+            print(f"| {rows[-1][0]} | {rows[-1][1]} | {rows[-1][2]} |", flush=True)
     return rows
 
 
@@ -405,7 +461,10 @@ def main(argv: list[str] | None = None) -> int:
     global DEVICE
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu", action="store_true", help="run on the CPU with gloo (the CUDA-only rows skip)")
+    parser.add_argument("-k", dest="only", help="run only the checks whose name holds this text (a rerun)")
+    parser.add_argument("--no-multi-rank", action="store_true", help="skip the spawned multi-rank checks")
     args = parser.parse_args(argv)
+    checks = [check for check in CHECKS if not args.only or args.only in check[0]]
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     if args.cpu:
@@ -421,15 +480,16 @@ def main(argv: list[str] | None = None) -> int:
         f"device: {torch.cuda.get_device_name(DEVICE) if DEVICE.type == 'cuda' else 'CPU'}, torch {torch.__version__}"
     )
     print("| check | result | detail |\n|---|---|---|")
-    rows = _run_checks(CHECKS)
+    rows = _run_checks(checks, echo=True)
     dist.destroy_process_group()
     try:
-        rows += multi_rank_rows(DEVICE.type)
+        multi_rank = [] if args.no_multi_rank else multi_rank_rows(DEVICE.type)
     except Exception as error:  # a rank that died: one failed row
-        rows.append(("multi-rank checks", "FAIL", f"{type(error).__name__}: {str(error).splitlines()[0]}"))
+        multi_rank = [("multi-rank checks", "FAIL", f"{type(error).__name__}: {str(error).splitlines()[0]}")]
         traceback.print_exc(file=sys.stderr)
-    for name, result, detail in rows:
+    for name, result, detail in multi_rank:
         print(f"| {name} | {result} | {detail} |", flush=True)
+    rows += multi_rank
     failed = sum(result == "FAIL" for _, result, _ in rows)
     print(f"{len(rows) - failed} of {len(rows)} checks did not fail" if failed else "all checks passed")
     return 1 if failed else 0

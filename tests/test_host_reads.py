@@ -1,0 +1,207 @@
+"""No host wait inside a steady-state step ([Note: host and device] 4 in device.py): after the
+first steps the engine reads no tensor's value on the host, under every precision, sharding
+strategy, offload and wrapping. On a GPU each such read stops the host until the device drains,
+so the next all-gather cannot be issued ahead. Counted on the CPU through the code paths CUDA
+takes: the Python reads (``item``, ``tolist``, ``bool``, ``float``, ``int``) and the ATen ops that
+return a value to the host (``equal``, ``nonzero``, ``is_nonzero``, ``_local_scalar_dense``),
+made from the engine's own frames. A check the engine computes on the device reaches the host as
+a ``HostCopy`` (pinned and ``non_blocking`` on CUDA) read only once it has landed: those reads
+are not counted, and the test below checks that a copy not landed is not read."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+from dist_utils import run_ranks
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fsdp_strategy import MixedPrecision
+from fsdp_strategy.engine import edits, get_scheduler, shard_model
+from fsdp_strategy.engine.device import DeviceLayer, HostCopy
+
+ENGINE = "fsdp_strategy/"
+aten = torch.ops.aten
+VALUE_OPS = {aten.equal.default, aten.nonzero.default, aten.is_nonzero.default, aten._local_scalar_dense.default}
+PYTHON_READS = ("item", "tolist", "__bool__", "__float__", "__int__")
+# the order-stamp check on CPU tensors (gloo, whose wait() blocks the host anyway); CUDA stamps
+# take ``Watchdog.defer_check``, a HostCopy read by the watchdog thread once landed
+CPU_ONLY = ("engine/monitoring.py", "check")
+
+
+def _engine_caller() -> str | None:
+    """``file:line function`` of the innermost frame outside torch, if it is the engine's."""
+    frame = sys._getframe(3)  # past this, ``_note`` and the read's own wrapper
+    while frame is not None and frame.f_code.co_filename != __file__:
+        name = frame.f_code.co_filename
+        if "/torch/" not in name and "<" not in name:
+            if ENGINE not in name:
+                return None
+            short = name.split(ENGINE)[-1]
+            if (short, frame.f_code.co_name) == CPU_ONLY:
+                return None
+            return f"{short}:{frame.f_lineno} {frame.f_code.co_name}"
+        frame = frame.f_back
+    return None
+
+
+class HostReads(TorchDispatchMode):
+    """Count the engine's reads of tensor values on the host, except of landed ``HostCopy`` values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.places: Counter[str] = Counter()
+        self.copied: list[torch.Tensor] = []  # HostCopy values: read once landed, not a wait
+        self.counting = False
+        self._saved: dict[str, Any] = {}
+
+    def _note(self, tensor: Any) -> None:
+        if self.counting and not any(tensor is value for value in self.copied):
+            place = _engine_caller()
+            if place is not None:
+                self.places[place] += 1
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in VALUE_OPS:
+            self._note(args[0])
+        return func(*args, **(kwargs or {}))
+
+    def __enter__(self) -> HostReads:
+        copy_to_host = DeviceLayer.copy_to_host
+
+        def recorded(tensor: torch.Tensor) -> HostCopy:
+            copy = copy_to_host(tensor)
+            self.copied.append(copy.value)
+            return copy
+
+        self._saved = {name: getattr(torch.Tensor, name) for name in PYTHON_READS}
+        self._saved["copy_to_host"] = copy_to_host
+        DeviceLayer.copy_to_host = staticmethod(recorded)
+        for name in PYTHON_READS:
+            original = self._saved[name]
+
+            def read(tensor, *args, _original=original, **kwargs):
+                self._note(tensor)
+                return _original(tensor, *args, **kwargs)
+
+            setattr(torch.Tensor, name, read)
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        DeviceLayer.copy_to_host = staticmethod(self._saved.pop("copy_to_host"))
+        for name, original in self._saved.items():
+            setattr(torch.Tensor, name, original)
+
+
+CONFIGS = {
+    f"{precision}/{strategy}/{wrap}{'/offload' if offload else ''}": (precision, strategy, wrap, offload)
+    for precision in ("fp32", "bf16")
+    for strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
+    for wrap in ("per-Linear", "one unit")
+    for offload in ((False, True) if strategy == "FULL_SHARD" else (False,))
+}
+
+
+def _reads_per_step(rank: int, world: int) -> dict[str, list[Any]]:
+    """The engine's host reads in each of the last three of six steps, per config (accumulation
+    over two micro-batches under ``no_sync`` and gradient clipping included)."""
+    results = {}
+    for name, (precision, strategy, wrap, offload) in CONFIGS.items():
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(5)])
+        mixed = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if precision == "bf16" else None
+        shard_model(
+            model,
+            auto_wrap_policy={nn.Linear} if wrap == "per-Linear" else None,
+            sharding_strategy=strategy,
+            cpu_offload=offload,
+            mixed_precision=mixed,
+        )
+        scheduler = get_scheduler(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        steps = []
+        with HostReads() as reads:
+            for step in range(6):
+                reads.counting = step >= 3
+                reads.places.clear()
+                for micro in range(2):
+                    x = torch.randn(4, 16)
+                    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+                        with scheduler.no_sync() if micro == 0 else contextlib.nullcontext():
+                            model(x).float().square().mean().backward()
+                scheduler.clip_grad_norm_(1.0)
+                optimizer.step()
+                optimizer.zero_grad()
+                if reads.counting:
+                    steps.append(dict(reads.places))
+        results[name] = steps
+    return results
+
+
+def test_a_steady_state_step_reads_nothing_on_the_host(tmp_path):
+    results = run_ranks(_reads_per_step, 2, tmp_path, timeout=300)
+    for rank, per_config in enumerate(results):
+        assert set(per_config) == set(CONFIGS)
+        reading = {name: steps for name, steps in per_config.items() if any(steps)}
+        assert not reading, f"rank {rank}: the engine read tensors on the host inside a step: {reading}"
+
+
+class _Event:
+    """A CUDA event's stand-in: ``query()`` says whether the device has reached it."""
+
+    def __init__(self) -> None:
+        self.reached = False
+        self.synchronized = False
+
+    def query(self) -> bool:
+        return self.reached
+
+    def synchronize(self) -> None:
+        self.synchronized = self.reached = True
+
+
+def test_lost_edit_flags_are_read_only_once_landed(monkeypatch):
+    """CUDA's order of events, modelled: a flag not yet copied to the host is left for a later
+    report; once landed it raises naming the parameter, or, where only another rank's rows
+    changed (the verdict all-reduced into the first flag), saying so; ``wait`` (teardown) waits."""
+    copies: list[HostCopy] = []
+
+    def in_flight(tensor: torch.Tensor) -> HostCopy:
+        copies.append(HostCopy(tensor.clone(), _Event()))
+        return copies[-1]
+
+    monkeypatch.setattr(DeviceLayer, "copy_to_host", staticmethod(in_flight))
+    lost = edits.LostEdits([], None, torch.device("cpu"))  # one rank: no verdict to combine
+    check = edits.LostEditCheck("block", "block.weight", torch.bfloat16, torch.float32, torch.tensor(True))
+    lost.add([check])
+    lost.send()
+    lost.raise_landed()  # not landed: nothing read, nothing raised
+    assert not copies[0].event.synchronized
+    copies[0].event.reached = True
+    with pytest.raises(RuntimeError, match=r"parameters \['block.weight'\] of unit 'block' were changed while"):
+        lost.raise_landed()
+    lost.add([check._replace(fqn="block.bias")])
+    lost.send()
+    with pytest.raises(RuntimeError, match=r"\['block.bias'\]"):
+        lost.raise_landed(wait=True)
+    assert copies[1].event.synchronized
+    lost.add([check._replace(lost=torch.tensor(False))])
+    lost.send()
+    copies[2].event.reached = True
+    lost.raise_landed()  # kept exactly: no error
+    lost.add([check._replace(lost=torch.tensor(False))])
+    lost.send()
+    copies[3].value[0] = True  # another rank's rows changed
+    copies[3].event.reached = True
+    with pytest.raises(RuntimeError, match="another rank found a change made while its parameters were gathered"):
+        lost.raise_landed()
+    lost.add([check])
+    lost.drop_pending()  # a failed iteration's checks
+    lost.send(agree=False)  # nothing of this rank's own to send
+    assert len(copies) == 4
