@@ -11,6 +11,7 @@ checkpoint type included): change one argument with ``--trainer.strategy.init_ar
 batch its FLOP count is measured for, so each is given once.
 """
 
+import os
 import sys
 
 import noise
@@ -27,6 +28,13 @@ class GPTCLI(LightningCLI):
         parser.link_arguments("trainer.max_steps", "model.max_steps")
         parser.link_arguments("data.batch_size", "model.batch_size")
 
+    def before_instantiate_classes(self) -> None:
+        """An offline W&B logger prints nothing worth reading (as in train_gpt.py): silence it."""
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        init_args = getattr(config.get("trainer.logger"), "init_args", None)
+        if init_args is not None and init_args.get("offline"):
+            os.environ.setdefault("WANDB_SILENT", "true")
+
     def instantiate_classes(self) -> None:
         """Lightning's, but a class that refuses its arguments (a typo in a wrap-policy class path)
         ends the script with that reason first and alone, not under jsonargparse's traceback."""
@@ -37,6 +45,8 @@ class GPTCLI(LightningCLI):
             if not reasons:
                 raise
             sys.exit(f"cli.py: error: {'; '.join(reasons)}")
+        for logger in self.trainer.loggers:  # before its run starts, as in train_gpt.py
+            noise.without_unused_wandb_settings(logger)
 
 
 def _reason(line: str) -> str:

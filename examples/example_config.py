@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import os
+import shlex
 import sys
 import textwrap
 from collections.abc import Callable, Iterable
@@ -135,7 +137,12 @@ def load(argv: list[str], default: Path, open_sections: OpenSections) -> DictCon
     base = OmegaConf.load(path)
     for key in overrides:
         if key not in base:
-            raise ConfigError(_unknown(key, "the top level", ["config", *base]))
+            message = _unknown(key, "the top level", ["config", *base])
+            sections = [name for name, section in base.items() if isinstance(section, DictConfig) and key in section]
+            inside = [f"{name}.{key}" for name in sections]
+            if inside and "did you mean" not in message:
+                message = message.replace("\n", f"; did you mean {' or '.join(map(repr, inside))}?\n", 1)
+            raise ConfigError(message)
         section, value = base[key], overrides[key]
         if isinstance(section, DictConfig) and not isinstance(value, DictConfig):
             raise ConfigError(f"{key} is a section ({_accepted(section)}); set one of its keys, e.g. {key}.KEY=VALUE")
@@ -202,12 +209,12 @@ def resume_or_exit(
 
 
 def continue_command(argv: list[str], resume: str, max_steps_key: str, max_steps: int) -> str:
-    """The command that trains this run further: the script, ``resume=...``, the new step limit and
-    every other override the user gave (``trainer.devices=1`` stays ``trainer.devices=1``)."""
+    """The command that trains this run further, ready to paste into a shell: the script as it was
+    invoked (``sys.argv[0]``, from whatever folder), ``resume=...``, the new step limit and every
+    other override the user gave (``trainer.devices=1`` stays ``trainer.devices=1``), each quoted
+    where the shell needs it."""
     kept = [arg for arg in normalize(argv) if not arg.startswith(("resume=", f"{max_steps_key}="))]
-    return " ".join(
-        [f"python examples/{Path(sys.argv[0]).name}", f"resume={resume}", f"{max_steps_key}={max_steps}", *kept]
-    )
+    return shlex.join(["python", sys.argv[0], f"resume={resume}", f"{max_steps_key}={max_steps}", *kept])
 
 
 def exit_with(message: str) -> None:
@@ -219,9 +226,12 @@ def exit_with(message: str) -> None:
 def parse_or_exit(argv: list[str], default: Path, usage: str, open_sections: OpenSections) -> DictConfig:
     """``load``, with ``-h``/``--help`` printing ``usage`` and the config, and mistakes exiting with 2."""
     if "-h" in argv or "--help" in argv:
-        print(usage.replace("``", ""))
-        print(f"Configuration ({default}), every key can be overridden as key=value:\n")
-        print(OmegaConf.to_yaml(OmegaConf.load(default)))
+        try:
+            print(usage.replace("``", ""))
+            print(f"Configuration ({default}), every key can be overridden as key=value:\n")
+            print(OmegaConf.to_yaml(OmegaConf.load(default)), flush=True)
+        except BrokenPipeError:  # --help | head: the reader has what it wanted
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's own advice
         raise SystemExit(0)
     try:
         return load(argv, default, open_sections)

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 import wandb
 from gpt import GPT, Block, GPTConfig
 from lightning.fabric import Fabric
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.loggers import WandbLogger
 from lit_gpt import ByteDataModule, OptimizerSettings, adamw, warmup_cosine
 from omegaconf import DictConfig, OmegaConf
@@ -85,7 +86,11 @@ def main(argv: list[str]) -> None:
     logger = noise.without_unused_wandb_settings(logger)
     every = train.log_every_n_steps
     monitors = [MemoryMonitor(every), ThroughputMonitor(every), CommunicationMonitor(every)]
-    fabric = Fabric(strategy=strategy, loggers=[logger], callbacks=monitors, **OmegaConf.to_container(config.fabric))
+    try:
+        options = OmegaConf.to_container(config.fabric)
+        fabric = Fabric(strategy=strategy, loggers=[logger], callbacks=monitors, **options)
+    except (MisconfigurationException, ValueError, TypeError) as error:  # e.g. fabric.devices=0
+        example_config.exit_with(f"fabric: {error}")
     fabric.launch()
     fabric.seed_everything(config.seed)
     with fabric.init_module(empty_init=True):

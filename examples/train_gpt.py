@@ -15,6 +15,7 @@ with the memory, throughput and communication monitors; checkpoints are sharded 
 
 from __future__ import annotations
 
+import shlex
 import sys
 from pathlib import Path
 
@@ -25,6 +26,7 @@ import progress
 import torch
 import wandb
 from gpt import Block, GPTConfig
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import WandbLogger
 from lit_gpt import ByteDataModule, GPTModule, OptimizerSettings
@@ -111,19 +113,19 @@ def main(argv: list[str]) -> None:
         every_n_train_steps=config.trainer.val_check_interval,
         enable_version_counter=False,  # a new run replaces last.ckpt instead of adding last-v1.ckpt
     )
-    trainer = L.Trainer(
-        strategy=strategy,
-        logger=logger,
-        callbacks=[
-            checkpoints,
-            WandbRunInCheckpoint(logger),
-            MemoryMonitor(log_every_n_steps=every),
-            ThroughputMonitor(log_every_n_steps=every),
-            CommunicationMonitor(log_every_n_steps=every),
-            *([progress.ResumedEpochProgressBar()] if config.trainer.get("enable_progress_bar", True) else []),
-        ],
-        **OmegaConf.to_container(config.trainer),
-    )
+    callbacks = [
+        checkpoints,
+        WandbRunInCheckpoint(logger),
+        MemoryMonitor(log_every_n_steps=every),
+        ThroughputMonitor(log_every_n_steps=every),
+        CommunicationMonitor(log_every_n_steps=every),
+        *([progress.ResumedEpochProgressBar()] if config.trainer.get("enable_progress_bar", True) else []),
+    ]
+    try:
+        options = OmegaConf.to_container(config.trainer)
+        trainer = L.Trainer(strategy=strategy, logger=logger, callbacks=callbacks, **options)
+    except (MisconfigurationException, ValueError, TypeError) as error:  # e.g. trainer.devices=0
+        example_config.exit_with(f"trainer: {error}")
     logger.log_hyperparams(OmegaConf.to_container(config))
     module = GPTModule(model_config, optimizer, config.trainer.max_steps, config.data.batch_size)
     data = ByteDataModule(seq_len=model_config.seq_len, **OmegaConf.to_container(config.data))
@@ -137,7 +139,8 @@ def main(argv: list[str]) -> None:
         print(f"done: {steps} steps, metrics {metrics}")
         print(f"checkpoints: {checkpoint_dir}")
         print(f"train further with: {example_config.continue_command(argv, 'last', 'trainer.max_steps', 2 * steps)}")
-        print(f"W&B run: {run_dir}" + (f" (upload it with: wandb sync {run_dir})" if config.logger.offline else ""))
+        upload = f" (upload it with: wandb sync {shlex.quote(str(run_dir))})" if config.logger.offline else ""
+        print(f"W&B run: {run_dir}{upload}")
 
 
 if __name__ == "__main__":

@@ -51,6 +51,14 @@ def check_fsdp_keywords(kwargs: dict[str, Any], accepted: list[str], owner: str 
     """Raise for an FSDP keyword this strategy cannot honour (saying why) or an unknown one (with
     the closest accepted name; ``accepted``: the argument names of ``owner``, the one named)."""
     everything = sorted({*accepted, *FSDP_KEYWORDS})
+    two_dimensional = sorted(set(kwargs) & {"data_parallel_size", "tensor_parallel_size"})
+    if two_dimensional:
+        raise TypeError(
+            f"{owner} got {', '.join(map(repr, two_dimensional))}: tensor parallelism is not supported by "
+            "fsdp_custom (it shards over one data-parallel dimension); for tensor parallel + FSDP use "
+            "Lightning's ModelParallelStrategy (FSDP2's fully_shard), or device_mesh=(replicate, shard) "
+            "for hybrid sharding"
+        )
     for name in sorted(set(kwargs) - set(FSDP_KEYWORDS)):
         close = difflib.get_close_matches(name, everything, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""

@@ -185,3 +185,19 @@ def test_the_site_fits_a_1280_pixel_screen():
     assert "extra_css:\n  - stylesheets/extra.css" in config
     css = (ROOT / "docs" / "stylesheets" / "extra.css").read_text()
     assert "white-space: pre-wrap" in css and "table-layout: auto" in css and "overflow-wrap" in css
+
+
+def test_every_list_renders_as_a_list():
+    """A list right after a paragraph line, with no blank line between, is one run-on paragraph in
+    the site (Python-Markdown, mkdocs' renderer) though GitHub shows a list: rendered with the
+    site's extensions, no paragraph holds a line that starts a list item."""
+    import markdown
+
+    extensions = ["tables", "admonition", "toc", "pymdownx.superfences"]
+    run_on = []
+    for page in [*PAGES, ROOT / "ARCHITECTURE.md"]:
+        html = markdown.markdown(page.read_text(), extensions=extensions)
+        for paragraph in re.findall(r"<p>(.*?)</p>", html, re.DOTALL):
+            starts = [line for line in paragraph.splitlines()[1:] if re.match(r"\s*([-*+]|\d+\.) \S", line)]
+            run_on += [f"{page.name}: {line.strip()[:60]}" for line in starts]
+    assert not run_on, "lists that render as paragraphs (add a blank line before them):\n" + "\n".join(run_on)

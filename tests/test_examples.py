@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -57,6 +58,18 @@ def _main_exits_2(script: Path, argv: list[str], monkeypatch, capsys) -> str:
     return captured.out + captured.err
 
 
+def test_the_continue_command_is_the_script_as_run_and_pastes_into_a_shell(monkeypatch):
+    """The hint names the script as it was invoked (from another folder too) and quotes what the shell
+    would split: the shell's own parsing of the hint gives back the overrides."""
+    monkeypatch.syspath_prepend(str(EXAMPLE.parent))
+    example_config = importlib.import_module("example_config")
+    monkeypatch.setattr(sys, "argv", ["../my runs/train_gpt.py"])
+    argv = ["logger.name=first try", "--trainer.devices", "1", "resume=last", "trainer.max_steps=4"]
+    command = example_config.continue_command(argv, "last", "trainer.max_steps", 8)
+    expected = ["python", "../my runs/train_gpt.py", "resume=last", "trainer.max_steps=8"]
+    assert shlex.split(command) == [*expected, "logger.name=first try", "trainer.devices=1"], command
+
+
 def _run_ids(wandb_dir: Path) -> list[str]:
     return [run.name.rsplit("-", 1)[-1] for run in sorted(wandb_dir.glob("offline-run-*"))]
 
@@ -67,7 +80,7 @@ def test_python_script_launch_repeat_and_resume(tmp_path, capsys, monkeypatch):
     _run([sys.executable, str(EXAMPLE), "trainer.max_steps=2", *args])
     first = _run([sys.executable, str(EXAMPLE), "--trainer.max_steps=4", *args])  # a new run, same folder
     assert "done: 4 steps" in first and "FULL_SHARD over 2 ranks" in first
-    assert "train further with: python examples/train_gpt.py resume=last trainer.max_steps=8" in first
+    assert f"train further with: python {EXAMPLE} resume=last trainer.max_steps=8" in first  # the script as run
     assert "W&B run:" in first and "wandb sync" in first
     assert "wandb:" not in first  # an offline run: nothing from W&B the user did not ask for
     rows = history(tmp_path / "wandb")
@@ -75,7 +88,9 @@ def test_python_script_launch_repeat_and_resume(tmp_path, capsys, monkeypatch):
     assert any("comm/all_gather/calls" in row for row in rows)
     reader = [sys.executable, "-m", "fsdp_strategy.callbacks.wandb_history", str(tmp_path / "wandb")]
     csv_rows = _run([*reader, "comm/all_gather/calls"]).splitlines()  # README's command, launched once
-    assert read_history([str(tmp_path / "wandb"), "train_los"]) == 2 and "logged keys: " in capsys.readouterr().err
+    assert read_history([str(tmp_path / "wandb"), "val_los"]) == 2
+    unknown = capsys.readouterr().err
+    assert "did you mean 'val_loss'?\nlogged keys:\n" in unknown and max(map(len, unknown.splitlines())) <= 160
     assert csv_rows[0] == "trainer/global_step,comm/all_gather/calls" and csv_rows[1:] == [
         f"{step},{row['comm/all_gather/calls']}"
         for step, row in enumerate(r for r in rows if "comm/all_gather/calls" in r)
@@ -100,7 +115,7 @@ def test_python_script_launch_repeat_and_resume(tmp_path, capsys, monkeypatch):
     assert all(row["trainer/global_step"] >= 4 for row in history(newest))
     finished = _main_exits_2(EXAMPLE, ["trainer.max_steps=6", "resume=last", *args], monkeypatch, capsys)
     assert "is at step 6 and trainer.max_steps=6: nothing to train" in finished
-    assert f"resume=last trainer.max_steps=12 {' '.join(args)}" in finished  # the user's overrides repeated
+    assert f"python {EXAMPLE} resume=last trainer.max_steps=12 {' '.join(args)}" in finished  # overrides repeated
     assert len(_run_ids(tmp_path / "wandb")) == 3  # no empty W&B run
 
 
@@ -117,6 +132,7 @@ def test_example_config_mistakes_are_errors_that_list_what_is_accepted(tmp_path,
 
     keys = "name, lr, weight_decay, warmup_steps, muon_lr"
     assert f"did you mean 'optimizer.lr'?\naccepted keys of optimizer:\n  {keys}" in run("optimizer.lrr=0.1")
+    assert "unknown key 'max_steps'; did you mean 'trainer.max_steps'?" in run("max_steps=3")  # its section left out
     assert "no checkpoint at" in run("resume=last", f"trainer.default_root_dir={tmp_path}")
     assert "resume=1: no checkpoint at 1;" in run("resume=1", f"trainer.default_root_dir={tmp_path}")
     # values each part refuses end the script with that part's message, before anything starts
@@ -126,6 +142,7 @@ def test_example_config_mistakes_are_errors_that_list_what_is_accepted(tmp_path,
         "strategy.cpu_offload=maybe": "strategy: cpu_offload must be a bool, a CPUOffload, a dict or None",
         "model.n_heads=3": "model: d_model=128 is not divisible by n_heads=3",
         "optimizer.name=sgd": "optimizer: name='sgd': accepted: ['adamw', 'muon']",
+        "trainer.devices=0": "trainer: `Trainer(devices=0)` value is not a valid input",
     }.items():
         output = run(override, f"trainer.default_root_dir={tmp_path}")
         assert f"train_gpt.py: error: {told}" in output and "Traceback" not in output, output
@@ -259,6 +276,7 @@ def test_lightning_cli_example(tmp_path):
     changed = _run([*command, *overrides, "--trainer.strategy.init_args.sharding_strategy=SHARD_GRAD_OP"])
     # the strategy built from the YAML with README's form of an override, which keeps the YAML's wrap policy
     assert "SHARD_GRAD_OP over 2 ranks, 5 units" in changed
+    assert "wandb:" not in changed, changed[-3000:]  # an offline run is quiet, as in train_gpt.py
 
 
 def test_lightning_cli_mistakes_come_first_and_alone(tmp_path):
@@ -306,7 +324,7 @@ def test_fabric_example_trains_saves_and_resumes_on_another_world_size(tmp_path,
     assert "done: 4 steps" in first and (tmp_path / "last.ckpt" / "fsdp_meta.json").is_file()
     resumed = _run([sys.executable, str(FABRIC_EXAMPLE), "resume=last", "train.max_steps=6", "fabric.devices=1", *args])
     assert "resumed from" in resumed and "at step 4 on 1 rank\n" in resumed and "done: 6 steps" in resumed
-    further = "train further with: python examples/fabric_gpt.py resume=last train.max_steps=12 fabric.devices=1"
+    further = f"train further with: python {FABRIC_EXAMPLE} resume=last train.max_steps=12 fabric.devices=1"
     assert further in resumed
     assert len({run.name.rsplit("-", 1)[-1] for run in (tmp_path / "wandb").glob("offline-run-*")}) == 1  # one run
     rows = history(tmp_path / "wandb")

@@ -71,7 +71,37 @@ def test_a_hang_ends_at_collective_timeout_with_every_ranks_place():
     assert "collective_timeout=5 s" in output, output[-4000:]
     # rank 1 sleeps in training_step: it is behind, outside any collective, and says so
     assert "BEHIND by" in output and "rank 1 was not waiting in a collective of the engine" in output
-    assert "fsdp_custom: ending this process" in output  # rank 1, stuck in Python, is ended too
+    # rank 1 logs its own place (the job's sleep) and stack, then is ended, saying why then, once
+    place = "rank 1 (node 0) is outside every collective, in training_step (" + JOB
+    assert place in output and "time.sleep(600)" in output.split(place, 1)[1], output[-4000:]
+    ended = re.search(r"fsdp_custom: ending this process \((.*?)\): (.*)", output)
+    assert ended and ended.group(1) in (
+        "the process that started this rank exited 3 s before",  # the launcher (rank 0) exited first
+        "this rank issued no collective for 5 s after it",
+    ), output[-4000:]
+    assert "fsdp_custom:" not in ended.group(2) and "no collective for" not in ended.group(2)
+
+
+def test_a_rank_due_to_end_whose_launcher_exited_ends_three_seconds_later():
+    """The orphan rule alone (the hang above may end either way, by timing): a deadline set, the
+    parent process changes, the deadline moves to ORPHAN_GRACE s from now, never later."""
+    import threading
+
+    from fsdp_strategy.engine.watchdog import ORPHAN_GRACE, Watchdog
+
+    dog = Watchdog.__new__(Watchdog)
+    dog._lock, dog._launcher, dog._end_at, dog._end_why = threading.Lock(), 100, None, ""
+    dog._end_sooner_if_orphaned(1)  # no deadline: a healthy rank is never ended for its launcher
+    assert dog._end_at is None and dog._launcher == 100
+    dog._end_at, dog._end_why = time.monotonic() + 60, "this rank issued no collective for 60 s after it"
+    dog._end_sooner_if_orphaned(100)
+    assert dog._end_at > time.monotonic() + 50
+    dog._end_sooner_if_orphaned(1)
+    assert abs(dog._end_at - (time.monotonic() + ORPHAN_GRACE)) < 0.5 and ORPHAN_GRACE == 3.0
+    assert dog._end_why == "the process that started this rank exited 3 s before"
+    dog._end_at = time.monotonic() + 1
+    dog._end_sooner_if_orphaned(2)  # sooner already: kept
+    assert dog._end_at < time.monotonic() + 1.01
 
 
 def test_a_drift_is_named_at_the_first_mismatched_collective():

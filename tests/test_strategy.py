@@ -286,6 +286,7 @@ def test_registered_names_and_variants():
             "unexpected argument 'limit_al_gathers'; did you mean 'limit_all_gathers'",
         ),
         ({"colective_timeout": 5}, TypeError, "did you mean 'collective_timeout'.*check_collective_order"),
+        ({"tensor_parallel_size": 2}, TypeError, "'tensor_parallel_size': tensor parallelism is not supported.*Model"),
         ({"limit_all_gathers": False}, ValueError, "limit_all_gathers=False has no meaning.*one all-gather ahead"),
         ({"use_orig_params": False}, ValueError, "use_orig_params=False has no meaning.*flat parameters"),
         ({"use_orig_params": 1}, ValueError, "use_orig_params=1 has no meaning"),  # True itself, as FSDP's bool

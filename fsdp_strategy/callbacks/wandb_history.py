@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import argparse
 import csv
+import difflib
 import json
 import math
 import os
 import struct
 import sys
+import textwrap
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -107,7 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     logged = sorted({key for row in rows for key in row if not key.startswith("_")} - {"trainer/global_step"})
     missing = [key for key in args.keys if key not in logged]
     if missing:
-        message = f"{args.run_dir} has no {missing}; logged keys: {', '.join(logged)}"
+        close = [match for key in missing for match in difflib.get_close_matches(key, logged, n=2, cutoff=0.6)]
+        hint = f"; did you mean {' or '.join(map(repr, dict.fromkeys(close)))}?" if close else ""
+        listing = textwrap.fill(", ".join(logged), width=100, initial_indent="  ", subsequent_indent="  ")
+        message = f"{args.run_dir} has no {missing}{hint}\nlogged keys:\n{listing}"
         print(f"wandb_history: error: {message}", file=sys.stderr)
         return 2
     keys = args.keys or logged

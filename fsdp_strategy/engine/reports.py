@@ -33,14 +33,16 @@ GRACE = 5.0  # seconds a failing rank waits for the other ranks' reports before 
 
 
 def main_thread_place(depth: int = 8) -> tuple[str, str]:
-    """Where this process's main thread is now: (its innermost frame outside the engine and torch, in
-    one line; its last ``depth`` frames, as a traceback shows them). Read by the watchdog's thread when
-    another rank stopped the job while this one was outside every collective."""
+    """Where this process's main thread is now: (its innermost frame outside the engine, the
+    strategy's watched collectives and torch, in one line; its last ``depth`` frames, as a traceback
+    shows them). Read by the watchdog's thread when another rank stopped the job while this one was
+    outside every collective."""
     frame = sys._current_frames().get(threading.main_thread().ident)
     if frame is None:
         return "an unknown place", ""
     stack = traceback.extract_stack(frame)
-    skipped = (os.sep + "torch" + os.sep, os.sep + "fsdp_strategy" + os.sep + "engine" + os.sep, "threading.py")
+    ours = os.sep + "fsdp_strategy" + os.sep
+    skipped = (os.sep + "torch" + os.sep, ours + "engine" + os.sep, ours + "strategy_watchdog.py", "threading.py")
     own = [entry for entry in stack if not any(part in entry.filename for part in skipped)]
     where = (own or stack)[-1]
     code = f": {where.line}" if where.line else ""

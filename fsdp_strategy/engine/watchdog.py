@@ -141,7 +141,8 @@ class Watchdog:
         self._beats = 0
         self._liveness = PeerLiveness(self.identity["host"], SILENCE, PEER_CHECK_AFTER)
         self._end_at: float | None = None  # monotonic deadline after which this process is ended
-        self._end_reason = ""
+        self._end_reason = ""  # what went wrong (a CollectiveError, another rank's report)
+        self._end_why = ""  # why the deadline came: what this rank did not do in time
         self._outside_published = False
         self._watched: deque[CollectiveRecord] = deque()  # NCCL / blocking records the thread watches
         self._unverified: deque[tuple[CollectiveRecord, HostCopy]] = deque()  # CUDA stamp checks
@@ -220,7 +221,8 @@ class Watchdog:
             with self._lock:
                 if self.error is None:  # the other thread may have failed meanwhile: its error stands
                     self.error = CollectiveError(message)
-                    self._end_after(self.error, self.limits.collective)
+                    seconds = self.limits.collective
+                    self._end_after(self.error, seconds, f"it was still running {seconds:g} s after this error")
         raise self.error from cause
 
     def _stopped_by(self) -> str | None:
@@ -234,11 +236,12 @@ class Watchdog:
             return None
         return f"it waited {record.waited():.1f} s (collective_timeout={record.limit:g} s)"
 
-    def _end_after(self, reason: Any, seconds: float) -> None:
-        """Set the deadline to end this process (the caller holds ``_lock``)."""
+    def _end_after(self, reason: Any, seconds: float, why: str) -> None:
+        """Set the deadline to end this process for ``reason`` in ``seconds``; ``why`` says what
+        missing it means (the caller holds ``_lock``)."""
         if math.isfinite(seconds) and self._end_at is None:
             self._end_at = time.monotonic() + seconds
-            self._end_reason = str(reason)
+            self._end_reason, self._end_why = str(reason), why
 
     # ---- the thread --------------------------------------------------------------------
 
@@ -254,12 +257,8 @@ class Watchdog:
 
     def _tick(self) -> None:
         if self._end_at is not None and time.monotonic() > self._end_at:  # first: the store may be gone
-            self._end(self._end_reason)
-        if self._end_at is not None and os.getppid() != self._launcher:  # the job is over: its launcher exited
-            self._launcher = os.getppid()
-            with self._lock:
-                self._end_at = min(self._end_at, time.monotonic() + ORPHAN_GRACE)
-                self._end_reason += f"; the process that started this rank exited {ORPHAN_GRACE:g} s before"
+            self._end(self._end_reason, self._end_why)
+        self._end_sooner_if_orphaned(os.getppid())
         self.reports.check_store_host()
         if self._channel.lost is None:
             try:
@@ -275,6 +274,18 @@ class Watchdog:
         self._check_watched()
         if self.abort is not None and self.error is None:
             self._outside_collective()
+
+    def _end_sooner_if_orphaned(self, parent: int) -> None:
+        """A rank due to end whose launcher has exited (``parent`` is no longer the process that
+        started it: the job is over) ends ``ORPHAN_GRACE`` s later, if that is sooner."""
+        with self._lock:
+            if self._end_at is None or parent == self._launcher:
+                return
+            self._launcher = parent
+            soon = time.monotonic() + ORPHAN_GRACE
+            if soon < self._end_at:
+                self._end_at = soon
+                self._end_why = f"the process that started this rank exited {ORPHAN_GRACE:g} s before"
 
     def _read_abort(self) -> None:
         text = self._channel.read("abort")
@@ -357,7 +368,7 @@ class Watchdog:
         )
         with self._lock:  # unless this rank raised meanwhile: alive and unwinding, it is not ended
             if not self.reported_own and self.error is None:
-                self._end_after(f"{self.abort}; this rank issued no collective for {limit:g} s after it", limit)
+                self._end_after(self.abort, limit, f"this rank issued no collective for {limit:g} s after it")
 
     # ---- life ---------------------------------------------------------------------------
 
@@ -419,8 +430,9 @@ class Watchdog:
         self._previous_excepthook(kind, error, traceback)
 
     @staticmethod
-    def _end(reason: Any) -> NoReturn:
-        sys.stderr.write(f"fsdp_custom: ending this process: {reason}\n")
+    def _end(reason: str, why: str) -> NoReturn:
+        reason = reason.removeprefix("fsdp_custom: ")
+        sys.stderr.write(f"fsdp_custom: ending this process ({why}): {reason}\n")
         _flush_and_exit()
 
     def stop(self) -> None:

@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 from torch import nn
 
 from fsdp_strategy.config import ShardingStrategy
+from fsdp_strategy.engine.diagnosis import plural
 from fsdp_strategy.plan.result import MemoryPlan, _size
 from fsdp_strategy.plan.run import Planned, _meta_copy, run
 from fsdp_strategy.wrap import ModuleNames
@@ -194,7 +195,8 @@ def _nothing_fits(budget: int, lightest: MemoryPlan, described: str, plan_at: An
             break
     larger = f"it fits at {fits_at} ranks" if fits_at else f"it does not fit at {64 * world} ranks either"
     return (
-        f"nothing fits memory_budget={_size(budget)} per rank at {world} ranks: the lightest settings ({described}) "
+        f"nothing fits memory_budget={_size(budget)} per rank at {plural(world, 'rank')}: the lightest settings "
+        f"({described}) "
         f"peak at {_size(lightest.peak_bytes)} per rank, the smallest budget that would fit; {larger}. A smaller "
         "batch also lowers the peak"
     )

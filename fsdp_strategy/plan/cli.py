@@ -48,8 +48,8 @@ def preset(name: str, seq_len: int, batch: int) -> tuple[torch.nn.Module, Any, s
         import transformers
     except ImportError:
         raise SystemExit(
-            f"fsdp-plan: the preset {name!r} builds a Hugging Face model: pip install 'fsdp-strategy[plan]' "
-            "(from a checkout: pip install '.[plan]'), which installs transformers"
+            f"fsdp-plan: the preset {name!r} builds a Hugging Face model: pip install '.[plan]' in the checkout "
+            "(or pip install transformers)"
         ) from None
     family, sizes = PRESETS[name]
     if family == "llama":
