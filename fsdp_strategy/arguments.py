@@ -153,6 +153,14 @@ class StrategyArguments:
         self._process_group_backend = checked.process_group_backend
         self._timeout = checked.timeout
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        if isinstance(vars(StrategyArguments).get(name), property):  # an option: read-only
+            raise AttributeError(
+                f"{type(self).__name__}.{name} is read-only: pass {name}=... to {type(self).__name__}(...), "
+                "where it is checked with the other options"
+            )
+        super().__setattr__(name, value)
+
     # ---- the checked sharding options, under Lightning's names (read-only) ---------------
 
     @property

@@ -36,14 +36,13 @@ from fsdp_strategy.checkpoint.writer import CheckpointWriter
 from fsdp_strategy.config import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from fsdp_strategy.distributed import build_mesh, connect, mesh_shape, set_world_ranks
 from fsdp_strategy.engine import get_scheduler, is_sharded, shard_with_options
-from fsdp_strategy.engine.watchdog import Watchdog
 from fsdp_strategy.fabric_checkpoints import FabricCheckpoints
 from fsdp_strategy.options import check_fsdp_keywords
 from fsdp_strategy.precision import FSDPCustomFabricPrecision
-from fsdp_strategy.strategy_watchdog import WatchdogHooks
+from fsdp_strategy.strategy_watchdog import RunWatchdog
 
 
-class FSDPCustomFabricStrategy(StrategyArguments, WatchdogHooks, FabricCheckpoints, LightningFSDPStrategy):
+class FSDPCustomFabricStrategy(StrategyArguments, FabricCheckpoints, LightningFSDPStrategy):
     """Fabric strategy: Fully Sharded Data Parallel on this package's engine.
 
     A subclass of Fabric's ``FSDPStrategy`` (its constructor and FSDP1 machinery are not used:
@@ -106,7 +105,7 @@ class FSDPCustomFabricStrategy(StrategyArguments, WatchdogHooks, FabricCheckpoin
         self._fsdp_kwargs = {"use_orig_params": True, **fsdp_kwargs}  # Fabric's name: the FSDP keywords honoured
         self._take_arguments(locals())
         self._writer = CheckpointWriter()
-        self._watchdog: Watchdog | None = None
+        self._watch = RunWatchdog(self._writer)  # a watchdog per run: started at setup, closed at teardown
         self._backward_sync_control = _NoSync()
         self._modules: list[nn.Module] = []  # every module this strategy sharded, closed at teardown
 
@@ -181,7 +180,7 @@ class FSDPCustomFabricStrategy(StrategyArguments, WatchdogHooks, FabricCheckpoin
         self._process_group_backend = connect(
             self.cluster_environment, self._process_group_backend, self.root_device, self._timeout
         )
-        self._start_watchdog()
+        self._watch.start(self.collective_timeout, self.node_rank, None)
         self._device_mesh = build_mesh(self._device_mesh, self.root_device.type)
         self.precision.attach(self.root_device.type)
 
@@ -195,7 +194,7 @@ class FSDPCustomFabricStrategy(StrategyArguments, WatchdogHooks, FabricCheckpoin
             apply_recomputation(module, self.activation_checkpointing_policy)
         mixed = self.mixed_precision or self.precision.engine_mixed_precision
         options = dataclasses.replace(self._options, mixed_precision=mixed)
-        shard_with_options(module, options, self.root_device, device_mesh=self._device_mesh, watchdog=self._watchdog)
+        shard_with_options(module, options, self.root_device, device_mesh=self._device_mesh, watchdog=self._watch.dog)
         _move_torchmetrics_to_device(module, self.root_device)
         self._modules.append(module)
         return module
@@ -262,11 +261,11 @@ class FSDPCustomFabricStrategy(StrategyArguments, WatchdogHooks, FabricCheckpoin
 
     def backward(self, tensor: Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
         """Backward; an exception is reported to the other ranks at once ([Note: watchdog])."""
-        with self._reported():
+        with self._watch.reported():
             super().backward(tensor, module, *args, **kwargs)
 
     def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
-        with self._reported():
+        with self._watch.reported():
             return super().optimizer_step(optimizer, **kwargs)
 
     def clip_gradients_norm(
@@ -298,17 +297,22 @@ class FSDPCustomFabricStrategy(StrategyArguments, WatchdogHooks, FabricCheckpoin
     def all_reduce(self, tensor: Tensor, group: Any = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:
         return self.reduce(tensor, group, reduce_op)
 
+    def barrier(self, name: str | None = None) -> None:
+        """Wait for every rank, watched ([Note: watchdog])."""
+        self._watch.barrier(name, self.root_device)
+
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        return WatchdogHooks.broadcast(self, obj, src)
+        """Rank ``src``'s ``obj`` on every rank, watched."""
+        return self._watch.broadcast(obj, src)
+
+    def reduce(self, tensor: Tensor | Any, group: Any = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:
+        """Lightning's reduce over ``group``, watched."""
+        return self._watch.reduce(tensor, group, reduce_op)
 
     def teardown(self) -> None:
         """Finish any save in flight, close every sharded module's hooks and the watchdog."""
         self._writer.teardown()
-        for module in self._modules:
-            get_scheduler(module).close()
-        if self._watchdog is not None and self._watchdog.error is None:
-            self._watchdog.close()
-            self._watchdog = self._writer.watchdog = None
+        self._watch.close(self._modules)
         super().teardown()
 
     @classmethod

@@ -23,10 +23,12 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies.fsdp import _move_torchmetrics_to_device
 from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.fsdp import FSDPStrategy as LightningFSDPStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
@@ -44,12 +46,11 @@ from fsdp_strategy.distributed import build_mesh, connect, mesh_shape, set_world
 from fsdp_strategy.engine import Scheduler, get_scheduler, is_sharded, shard_with_options
 from fsdp_strategy.engine.diagnosis import plural
 from fsdp_strategy.engine.ledger import CommLedger
-from fsdp_strategy.engine.watchdog import Watchdog
 from fsdp_strategy.options import check_fsdp_keywords
 from fsdp_strategy.precision import FSDPCustomPrecision
 from fsdp_strategy.strategy_checkpoints import CheckpointHooks
 from fsdp_strategy.strategy_requeue import DeferredRequeue
-from fsdp_strategy.strategy_watchdog import WatchdogHooks
+from fsdp_strategy.strategy_watchdog import RunWatchdog
 from fsdp_strategy.sync_batchnorm import convert_sync_batchnorm
 
 log = logging.getLogger(__name__)
@@ -59,7 +60,7 @@ def _count(count: int) -> str:
     return f"{count / 1e6:.1f} M" if count >= 100_000 else f"{count:,}"
 
 
-class FSDPCustomStrategy(StrategyArguments, WatchdogHooks, CheckpointHooks, LightningFSDPStrategy):
+class FSDPCustomStrategy(StrategyArguments, CheckpointHooks, LightningFSDPStrategy):
     """Fully Sharded Data Parallel for the Trainer, on this project's own engine.
 
     ``Trainer(strategy="fsdp_custom")`` is this class with its defaults; pass an instance to set
@@ -216,7 +217,7 @@ class FSDPCustomStrategy(StrategyArguments, WatchdogHooks, CheckpointHooks, Ligh
         self.kwargs = {"use_orig_params": True, **fsdp_kwargs}  # Lightning's name: the FSDP keywords honoured
         self._take_arguments(locals(), async_save)
         self._writer = CheckpointWriter(async_save=async_save)
-        self._watchdog: Watchdog | None = None  # started at each run's setup, closed at its teardown
+        self._watch = RunWatchdog(self._writer)  # a watchdog per run: started at setup, closed at teardown
         self._ledger_global_step: int | None = None  # the global_step the ledger's count started at
         self._requeue = DeferredRequeue(self._writer.in_foreground)  # SLURM's signal, at an agreed step
         self._init_checkpoint_hooks()
@@ -298,7 +299,9 @@ class FSDPCustomStrategy(StrategyArguments, WatchdogHooks, CheckpointHooks, Ligh
         self._process_group_backend = connect(
             self.cluster_environment, self._process_group_backend, self.root_device, self._timeout
         )
-        self._start_watchdog()
+        trainer = self.lightning_module._trainer if self.lightning_module is not None else None
+        dump_dir = trainer.default_root_dir if trainer is not None else None  # failing ranks' rings go there
+        self._watch.start(self.collective_timeout, self.node_rank, dump_dir)
         self._writer.setup()
         self._device_mesh = build_mesh(self._device_mesh, self.root_device.type)
 
@@ -329,7 +332,7 @@ class FSDPCustomStrategy(StrategyArguments, WatchdogHooks, CheckpointHooks, Ligh
                 self.model = self._sync_layers(self.model)
             self.model = self._setup_model(self.model)
         self.scheduler.open()  # closed at teardown ([Note: edits while gathered])
-        self._attach_watchdog(self._watchdog)  # this run's (validate/test after fit reuse the model)
+        self._watch.attach(self.model, self._watch.dog)  # this run's (validate/test after fit reuse the model)
         wait = self.scheduler.device_layer.before_host_writes_shards  # before an update after a closure
         self.precision_plugin.attach(self.root_device.type, self.scheduler.clip_grad_norm_, wait)
         self.barrier()
@@ -355,7 +358,7 @@ class FSDPCustomStrategy(StrategyArguments, WatchdogHooks, CheckpointHooks, Ligh
         if self.activation_checkpointing_policy is not None:
             apply_recomputation(model, self.activation_checkpointing_policy)
         options = dataclasses.replace(self._options, mixed_precision=self._engine_mixed_precision())
-        shard_with_options(model, options, self.root_device, device_mesh=self._device_mesh, watchdog=self._watchdog)
+        shard_with_options(model, options, self.root_device, device_mesh=self._device_mesh, watchdog=self._watch.dog)
         _move_torchmetrics_to_device(model, self.root_device)
         units = self.scheduler.units
         params = self.scheduler.sharded_params()
@@ -398,11 +401,11 @@ class FSDPCustomStrategy(StrategyArguments, WatchdogHooks, CheckpointHooks, Ligh
 
     def _redirect(self, method: str, *args: Any, **kwargs: Any) -> Any:
         assert self.model is not None and self.lightning_module is not None
-        with self._reported():
+        with self._watch.reported():
             return self._forward_redirection(self.model, self.lightning_module, method, *args, **kwargs)
 
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        with self._reported():
+        with self._watch.reported():
             return super().backward(closure_loss, optimizer, *args, **kwargs)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -429,11 +432,23 @@ class FSDPCustomStrategy(StrategyArguments, WatchdogHooks, CheckpointHooks, Ligh
         if log.isEnabledFor(logging.DEBUG):  # counting the bytes walks every parameter: only when asked
             log.debug("no_sync holds %d bytes of full gradients", self.scheduler.unsharded_grad_bytes())
 
+    def barrier(self, name: str | None = None) -> None:
+        """Wait for every rank, watched ([Note: watchdog]; device-aware on NCCL)."""
+        self._watch.barrier(name, self.root_device)
+
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        """Rank ``src``'s ``obj`` on every rank, watched."""
+        return self._watch.broadcast(obj, src)
+
+    def reduce(self, tensor: Tensor | Any, group: Any = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:
+        """Lightning's reduce over ``group``, watched; anything but a tensor is returned as it is."""
+        return self._watch.reduce(tensor, group, reduce_op)
+
     def on_exception(self, exception: BaseException) -> None:
         """Tell the other ranks ([Note: watchdog]: their next collective raises, naming this rank's
         exception; not Lightning's ``SIGTERMException``, which every rank raises at the same step
         after a barrier), and leave no half-done iteration behind (see ``Scheduler.reset``)."""
-        self._report_exception(exception)
+        self._watch.report_exception(exception)
         if self.model is not None and is_sharded(self.model):
             self.scheduler.reset()
         super().on_exception(exception)
@@ -463,7 +478,7 @@ class FSDPCustomStrategy(StrategyArguments, WatchdogHooks, CheckpointHooks, Ligh
         self._requeue.remove()
         self._writer.teardown()
         self._resume_notice.remove()
-        self._close_watchdog()
+        self._watch.close([self.model] if self.model is not None else [])
         if self.lightning_module is not None and self.lightning_module._trainer is not None:
             averaging.restore(averaging.averaging_callbacks(self.lightning_module.trainer))
         assert self.cluster_environment is not None and self.accelerator is not None

@@ -93,7 +93,7 @@ class FaultyLM(L.LightningModule):
 
     def on_train_start(self):
         print(f"STARTED rank {self.global_rank} at step {self.global_step}", flush=True)
-        dog = getattr(self.trainer.strategy, "_watchdog", None)
+        dog = getattr(getattr(self.trainer.strategy, "_watch", None), "dog", None)  # fsdp_custom only
         if dog is not None:
             collective, control = dog.limits
             print(f"LIMITS rank {self.global_rank}: collective {collective:g} s, blocking calls {control:g} s")

@@ -166,10 +166,12 @@ class _Event:
         self.synchronized = self.reached = True
 
 
-def test_lost_edit_flags_are_read_only_once_landed(monkeypatch):
-    """CUDA's order of events, modelled: a flag not yet copied to the host is left for a later
-    report; once landed it raises naming the parameter, or, where only another rank's rows
-    changed (the verdict all-reduced into the first flag), saying so; ``wait`` (teardown) waits."""
+def test_lost_edit_flags_are_read_a_step_later_on_every_rank_alike(monkeypatch):
+    """CUDA's order of events, modelled: the flags sent at a report are not read there (their copy
+    may be in flight) but at the next report, whether or not this rank's copy has landed by then
+    (a rule every rank follows alike: a rank whose device is slower raises at the same place);
+    they raise naming the parameter, or, where only another rank's rows changed (the verdict
+    all-reduced into the first flag), saying so; teardown (``everything``) reads the last ones."""
     copies: list[HostCopy] = []
 
     def in_flight(tensor: torch.Tensor) -> HostCopy:
@@ -181,26 +183,23 @@ def test_lost_edit_flags_are_read_only_once_landed(monkeypatch):
     check = edits.LostEditCheck("block", "block.weight", torch.bfloat16, torch.float32, torch.tensor(True))
     lost.add([check])
     lost.send()
-    lost.raise_landed()  # not landed: nothing read, nothing raised
+    lost.raise_due()  # the newest copy: not read at its own report
     assert not copies[0].event.synchronized
-    copies[0].event.reached = True
-    with pytest.raises(RuntimeError, match=r"parameters \['block.weight'\] of unit 'block' were changed while"):
-        lost.raise_landed()
-    lost.add([check._replace(fqn="block.bias")])
-    lost.send()
-    with pytest.raises(RuntimeError, match=r"\['block.bias'\]"):
-        lost.raise_landed(wait=True)
-    assert copies[1].event.synchronized
     lost.add([check._replace(lost=torch.tensor(False))])
     lost.send()
-    copies[2].event.reached = True
-    lost.raise_landed()  # kept exactly: no error
+    with pytest.raises(RuntimeError, match=r"parameters \['block.weight'\] of unit 'block' were changed while"):
+        lost.raise_due()  # the previous one is due, landed or not on this rank
+    assert copies[0].event.synchronized and not copies[1].event.synchronized
+    lost.add([check._replace(fqn="block.bias")])
+    lost.send()
+    lost.raise_due()  # copies[1] kept exactly: no error; copies[2] not due yet
+    with pytest.raises(RuntimeError, match=r"\['block.bias'\]"):
+        lost.raise_due(everything=True)  # teardown: the last one too
     lost.add([check._replace(lost=torch.tensor(False))])
     lost.send()
     copies[3].value[0] = True  # another rank's rows changed
-    copies[3].event.reached = True
     with pytest.raises(RuntimeError, match="another rank found a change made while its parameters were gathered"):
-        lost.raise_landed()
+        lost.raise_due(everything=True)
     lost.add([check])
     lost.drop_pending()  # a failed iteration's checks
     lost.send(agree=False)  # nothing of this rank's own to send

@@ -123,5 +123,5 @@ def test_the_sharding_options_are_read_only_views_of_the_checked_ones():
     strategy = FSDPCustomStrategy(sharding_strategy="shard_grad_op", cpu_offload=True, forward_prefetch=False)
     assert strategy.sharding_strategy is ShardingStrategy.SHARD_GRAD_OP
     assert strategy.cpu_offload.offload_params is True and strategy.forward_prefetch is False
-    with pytest.raises(AttributeError):
+    with pytest.raises(AttributeError, match=r"sharding_strategy is read-only: pass sharding_strategy=\.\.\. to FSDP"):
         strategy.sharding_strategy = "NO_SHARD"

@@ -321,3 +321,54 @@ def test_changes_and_computations_that_cannot_be_exact_are_errors(tmp_path):
     # a loss over shards (per-module units: training_step sees this rank's rows) is refused
     assert "was used in a computation that needs its gradient while it is this rank's shard" in messages["l2_on_shards"]
     assert "LBFGS cannot step sharded parameters" in messages["lbfgs"], messages
+
+
+class BackwardThenEdit(nn.Module):
+    """One unit whose forward runs a backward, then changes row 0 of its weight (rank 0's rows at
+    world 2): as manual optimization's training_step does after its last step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.lin(x)
+        out.sum().backward()
+        with torch.no_grad():
+            self.lin.weight[0].add_(0.123)
+        return out.detach()
+
+
+def _lost_edit_timing_body(rank: int, world: int) -> dict:
+    from fsdp_strategy.engine import get_scheduler, shard_model
+
+    mixed = MixedPrecision(param_dtype=torch.bfloat16)
+    results = {}
+    # NO_SHARD: ranks that run different numbers of forward-only iterations (an uneven predict)
+    # issue no collective for the checks: nothing to hang on
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    shard_model(model, sharding_strategy="NO_SHARD", mixed_precision=mixed, auto_wrap_policy={nn.Linear})
+    with torch.no_grad():
+        for _ in range(3 if rank == 0 else 2):
+            model(torch.randn(2, 8))
+    get_scheduler(model).close(agree=True)
+    results["uneven_forward_only"] = "ok"
+    # a change in the last step that only rank 0's rows show: every rank raises at the teardown's close
+    torch.manual_seed(0)
+    model = BackwardThenEdit()
+    shard_model(model, mixed_precision=mixed)
+    model(torch.randn(2, 8))
+    try:
+        get_scheduler(model).close(agree=True)
+        results["last_step_edit"] = "no error"
+    except RuntimeError as error:
+        results["last_step_edit"] = str(error)
+    return results
+
+
+def test_lost_edits_are_raised_on_every_rank_and_forward_only_iterations_need_no_collective(tmp_path):
+    first, second = run_ranks(_lost_edit_timing_body, 2, tmp_path, timeout=120)
+    assert first["uneven_forward_only"] == second["uneven_forward_only"] == "ok"
+    assert "parameters ['lin.weight'] of unit 'root' were changed while gathered in bfloat16" in first["last_step_edit"]
+    assert "another rank found a change made while its parameters were gathered" in second["last_step_edit"], second

@@ -17,9 +17,12 @@ optimizers). The shards are the truth, so:
   exactly, so nothing is copied and the rows are compared instead. A difference is an error naming
   the parameters, but it is never read inside a step (a host read stalls a GPU: [Note: host and
   device] 4 in device.py): the flags of a step go to the host ``non_blocking`` at the end of its
-  backward (``LostEdits``) and are read once landed, at the end of that backward on the CPU and at
-  a later one or a later iteration's start on CUDA; ``Scheduler.close`` (the strategy's teardown)
-  reads the last ones. The shards keep the value from before the change meanwhile;
+  backward (``LostEdits``), with every rank's verdict combined, and are read at the end of that
+  backward on the CPU and of the next one on CUDA (a step later: landed by then), on every rank
+  alike; after an iteration without a backward (evaluation) at the next iteration's start, each
+  rank its own verdict (ranks may run different numbers of such iterations: a rank that raises
+  is reported to the others by the watchdog); ``Scheduler.close(agree=True)`` (the strategies'
+  teardown, every rank) combines and reads the last ones. The shards keep the value from before the change meanwhile;
 - an optimizer step on the shards of a gathered unit (the Scheduler's optimizer hooks) first
   writes back, then, after the step, gathers the unit again (``refresh``), so the next use of the
   weights sees the stepped ones. The stepped full parameters get a new version, so a graph that
@@ -61,8 +64,9 @@ class LostEdits:
     Units add their checks when they reshard. ``send`` stacks the pending flags, prepends whether
     any rank found a lost change (one all-reduce MAX of one element over the shard and replicate
     groups, issued by every rank at the same place, so that every rank raises, not only the one
-    whose rows changed) and starts the copy to the host; ``raise_landed`` reads the copies that have
-    landed. Costs, only in a model with a lower ``param_dtype``: per ``send`` a stack, a 4-byte
+    whose rows changed) and starts the copy to the host; ``raise_due`` reads the copies that are
+    due, by a rule every rank follows alike (not by which copies have landed, which differs by
+    rank on CUDA). Costs, only in a model with a lower ``param_dtype``: per ``send`` a stack, a 4-byte
     all-reduce (on NCCL the compute stream waits for it, the host does not) and a few bytes copied.
     """
 
@@ -95,12 +99,18 @@ class LostEdits:
         self._sent.append((DeviceLayer.copy_to_host(flags), self._pending))
         self._pending = []
 
-    def raise_landed(self, wait: bool = False) -> None:
-        """Raise for the first sent check that found a lost change on any rank, among those landed
-        (all of them, waiting for the device, with ``wait``: outside a step only)."""
-        while self._sent and (wait or self._sent[0][0].landed()):
+    def raise_due(self, everything: bool = False) -> None:
+        """Raise for the first sent check that found a lost change on any rank, among those due.
+        Due: on the CPU every check sent (its copy is done when it returns); on CUDA every one but
+        the last sent, whose copy has had a step to land (a wait for it returns at once), so that
+        every rank reads the same checks at the same place, whatever its device's pace;
+        ``everything``: the last one too, waiting for the device (outside a step only)."""
+        due = len(self._sent)
+        if not everything and self._sent and self._sent[-1][0].event is not None:
+            due -= 1
+        for _ in range(due):
             copy, checks = self._sent.popleft()
-            anywhere, *flags = copy.wait().tolist()  # landed: host memory, no device wait
+            anywhere, *flags = copy.wait().tolist()  # host memory, landed a step ago: no device wait
             if anywhere:
                 _raise_for([check for check, lost in zip(checks, flags) if lost])
 

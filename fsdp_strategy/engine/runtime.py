@@ -305,18 +305,20 @@ class Scheduler:
 
     # ---- schedule ----------------------------------------------------------------------
 
-    def _report_lost_edits(self, send: bool = True) -> None:
-        """With a lower ``param_dtype``: ``send`` the checks of changes made while gathered (every
-        rank at the same place) and raise for those landed with a change that could not be kept
-        ([Note: edits while gathered]): no host wait."""
+    def _report_lost_edits(self, send: bool = True, agree: bool = True) -> None:
+        """With a lower ``param_dtype``: ``send`` the checks of changes made while gathered (with
+        ``agree``, every rank at the same place, their verdicts combined) and raise for those due
+        with a change that could not be kept ([Note: edits while gathered]): no host wait."""
         if self._lower_param_dtype:
             if send:
-                self.lost_edits.send()
-            self.lost_edits.raise_landed()
+                self.lost_edits.send(agree)
+            self.lost_edits.raise_due()
 
     def _start_iteration(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         previous_without_backward = self.observer.recorder.iteration > 0 and self._backwards_in_iteration == 0
-        self._report_lost_edits(send=previous_without_backward)  # its forward's checks, and those landed since
+        # its forward's checks, each rank its own: ranks may run different numbers of forward-only
+        # iterations (an uneven predict), where NO_SHARD issues no collective to agree in
+        self._report_lost_edits(send=previous_without_backward, agree=False)
         stale = self._backward is not None or any(state.on_stack for state in self._states.values())
         if stale:
             log.warning("fsdp_custom: the previous iteration did not finish (an exception in backward?); resetting")
@@ -407,12 +409,17 @@ class Scheduler:
         self._forward_phase = None
         self._order.discard()
 
-    def close(self) -> None:
+    def close(self, agree: bool = False) -> None:
         """Release what this engine instance holds outside the model: the optimizer-step hooks, the
         exchange thread, and a watchdog ``shard_model`` started for it. The model stays sharded
         and runs again after ``open``. Raises for a change of the last steps that a lower
-        ``param_dtype`` could not keep, unless an exception is already unwinding. Costs: joins the
-        threads (bounded) and waits for the device."""
+        ``param_dtype`` could not keep, unless an exception is already unwinding: with ``agree``
+        (every rank closes here: the strategies' teardown) on every rank, after a 4-byte
+        all-reduce; without, on the ranks whose rows changed. Costs: joins the threads (bounded)
+        and waits for the device."""
+        unwinding = sys.exc_info()[1] is not None
+        if self._lower_param_dtype:  # first: the agreement is a collective
+            self.lost_edits.send(agree=agree and not unwinding)
         self.optimizer_steps.close()
         self.device_layer.close()
         self.comm.close()
@@ -420,9 +427,8 @@ class Scheduler:
             self.owned_watchdog.close()
             self.owned_watchdog = None
             self.observer.attach(None)
-        self.lost_edits.send(agree=False)  # peers may be gone: this rank's own checks
-        if sys.exc_info()[1] is None:
-            self.lost_edits.raise_landed(wait=True)
+        if not unwinding:
+            self.lost_edits.raise_due(everything=True)
 
     def open(self) -> None:
         """Install the optimizer-step hooks again after ``close`` (the strategy, at each setup)."""
