@@ -191,8 +191,8 @@ MUTATIONS = [
         "muon_steps_shards",
         "a whole-matrix optimizer (Muon) steps each rank's rows instead of whole matrices",
         "fsdp_strategy/engine/optimizer_steps.py",
-        "if kind is not UpdateKind.WHOLE_MATRIX or self._whole_matrix is None:",
-        "if True:",
+        "            if self._kinds.of(optimizer) is UpdateKind.WHOLE_MATRIX:\n                placement.before_update",
+        "            if False:\n                placement.before_update",
         ("tests/test_whole_matrix.py::test_whole_matrix_optimizers_equal_one_process_on_the_global_batch",),
     ),
     Mutation(
@@ -223,9 +223,40 @@ MUTATIONS = [
         "optimizers_assumed_elementwise",
         "an optimizer the engine does not know is assumed elementwise instead of measured",
         "fsdp_strategy/engine/optimizer_kinds.py",
-        "                self._measured[key] = self._agreed(cls, measure(optimizer, group))\n",
-        "                self._measured[key] = Measured(UpdateKind.ELEMENTWISE, 'assumed')\n",
+        "        kind = self._measure(optimizer)\n",
+        "        kind = UpdateKind.ELEMENTWISE\n",
         ("tests/test_optimizer_probe.py::test_real_optimizers_equal_one_process_on_the_global_batch[2]",),
+    ),
+    Mutation(
+        "probe_compares_the_update_only",
+        "a measurement compares the parameters and their state, not the param groups' values or the optimizer's "
+        "attributes (a global statistic that has not moved an update yet goes unseen: Prodigy, D-Adaptation)",
+        "fsdp_strategy/engine/probe_compare.py",
+        """    for kind, label in (("groups", "its param group's"), ("attributes", "its attribute")):""",
+        """    for kind, label in ():""",
+        ("tests/test_optimizer_verification.py::test_what_an_optimizer_keeps_is_compared_not_only_its_update",),
+    ),
+    Mutation(
+        "measured_on_small_tensors_only",
+        "an unknown optimizer is measured on small tensors only, not on the model's own parameters (a block size "
+        "or a shape threshold goes unseen: ScalableShampoo; an optimizer of matrices alone is refused)",
+        "fsdp_strategy/engine/optimizer_kinds.py",
+        "        models = [None] * len(toys) if certain else self._measure_model(optimizer)\n",
+        "        models = [None] * len(toys)\n",
+        (
+            "tests/test_optimizer_verification.py::test_every_optimizer_is_exact_or_refused_before_it_changes_a_weight[2]",
+        ),
+    ),
+    Mutation(
+        "stand_ins_made_anew",
+        "a parameter placed whole gets a new stand-in object at each step (state an optimizer keys by the "
+        "parameter object is lost)",
+        "fsdp_strategy/engine/whole_matrix.py",
+        "        proxy = self._proxies.get(id(param.sharded))\n",
+        "        proxy = None\n",
+        (
+            "tests/test_optimizer_verification.py::test_every_optimizer_is_exact_or_refused_before_it_changes_a_weight[2]",
+        ),
     ),
     Mutation(
         "owner_state_replicated_then_lost",

@@ -283,13 +283,16 @@ def gather_objects(value: Any, group: Any = None, dog: Watchdog | None = None) -
     return out
 
 
-def all_gather_rows(tensor: torch.Tensor, group: Any = None, dog: Watchdog | None = None) -> torch.Tensor:
-    """Every rank's ``tensor`` stacked in rank order, shape ``(world, *tensor.shape)``; blocking."""
+def all_gather_rows(
+    tensor: torch.Tensor, group: Any = None, dog: Watchdog | None = None, what: str = "sync_batchnorm"
+) -> torch.Tensor:
+    """Every rank's ``tensor`` stacked in rank order, shape ``(world, *tensor.shape)``; blocking
+    (``what`` names it in a watchdog's report)."""
     _, size = process_rank(group)
     if size == 1:
         return tensor.unsqueeze(0).clone()
     out = tensor.new_empty(size * tensor.numel())
-    with watched("all_gather", "sync_batchnorm", dog):
+    with watched("all_gather", what, dog):
         dist.all_gather_into_tensor(out, tensor.reshape(-1).contiguous(), group=group)
     return out.view(size, *tensor.shape)
 

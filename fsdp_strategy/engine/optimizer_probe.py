@@ -3,102 +3,213 @@
 [Note: optimizers measured, not assumed]
 Each rank steps only its rows of a parameter. Whether that is exact depends on what the update of
 an element reads, which no name or warning can tell. So an optimizer class the engine does not
-know is measured, once per class and param group's hyperparameters, on small CPU tensors shaped
-like a model's kinds of parameters (a 7 x 6 matrix, whose rows split unevenly over 2 and 3 ranks,
-and a vector of 6), in float64, over ``STEPS`` steps (or past the largest hyperparameter that
-counts steps: a preconditioner first computed at step 1000 is run to step 1002; any other integer
-of the param group, up to 64, e.g. a history of ``keep_num`` gradients) whose gradients differ by row,
-by column and by step (one step's far larger than the others', so a clip or a running statistic
-that is uniform at the first step shows; others along the weights or orthogonal to them, so a
-branch on their cosine shows). A learning rate of 0 (a warmup's first step) is measured as 1e-3.
-The optimizer is copied without its state (its attributes kept, so settings outside its param
-groups are measured too; tensors of the model it refers to replaced by meta stand-ins, so the probe
-can never touch them); one that wraps another optimizer (Lookahead, OrthoGrad) is refused, to be
-declared. Three layouts step from the same start:
-- whole: one instance of the optimizer over both tensors;
-- rows: one instance per rank over that rank's padded shards ([Note: shard layout] at 3 ranks):
-  what stepping shards does;
-- per parameter: one instance per tensor.
+know is measured, in float64 on the CPU, three layouts stepping from the same start:
+- whole: one instance of the optimizer over every measured tensor;
+- rows: one instance per rank over that rank's zero-padded row blocks ([Note: shard layout]): what
+  stepping shards does;
+- per parameter: one instance per tensor: what placing each parameter whole on one rank does.
 Rows equal to whole: the update is elementwise, shards step as they are. Otherwise, per parameter
-equal to whole: the update of a parameter reads that parameter only (a norm, row and column
-statistics, a preconditioner), and it is exact placed whole ([Note: whole-matrix placement]).
-Otherwise the update of one parameter depends on the others (Prodigy's and D-Adaptation's global
-``d``): refused. An optimizer the probe cannot run (it needs a closure, it draws random numbers,
-it cannot be built from its param group, its step raises) is refused naming what stopped it.
-"Equal" is within ``RTOL`` in float64, far below float32's rounding: a measured difference is
-structural. Every rank measures the same tensors with the same code, and the ranks then agree on
-the result (one small object gather at an optimizer's first step).
-Costs: three small optimizers for ``STEPS`` steps on a few hundred elements, milliseconds per
-class and hyperparameters (seconds for a probe of a thousand steps); the global random state is
-saved and restored around it. What it cannot see: a change of behaviour that no step-counting
-hyperparameter announces and that comes later than the probe's last step.
+equal to whole: the update of a parameter reads that parameter only, and it is exact placed whole
+([Note: whole-matrix placement]). Otherwise the update of one parameter depends on the others
+(Prodigy's and D-Adaptation's global ``d``): refused.
+
+"Equal" is everything the optimizer keeps, not only the parameters: its per-parameter state
+(row-shaped state joined from the blocks, any other state equal in every instance), its param
+groups' values and its own attributes, within ``RTOL`` in float64 (far below float32's rounding: a
+measured difference is structural). So a statistic summed over parameters or rows shows at the
+first step it accumulates, even while the update does not use it yet (Prodigy's ``d_numerator``
+before ``d`` grows); where the layouts first differ is said ("its param group's 'd_numerator'").
+
+Two measurements, both before the optimizer changes a weight ([Note: measure what will run] in
+optimizer_kinds.py has when and where):
+- on small tensors (``toy_case``): a 7 x 6 matrix, whose rows split unevenly over 2 and 3 ranks,
+  and a vector of 6 (only the numbers of dimensions the param group holds), over ``STEPS`` steps or
+  past the largest hyperparameter that counts steps (a preconditioner first computed at step 1000 is
+  run to step 1002; any other integer of the param group, up to 64, e.g. a history of ``keep_num``
+  gradients), with gradients that differ by row, by column and by step (one step's far larger than
+  the others', so a clip or a running statistic that is uniform at the first step shows; others
+  along the weights or orthogonal to them, so a branch on their cosine shows);
+- on the model's own parameters (``model_case``): their values and first gradients, the shard
+  group's own size and padding, for as many of those steps as ``MODEL_BUDGET`` allows (the first
+  gradient as it is, then gradients drawn around it): shape thresholds (block sizes, "factor only
+  when a dimension is at least N") and clipping that engages only on real gradients show there.
+A learning rate of 0 (a warmup's first step) is measured as 1e-3. The optimizer is copied without
+its state (its attributes kept, so settings outside its param groups are measured too; tensors of
+the model it refers to replaced by meta stand-ins, so the probe can never touch them); one that
+wraps another optimizer (Lookahead, OrthoGrad) is refused, to be declared. An optimizer the probe
+cannot run (it needs a closure, it draws random numbers, it cannot be built from its param group)
+is refused naming what stopped it; one whose step raised on tensors it is given is refused only if
+it raised on the model's own. The global random state is saved and restored around a measurement.
+What it cannot see: a change of behaviour that no step-counting hyperparameter announces and that
+comes later than the last step measured, when nothing it keeps moved before.
 """
 
 from __future__ import annotations
 
-import copy
-import inspect
-from collections import OrderedDict, defaultdict
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 
+from fsdp_strategy.engine.optimizer_copies import ProbeStopped, build, refuse_random_construction
+from fsdp_strategy.engine.optimizer_copies import step as step_once
+from fsdp_strategy.engine.probe_compare import Difference, snapshot_difference
 from fsdp_strategy.options import UpdateKind
 
 SHAPES = ((7, 6), (6,))  # a matrix whose rows split unevenly over 2 and 3 ranks, and a vector
-RANKS = 3  # the row blocks: shards of SHAPES over 3 ranks, zero-padded as the engine pads them
+RANKS = 3  # the row blocks of the small tensors: shards over 3 ranks, zero-padded as the engine pads them
 STEPS = 8
 STEP_SCALES = (1.0, 50.0, 0.02, 1.0)  # a step with far larger gradients: clips and running statistics show
 MAX_STEPS = 2048  # the longest probe: an optimizer that changes its update after N steps is run past N
 OTHER_INTS = 64  # an integer hyperparameter not named as a step count (a history length; a dimension) runs at most this
 DELAY_WORDS = ("step", "freq", "interval", "iteration", "every")  # hyperparameters that count steps
-RTOL, ATOL = 1e-8, 1e-12
+MODEL_BUDGET = 1 << 28  # elements x steps measured on the model's parameters per rank, beyond STEPS
 
 
 class Measured(NamedTuple):
-    """What the probe found: a kind, or None (refused) and why."""
+    """What a measurement found: a kind, or None (refused) and why."""
 
     kind: UpdateKind | None
     reason: str  # what was measured, or what stopped the measurement
+    ran: bool = True  # False: the optimizer's step raised on the tensors it was given (they may not be its kind)
+    note: str = ""  # what this measurement could not reach (said once to the user)
 
 
-def measure(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> Measured:
-    """Measure ``optimizer``'s class with ``group``'s hyperparameters ([Note: optimizers measured, not
-    assumed]). Never raises for the optimizer's own failures: they are the reason it is refused."""
+class Case(NamedTuple):
+    """Tensors to measure on: whole starting values (float64), the gradients of each step, the ranks
+    their rows split over, the steps to run, and where they come from (for the reasons)."""
+
+    starts: list[torch.Tensor]
+    gradient: Callable[[int], list[torch.Tensor]]  # step -> a gradient per tensor
+    ranks: int
+    steps: int
+    where: str
+    note: str = ""  # what these steps do not reach
+
+
+def measure(optimizer: torch.optim.Optimizer, group: dict[str, Any], case: Case | None = None) -> Measured:
+    """Measure ``optimizer``'s class with ``group``'s hyperparameters on ``case`` (small tensors shaped
+    like the group's when None) ([Note: optimizers measured, not assumed]). Never raises for the
+    optimizer's own failures: they are the reason it is refused."""
     state = torch.random.get_rng_state()
-    steps = probe_steps(optimizer, group)
+    case = case or toy_case(optimizer, group)
     group = _moving(group)
     try:
-        whole = _trajectory(optimizer, group, _whole, steps)
-        rows = _trajectory(optimizer, group, _rows, steps)
-        if _equal(whole, rows):
-            return Measured(UpdateKind.ELEMENTWISE, "its update of an element reads that element only")
-        per_param = _trajectory(optimizer, group, _per_param, steps)
-        if _equal(whole, per_param):
+        refuse_random_construction(optimizer, group, case.starts)
+        rows = _compare(optimizer, group, case, _rows)
+        if rows.equal:
+            return Measured(
+                UpdateKind.ELEMENTWISE,
+                f"its update of an element reads that element only ({case.where})",
+                note=case.note,
+            )
+        per_param = _compare(optimizer, group, case, _per_param)
+        if per_param.equal:
             return Measured(
                 UpdateKind.WHOLE_MATRIX,
-                f"stepping rows of a parameter changes its update (by up to {_difference(whole, rows):.2g} "
-                "relative), stepping each parameter alone does not: it reads whole parameters",
+                f"stepping rows of a parameter changes {rows.describe()}, stepping each parameter alone does "
+                f"not ({case.where}): it reads whole parameters",
+                note=case.note,
             )
         return Measured(
             None,
             "the update of one parameter depends on the others: stepping each parameter with its own instance "
-            f"gave other values than stepping them together (by up to {_difference(whole, per_param):.2g} relative)",
+            f"changed {per_param.describe()} ({case.where})",
         )
-    except _Stopped as stopped:
-        return Measured(None, str(stopped))
+    except ProbeStopped as stopped:
+        return Measured(None, f"{stopped} ({case.where})", ran=stopped.ran)
     finally:
         torch.random.set_rng_state(state)
 
 
-class _Stopped(Exception):
-    """The probe could not run the optimizer; the message says why."""
+# ---- what is measured ------------------------------------------------------------------------------
 
 
-def _starts() -> list[torch.Tensor]:
+def toy_shapes(group: dict[str, Any]) -> tuple[tuple[int, ...], ...]:
+    """Small shapes with the numbers of dimensions ``group`` holds: ``SHAPES`` for matrices and
+    vectors; two of one kind when the group holds only that kind (an optimizer of matrices alone is
+    never given a vector)."""
+    dims = sorted({max(p.dim(), 1) for p in group["params"]}) or [2, 1]
+    if dims == [1, 2]:
+        return SHAPES
+    shapes = tuple((7, *range(6, 6 - (d - 1), -1)) for d in dims)
+    if len(shapes) == 1:
+        shapes += ((5, *reversed(shapes[0][1:])),)
+    return shapes
+
+
+def toy_case(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> Case:
+    """Small random tensors shaped like ``group``'s kinds of parameters, over ``RANKS`` ranks."""
+    shapes = toy_shapes(group)
     generator = torch.Generator().manual_seed(1234)
-    return [torch.randn(shape, generator=generator, dtype=torch.float64) for shape in SHAPES]
+    starts = [torch.randn(shape, generator=generator, dtype=torch.float64) for shape in shapes]
+
+    def gradient(step: int) -> list[torch.Tensor]:
+        generator = torch.Generator().manual_seed(4321 + step)
+        grads = []
+        for start in starts:
+            grad = _varied(start, torch.randn(start.shape, generator=generator, dtype=torch.float64), step)
+            rows = torch.logspace(-1, 1, start.shape[0], dtype=torch.float64)
+            grad *= rows.view(-1, *([1] * (start.dim() - 1)))
+            if start.dim() > 1:
+                columns = torch.logspace(0.5, -0.5, start.shape[1], dtype=torch.float64)
+                grad *= columns.view(-1, *[1] * (start.dim() - 2))
+            grads.append(grad)
+        return grads
+
+    return Case(starts, gradient, RANKS, probe_steps(optimizer, group), f"on small {_shapes(starts)} tensors")
+
+
+def model_case(
+    optimizer: torch.optim.Optimizer,
+    group: dict[str, Any],
+    starts: list[torch.Tensor],
+    firsts: list[torch.Tensor],
+    ranks: int,
+) -> Case:
+    """The model's own parameters ``starts`` with their first gradients ``firsts`` (whole, float64),
+    over the shard group's ``ranks``: the first step's gradient as it is, later ones drawn around it
+    at its scale. As many steps as ``toy_case`` runs, within ``MODEL_BUDGET`` (at least ``STEPS``)."""
+    wanted = probe_steps(optimizer, group)
+    elements = sum(t.numel() for t in starts) or 1
+    steps = min(wanted, max(STEPS, MODEL_BUDGET // elements))
+
+    def gradient(step: int) -> list[torch.Tensor]:
+        if step == 0:
+            return [g.clone() for g in firsts]
+        generator = torch.Generator().manual_seed(4321 + step)
+        grads = []
+        for start, first in zip(starts, firsts):
+            scale = first.norm().item() / math.sqrt(max(first.numel(), 1)) or 1.0
+            noise = torch.randn(start.shape, generator=generator, dtype=torch.float64) * scale
+            grads.append(_varied(start, first + noise, step))
+        return grads
+
+    note = (
+        f"measured on the model's {_shapes(starts)} parameters for {steps} steps, within its budget of "
+        f"{MODEL_BUDGET:.3g} element-steps; its hyperparameters announce a change up to step {wanted - 2}, which "
+        "was measured on small tensors only"
+        if steps < wanted
+        else ""
+    )
+    where = f"on the model's {_shapes(starts)} parameters over {ranks} ranks"
+    return Case(starts, gradient, ranks, steps, where, note)
+
+
+def _varied(start: torch.Tensor, grad: torch.Tensor, step: int) -> torch.Tensor:
+    """``grad`` at step ``step``'s scale: as it is, along ``start`` (the weights) or orthogonal to it."""
+    scale = STEP_SCALES[step % len(STEP_SCALES)]
+    if step % 3 == 1:
+        size = grad.norm() / (start.norm() + 1e-30)
+        grad = start * size + 0.01 * grad
+    elif step % 3 == 2:
+        grad = grad - (grad * start).sum() / ((start * start).sum() + 1e-30) * start
+    return grad * scale
+
+
+def _shapes(tensors: list[torch.Tensor]) -> str:
+    return ", ".join("x".join(map(str, t.shape)) or "scalar" for t in tensors)
 
 
 def probe_steps(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> int:
@@ -127,171 +238,91 @@ def _moving(group: dict[str, Any]) -> dict[str, Any]:
     return {**group, "lr": torch.full_like(lr, 1e-3) if torch.is_tensor(lr) else 1e-3} if zero else group
 
 
-def _gradients(steps: int) -> list[list[torch.Tensor]]:
-    """Per step, a gradient per tensor, scaled by row, column and step: random, then along the starting
-    tensors, then orthogonal to them (branches on the cosine of gradient and weight show)."""
-    generator = torch.Generator().manual_seed(4321)
-    starts = _starts()
-    sequence = []
-    for step in range(steps):
-        scale = STEP_SCALES[step % len(STEP_SCALES)]
-        grads = []
-        for shape, start in zip(SHAPES, starts):
-            grad = torch.randn(shape, generator=generator, dtype=torch.float64) * scale
-            if step % 3 == 1:
-                grad = start * scale + 0.01 * grad
-            elif step % 3 == 2:
-                grad = grad - (grad * start).sum() / (start * start).sum() * start
-            rows = torch.logspace(-1, 1, shape[0], dtype=torch.float64)
-            grad *= rows.view(-1, *([1] * (len(shape) - 1)))
-            if len(shape) > 1:
-                grad *= torch.logspace(0.5, -0.5, shape[1], dtype=torch.float64)
-            grads.append(grad)
-        sequence.append(grads)
-    return sequence
+# ---- layouts ---------------------------------------------------------------------------------------
 
 
-Layout = Callable[[list[torch.Tensor]], list[list[torch.Tensor]]]  # tensors -> each instance's tensors
+class _Layout(NamedTuple):
+    """How tensors are split among optimizer instances, and each tensor's pieces back."""
+
+    split: Callable[[list[torch.Tensor], int], list[list[torch.Tensor]]]  # (tensors, ranks) -> per instance
+    pieces: Callable[[int, int, int], list[tuple[int, int]]]  # (tensor index, tensors, ranks) -> (instance, slot)
 
 
-def _whole(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    return [tensors]
+_whole = _Layout(lambda tensors, ranks: [list(tensors)], lambda i, n, ranks: [(0, i)])
+_per_param = _Layout(lambda tensors, ranks: [[t] for t in tensors], lambda i, n, ranks: [(i, 0)])
 
 
-def _per_param(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    return [[tensor] for tensor in tensors]
-
-
-def _rows(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+def _row_blocks(tensors: list[torch.Tensor], ranks: int) -> list[list[torch.Tensor]]:
     """Each rank's zero-padded row block of every tensor ([Note: shard layout])."""
-    blocks: list[list[torch.Tensor]] = [[] for _ in range(RANKS)]
+    blocks: list[list[torch.Tensor]] = [[] for _ in range(ranks)]
     for tensor in tensors:
-        chunk = -(-tensor.shape[0] // RANKS)
-        for rank in range(RANKS):
-            block = tensor.new_zeros(chunk, *tensor.shape[1:])
-            rows = tensor[rank * chunk : (rank + 1) * chunk]
+        rows_of = tensor.reshape(1) if tensor.dim() == 0 else tensor
+        chunk = -(-rows_of.shape[0] // ranks)
+        for rank in range(ranks):
+            block = rows_of.new_zeros(chunk, *rows_of.shape[1:])
+            rows = rows_of[rank * chunk : (rank + 1) * chunk]
             block[: rows.shape[0]] = rows
             blocks[rank].append(block)
     return blocks
 
 
-def _join(layout: Layout, instances: list[list[torch.Tensor]]) -> list[torch.Tensor]:
-    """The tensors back in ``SHAPES`` from ``layout``'s pieces (padding rows dropped)."""
-    if layout is _whole:
-        return [t.detach().clone() for t in instances[0]]
-    if layout is _per_param:
-        return [pieces[0].detach().clone() for pieces in instances]
-    joined = []
-    for index, shape in enumerate(SHAPES):
-        joined.append(torch.cat([instance[index].detach() for instance in instances])[: shape[0]].clone())
-    return joined
+_rows = _Layout(_row_blocks, lambda i, n, ranks: [(rank, i) for rank in range(ranks)])
 
 
-def _trajectory(optimizer: torch.optim.Optimizer, group: dict[str, Any], layout: Layout, steps: int) -> list:
-    """The tensors after each step of ``optimizer``'s class in ``layout``."""
-    params = [[torch.nn.Parameter(t) for t in pieces] for pieces in layout(_starts())]
-    optimizers = [_build(optimizer, group, pieces) for pieces in params]
-    trajectory = []
-    for grads in _gradients(steps):
-        for pieces, grad_pieces in zip(params, layout(grads)):
-            for param, grad in zip(pieces, grad_pieces):
+class _Run:
+    """``optimizer``'s class stepping ``case``'s tensors in one layout."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, group: dict[str, Any], case: Case, layout: _Layout):
+        self.case, self.layout = case, layout
+        pieces = layout.split(case.starts, case.ranks)
+        self.params = [[torch.nn.Parameter(t.clone()) for t in piece] for piece in pieces]
+        self.optimizers = [build(optimizer, group, params) for params in self.params]
+
+    def step(self, step: int) -> None:
+        for params, grads in zip(self.params, self.layout.split(self.case.gradient(step), self.case.ranks)):
+            for param, grad in zip(params, grads):
                 param.grad = grad.clone()
-        for probe in optimizers:
-            _step(probe)
-        trajectory.append(_join(layout, params))
-    return trajectory
+        for probe in self.optimizers:
+            step_once(probe)
+
+    def snapshot(self) -> dict[str, Any]:
+        """What the optimizers keep, per measured tensor: its pieces' values and state; and per
+        instance its param group's values and its own attributes."""
+        count = len(self.case.starts)
+        attributes = [_attributes(probe) for probe in self.optimizers]
+        keyed = [{k: attrs.pop(k) for k in list(attrs) if _by_parameter(attrs[k])} for attrs in attributes]
+        tensors = []
+        for index, start in enumerate(self.case.starts):
+            pieces = self.layout.pieces(index, count, self.case.ranks)
+            params = [self.params[i][slot] for i, slot in pieces]
+            states = []
+            for i, slot in pieces:
+                param = self.params[i][slot]
+                state = dict(self.optimizers[i].state.get(param, {}))
+                state.update({f"{key}[parameter]": held[param] for key, held in keyed[i].items() if param in held})
+                states.append(state)
+            tensors.append((start.shape, params, states))
+        groups = [{k: v for k, v in probe.param_groups[0].items() if k != "params"} for probe in self.optimizers]
+        return {"tensors": tensors, "groups": groups, "attributes": attributes}
 
 
-def _build(optimizer: torch.optim.Optimizer, group: dict[str, Any], params: list) -> torch.optim.Optimizer:
-    """A fresh optimizer like ``optimizer`` (its attributes copied, not its state) over ``params`` with
-    ``group``'s hyperparameters; else one built by its class from them."""
-    hyper = {key: copy.deepcopy(value) for key, value in group.items() if key != "params"}
-    try:
-        probe = _like(optimizer)
-        probe.add_param_group({"params": params, **hyper})
-        return probe
-    except _Stopped:
-        raise
-    except Exception:  # noqa: BLE001 - an optimizer that cannot be copied so is built by its class
-        pass
-    cls = type(optimizer)
-    accepted = inspect.signature(cls.__init__).parameters
-    keywords = {name: value for name, value in hyper.items() if name in accepted and name != "params"}
-    try:
-        return cls([{"params": params, **hyper}], **keywords)
-    except Exception as error:  # noqa: BLE001 - the reason the probe stops
-        raise _Stopped(
-            f"it could not be built again from its param group's hyperparameters to be measured "
-            f"({type(error).__name__}: {error})"
-        ) from None
+def _attributes(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    skipped = ("param_groups", "state", "defaults")
+    return {k: v for k, v in vars(optimizer).items() if k not in skipped and "hook" not in k and not callable(v)}
 
 
-def _wrapped(optimizer: torch.optim.Optimizer) -> str | None:
-    """The attribute of ``optimizer`` that holds another optimizer (a wrapper: Lookahead, OrthoGrad), if any."""
-    for key, value in vars(optimizer).items():
-        values = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else [value]
-        if any(isinstance(v, torch.optim.Optimizer) for v in values):
-            return key
-    return None
+def _by_parameter(value: Any) -> bool:
+    """An attribute that keeps something per parameter, keyed by the parameter object (state of its own)."""
+    return isinstance(value, dict) and bool(value) and all(isinstance(k, torch.Tensor) for k in value)
 
 
-def _like(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """A copy of ``optimizer`` without its param groups, state and hooks (its tensors not copied; its
-    bound methods bound to the copy; what an LR scheduler set over ``step`` left out)."""
-    wrapped = _wrapped(optimizer)
-    if wrapped is not None:
-        raise _Stopped(
-            f"it wraps another optimizer (its attribute {wrapped!r}), which holds your parameters: a copy to "
-            "measure would step them"
-        )
-    tensors = [t for group in optimizer.param_groups for t in group["params"]]
-    tensors += [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
-    held = {id(t): torch.empty_like(t, device="meta") for t in tensors}  # never the model's own tensors
-    cls = type(optimizer)
-    skipped = ("param_groups", "state", "_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")
-    attributes, bound = {}, {}
-    for key, value in vars(optimizer).items():
-        if key in skipped or "hook" in key or callable(getattr(cls, key, None)):
-            continue  # an instance attribute over a method (an LR scheduler's wrapper of ``step``) calls the original
-        if getattr(value, "__self__", None) is optimizer:
-            bound[key] = value.__func__  # a method of the original, bound to the copy below
-        else:
-            attributes[key] = value
-    probe = cls.__new__(cls)
-    probe.__dict__.update(copy.deepcopy(attributes, memo=dict(held)))
-    probe.__dict__.update({key: func.__get__(probe, cls) for key, func in bound.items()})
-    probe.__dict__.update(param_groups=[], state=defaultdict(dict))
-    probe._optimizer_step_pre_hooks = OrderedDict()
-    probe._optimizer_step_post_hooks = OrderedDict()
-    for key in vars(optimizer):
-        if "hook" in key and key not in probe.__dict__:
-            probe.__dict__[key] = OrderedDict()
-    return probe
-
-
-def _step(optimizer: torch.optim.Optimizer) -> None:
-    before = torch.random.get_rng_state()
-    try:
-        optimizer.step()
-    except Exception as error:  # noqa: BLE001 - the reason the probe stops
-        closure = "closure" in str(error).lower()
-        why = "it needs a closure" if closure else "its step raised on the probe's tensors"
-        raise _Stopped(f"{why} ({type(error).__name__}: {error})") from None
-    if not torch.equal(before, torch.random.get_rng_state()):
-        raise _Stopped("it draws random numbers in its step, so no two layouts of the same step can be compared")
-
-
-def _equal(a: list[list[torch.Tensor]], b: list[list[torch.Tensor]]) -> bool:
-    return all(
-        torch.allclose(x, y, rtol=RTOL, atol=ATOL, equal_nan=True)
-        for step_a, step_b in zip(a, b)
-        for x, y in zip(step_a, step_b)
-    )
-
-
-def _difference(a: list[list[torch.Tensor]], b: list[list[torch.Tensor]]) -> float:
-    worst = 0.0
-    for step_a, step_b in zip(a, b):
-        for x, y in zip(step_a, step_b):
-            worst = max(worst, ((x - y).abs() / (1e-12 + x.abs())).nan_to_num(nan=float("inf")).max().item())
-    return worst
+def _compare(optimizer: torch.optim.Optimizer, group: dict[str, Any], case: Case, layout: _Layout) -> Difference:
+    """Step whole and ``layout`` in lockstep; the first difference between what they keep, if any."""
+    whole, other = _Run(optimizer, group, case, _whole), _Run(optimizer, group, case, layout)
+    for step in range(case.steps):
+        whole.step(step)
+        other.step(step)
+        found = snapshot_difference(whole.snapshot(), other.snapshot(), step)
+        if not found.equal:
+            return found
+    return Difference.none()

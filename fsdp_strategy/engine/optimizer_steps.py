@@ -93,7 +93,7 @@ class OptimizerSteps:
         if not any(id(p) in self._held or self._was_replaced(p) for p in params):
             return None  # another model's optimizer (or a reference's, or the probe's: optimizer_probe.py)
         # a refused one raises here, before anything changes; with a shard group of one every parameter is whole
-        kind = self._kinds.of(optimizer) if self._whole_matrix is not None else UpdateKind.ELEMENTWISE
+        known = self._kinds.known(optimizer) if self._whole_matrix is not None else UpdateKind.ELEMENTWISE
         self._refuse_replaced(optimizer)
         self._device_layer.before_host_writes_shards()  # [Note: host and device] 1
         units = self._gathered_units_of(optimizer)
@@ -101,24 +101,30 @@ class OptimizerSteps:
             unit.keep_edits(every_param=True)
         if units:
             self._stepping[id(optimizer)] = units
-        if kind is not UpdateKind.WHOLE_MATRIX or self._whole_matrix is None:
+        if known is UpdateKind.ELEMENTWISE or self._whole_matrix is None:
             return None
-        return self._place_whole(optimizer, args, kwargs)
+        return self._with_gradients(optimizer, args, kwargs)
 
-    def _place_whole(self, optimizer: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        """Gather the optimizer's matrices whole before its update: now, or, for a step with a closure
-        (Lightning's), right after the closure computed the gradients."""
+    def _with_gradients(self, optimizer: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        """Once the step's gradients exist (now, or, for a step with a closure (Lightning's), right after
+        the closure computed them) and before the update: measure an unknown optimizer ([Note: measure
+        what will run]; a refused one raises there) and gather a whole-matrix one's matrices whole."""
         placement = self._whole_matrix
         assert placement is not None
         placement.abandon(optimizer)  # a previous step of it that raised
+
+        def ready() -> None:
+            if self._kinds.of(optimizer) is UpdateKind.WHOLE_MATRIX:
+                placement.before_update(optimizer)
+
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # args[0]: the optimizer
         if closure is None:
-            placement.before_update(optimizer)
+            ready()
             return None
 
         def placed_closure() -> Any:
             loss = closure()
-            placement.before_update(optimizer)
+            ready()
             return loss
 
         if "closure" in kwargs:

@@ -141,7 +141,7 @@ class Scheduler:
         shard_comm = units[0].shard_comm
         params = [p for unit in units for p in unit.params]
         whole = WholeMatrixSteps(params, shard_comm, comm, device) if shard_comm.size > 1 else None
-        kinds = OptimizerKinds(optimizer_updates or {}, shard_comm, comm)
+        kinds = OptimizerKinds(optimizer_updates or {}, shard_comm, comm, params, device)
         self.optimizer_steps = OptimizerSteps(units, self.device_layer, kinds, whole)  # [Note: edits while gathered]
         self.hook_handles: list[Any] = list(guards)  # every module hook the engine registered on the model
         self._register_hooks()

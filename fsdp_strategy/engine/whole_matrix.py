@@ -42,15 +42,7 @@ from torch import nn
 from fsdp_strategy.engine import collectives
 from fsdp_strategy.engine.collectives import CommContext, CommGroup
 from fsdp_strategy.engine.param import ShardedParam
-
-
-class _Entry(NamedTuple):
-    """One entry of a parameter's optimizer state."""
-
-    key: str
-    rows: bool  # a tensor of the parameter's shape: sharded by rows at rest (else held by the owner only)
-    shape: tuple[int, ...] | None  # the whole tensor's shape (None: not a tensor)
-    dtype: torch.dtype | None
+from fsdp_strategy.engine.state_layout import StateEntry, entry_at_rest, entry_of_whole, later_layout
 
 
 class _Step(NamedTuple):
@@ -72,9 +64,10 @@ class WholeMatrixSteps:
         self._by_id = {id(p.sharded): p for p in params}
         self._comm, self._ctx, self._device = comm, ctx, device
         self._owners: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> (ids, owners)
-        self._layouts: dict[int, tuple[_Entry, ...]] = {}  # id(shard) -> its state layout
+        self._layouts: dict[int, tuple[StateEntry, ...]] = {}  # id(shard) -> its state layout
         self._loaded_rows: dict[int, dict[str, bool]] = {}  # id(shard) -> {key: row-shaped}, as a load found it
         self._steps: dict[int, _Step] = {}  # id(optimizer) -> the step in progress
+        self._proxies: dict[int, nn.Parameter] = {}  # id(shard) -> its whole stand-in on its owner
 
     def holds(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether ``optimizer`` steps any of these sharded parameters."""
@@ -126,14 +119,14 @@ class WholeMatrixSteps:
         self._owners[optimizer] = (ids, owners)
         return owners
 
-    def _layout(self, optimizer: torch.optim.Optimizer, param: ShardedParam) -> tuple[_Entry, ...]:
+    def _layout(self, optimizer: torch.optim.Optimizer, param: ShardedParam) -> tuple[StateEntry, ...]:
         """``param``'s state layout: learnt at its first step, or read from the state at rest (a state
         loaded from a checkpoint: row-shaped tensors have the shard's shape on every rank)."""
         known = self._layouts.get(id(param.sharded))
         if known is None:
             state = optimizer.state.get(param.sharded, {})
             hints = self._loaded_rows.get(id(param.sharded), {})
-            known = tuple(_at_rest(param, key, value, hints.get(key)) for key, value in sorted(state.items()))
+            known = tuple(entry_at_rest(param, key, value, hints.get(key)) for key, value in sorted(state.items()))
             if known:
                 self._layouts[id(param.sharded)] = known
         return known
@@ -187,7 +180,9 @@ class WholeMatrixSteps:
                 rows = per_rank[:, offset : offset + param.shard_numel]
                 whole.append(param.full_from_rows(rows))
                 offset += param.shard_numel
-            proxy = nn.Parameter(whole[0].to(param.sharded.dtype).clone(), requires_grad=param.sharded.requires_grad)
+            proxy = self._proxy(param)
+            proxy.data = whole[0].to(param.sharded.dtype).clone()
+            proxy.requires_grad_(param.sharded.requires_grad)
             proxy.grad = whole[1].to(param.sharded.grad.dtype).clone()
             state = {}
             layout = {entry.key: entry for entry in self._layouts.get(id(param.sharded), ())}
@@ -201,6 +196,20 @@ class WholeMatrixSteps:
             proxies[id(param.sharded)] = proxy
         return proxies
 
+    def _proxy(self, param: ShardedParam) -> nn.Parameter:
+        """``param``'s whole stand-in: the same object at every step (an optimizer may key what it keeps
+        by the parameter object), holding memory only during a step."""
+        proxy = self._proxies.get(id(param.sharded))
+        if proxy is None:
+            proxy = self._proxies[id(param.sharded)] = nn.Parameter(torch.empty(0, dtype=param.sharded.dtype))
+        return proxy
+
+    def _release(self, step: _Step) -> None:
+        """Free the stand-ins' memory until their next step (their identity stays)."""
+        for proxy in step.proxies.values():
+            proxy.grad = None
+            proxy.data = proxy.data.new_empty(0)
+
     def abandon(self, optimizer: torch.optim.Optimizer) -> None:
         """Forget a step of ``optimizer`` that raised after its matrices were gathered: its param
         groups point at the shards again (the shards and their state are as before that step)."""
@@ -211,6 +220,7 @@ class WholeMatrixSteps:
             group["params"] = params
         for proxy in step.proxies.values():
             optimizer.state.pop(proxy, None)
+        self._release(step)
 
     # ---- after the update ----------------------------------------------------------------------
 
@@ -234,6 +244,7 @@ class WholeMatrixSteps:
             for param in owned[rank]:
                 offset = self._take_back(optimizer, param, received, offset)
                 self._keep_apart(optimizer, param, states.get(id(param.sharded)) if rank == me else None)
+        self._release(step)
 
     def _learn_layouts(self, step: _Step, states: dict[int, dict[str, Any]]) -> None:
         """Each owner's state layouts after the step; published to every rank at a first step."""
@@ -242,16 +253,13 @@ class WholeMatrixSteps:
             state = states.get(id(param.sharded))
             if state is None:
                 continue
-            layout = tuple(_whole_entry(param, key, value) for key, value in sorted(state.items()))
+            layout = tuple(entry_of_whole(param, key, value) for key, value in sorted(state.items()))
             known = self._layouts.get(id(param.sharded))
             if known is not None and known != layout and not step.first:
-                raise RuntimeError(
-                    f"the optimizer changed the state of {param.fqn!r} after its first step ({known} -> {layout}); "
-                    "whole-matrix placement needs a fixed state layout"
-                )
+                layout = later_layout(param, known, layout)
             mine[param.fqn] = layout
         if step.first:
-            everyone: dict[str, tuple[_Entry, ...]] = {}
+            everyone: dict[str, tuple[StateEntry, ...]] = {}
             for part in collectives.all_gather_objects(mine, self._comm.group, self._ctx.watchdog):
                 everyone.update(part)
             for param in step.stepped:
@@ -344,23 +352,3 @@ class WholeMatrixSteps:
                 if apart:
                     held[id(shard)] = apart
         return held
-
-
-def _at_rest(param: ShardedParam, key: str, value: Any, rows: bool | None = None) -> _Entry:
-    """The layout entry of a state value as a rank holds it at rest: row-shaped as a loaded checkpoint
-    had it (``rows``), else guessed from the shard's shape."""
-    if not torch.is_tensor(value):
-        return _Entry(key, False, None, None)
-    if rows is None:
-        rows = value.shape == param.sharded.shape and not (param.shape == torch.Size([]) and key == "step")
-    if rows:
-        return _Entry(key, True, tuple(param.shape), value.dtype)
-    return _Entry(key, False, tuple(value.shape), value.dtype)
-
-
-def _whole_entry(param: ShardedParam, key: str, value: Any) -> _Entry:
-    """The layout entry of a state value of a whole stand-in (row-shaped: the parameter's shape)."""
-    if not torch.is_tensor(value):
-        return _Entry(key, False, None, None)
-    rows = tuple(value.shape) == tuple(param.shape) and not (param.shape == torch.Size([]) and key == "step")
-    return _Entry(key, rows, tuple(value.shape), value.dtype)

@@ -1,0 +1,71 @@
+"""Optimizers written for the tests: each one a way an optimizer can defeat a measurement or a
+placement (state kept outside ``optimizer.state``, state that appears after the first step, a global
+statistic that moves only after a few steps)."""
+
+from __future__ import annotations
+
+import torch
+
+
+class KeyedByParameter(torch.optim.Optimizer):
+    """Normalized momentum, kept in a dict keyed by the parameter object (not in ``self.state``): it
+    reads whole parameters, and placing it whole must hand it the same object at every step."""
+
+    def __init__(self, params, lr: float = 1e-2) -> None:
+        super().__init__(params, {"lr": lr})
+        self.memory: dict[torch.Tensor, torch.Tensor] = {}
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                momentum = self.memory.setdefault(p, torch.zeros_like(p))
+                momentum.mul_(0.9).add_(p.grad)
+                p.add_(momentum / (momentum.norm() + 1e-12), alpha=-group["lr"])
+
+
+class LateState(torch.optim.Optimizer):
+    """Normalized gradients; from step ``late`` on an average of the parameter (a new state entry of
+    the parameter's shape) pulls the update."""
+
+    def __init__(self, params, lr: float = 1e-2, late: int = 2) -> None:
+        super().__init__(params, {"lr": lr})
+        self.late = late
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                state["n"] = state.get("n", 0) + 1
+                update = p.grad / (p.grad.norm() + 1e-12)
+                if state["n"] >= self.late:
+                    average = state.setdefault("average", p.detach().clone())
+                    average.lerp_(p, 0.5)
+                    update = update + 0.1 * (p - average)
+                p.add_(update, alpha=-group["lr"])
+
+
+class SlowGlobal(torch.optim.Optimizer):
+    """SGD whose step size, after ``warmup`` steps (a number no hyperparameter announces as a step
+    count), divides by the root of the mean squared gradient norm over every parameter so far: a
+    global statistic that changes no update during the first steps."""
+
+    def __init__(self, params, lr: float = 1e-2, warmup: int = 12) -> None:
+        super().__init__(params, {"lr": lr})
+        self.total, self.count, self._after = 0.0, 0, warmup
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.count += 1
+        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+        self.total += sum(float(g.square().sum()) for g in grads)
+        scale = 1.0 if self.count <= self._after else (self.total / self.count) ** -0.5
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"] * scale)

@@ -1,0 +1,250 @@
+"""No optimizer trains silently wrong: what the measurement on small tensors cannot see, the
+measurement on the model's own parameters and first gradients does ([Note: measure what will run]),
+everything an optimizer keeps is compared (a global statistic shows before it moves an update), and
+placing a parameter whole is exact for state kept by parameter object or appearing after the first
+step. Against one process on the global batch and against Lightning's DDP, at world 2 and 3, with the
+default wrapping (the whole model one unit) and per-Linear units; a refused optimizer changes no
+weight."""
+
+from __future__ import annotations
+
+import warnings
+
+import galore_torch
+import lightning as L
+import pytest
+import pytorch_optimizer as po
+import torch
+from custom_optimizers import KeyedByParameter, LateState, SlowGlobal
+from dist_utils import run_ranks
+from test_strategy import LIGHTNING_ENV, quiet_trainer
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from fsdp_strategy import FSDPCustomStrategy
+from fsdp_strategy.checkpoint import full_state_dict
+from fsdp_strategy.engine import get_scheduler, shard_model
+from fsdp_strategy.engine.optimizer_probe import measure, toy_shapes
+from fsdp_strategy.engine.probe_compare import _difference
+from fsdp_strategy.options import UpdateKind
+
+STEPS = 16
+
+
+def _mlp() -> nn.Module:
+    """The issue's model: 47 x 37, 11 x 47 and 5 x 11 weights (rows split unevenly over 2 and 3)."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(37, 47), nn.Tanh(), nn.Linear(47, 11), nn.Tanh(), nn.Linear(11, 5)).double()
+
+
+def _matrices_and_rest(model: nn.Module) -> tuple[list, list]:
+    params = list(model.parameters())
+    return [p for p in params if p.dim() == 2], [p for p in params if p.dim() != 2]
+
+
+def _ada_muon(model):
+    matrices, rest = _matrices_and_rest(model)
+    return po.AdaMuon([{"params": matrices, "use_muon": True}, {"params": rest, "use_muon": False}], lr=2e-2)
+
+
+def _galore(cls, **extra):
+    def make(model):
+        matrices, rest = _matrices_and_rest(model)
+        low_rank = {"rank": 4, "update_proj_gap": 3, "scale": 0.25, "proj_type": "std"}
+        return cls([{"params": rest}, {"params": matrices, **low_rank}], lr=1e-2, **extra)
+
+    return make
+
+
+def _distributed_muon(model):
+    matrices, rest = _matrices_and_rest(model)
+    return po.DistributedMuon([{"params": matrices, "use_muon": True}, {"params": rest, "use_muon": False}])
+
+
+EXACT, AGAINST_DDP = "exact", "exact against DDP's gradients"
+CASES = {  # name -> (build from the model, what must happen: EXACT, AGAINST_DDP or the refusal's words)
+    "SOAP": (lambda m: po.SOAP(m.parameters(), lr=1e-2), AGAINST_DDP),
+    "Shampoo": (lambda m: po.Shampoo(m.parameters(), lr=1e-2), EXACT),
+    "AdaMuon, matrices alone in their group": (_ada_muon, EXACT),
+    "GaLoreAdamW": (_galore(galore_torch.GaLoreAdamW), EXACT),
+    "GaLoreAdafactor": (_galore(galore_torch.GaLoreAdafactor, relative_step=False, scale_parameter=False), EXACT),
+    "state keyed by the parameter object": (lambda m: KeyedByParameter(m.parameters()), EXACT),
+    "state that appears after the first step": (lambda m: LateState(m.parameters()), EXACT),
+    "ScalableShampoo preconditioned from step 1": (
+        lambda m: po.ScalableShampoo(
+            m.parameters(), lr=1e-2, start_preconditioning_step=1, preconditioning_compute_steps=1
+        ),
+        "draws random numbers in its step, so no two layouts of the same step can be compared (on the model's",
+    ),
+    "Prodigy at lr 1e-2 (d not moving while measured)": (
+        lambda m: po.Prodigy(m.parameters(), lr=1e-2),
+        "changed its param group's 'd_",
+    ),
+    "DAdaptAdam at lr 1e-2": (
+        lambda m: po.DAdaptAdam(m.parameters(), lr=1e-2),
+        "its param group's 'numerator_weighted'",
+    ),
+    "a global statistic that moves after 12 steps": (lambda m: SlowGlobal(m.parameters()), "its attribute 'total'"),
+    "DistributedMuon": (_distributed_muon, "it communicates in its step (c10d::allgather_)"),
+    "SPAM": (lambda m: po.SPAM(m.parameters(), lr=1e-2), "it draws random numbers when it is built"),
+}
+WRAPPINGS = {"whole model one unit": {}, "per-Linear units": {"auto_wrap_policy": {nn.Linear}}}
+
+
+def _batches(world: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(3)
+    return [torch.randn(4 * world, 37, generator=generator, dtype=torch.float64) for _ in range(STEPS)]
+
+
+def _loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x).square().mean()
+
+
+def _sharded_body(rank: int, world: int) -> dict:
+    warnings.filterwarnings("ignore")
+    out = {}
+    for wrapping, options in WRAPPINGS.items():
+        for name, (make, _) in CASES.items():
+            model = shard_model(_mlp(), **options)
+            optimizer = make(model)
+            before = full_state_dict(model, rank0_only=False)
+            try:
+                for x in _batches(world):
+                    _loss(model, x.chunk(world)[rank]).backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+                out[(wrapping, name)] = ("trained", full_state_dict(model, rank0_only=False))
+            except TypeError as error:
+                after = full_state_dict(model, rank0_only=False)
+                unchanged = all(torch.equal(before[k], after[k]) for k in before)
+                out[(wrapping, name)] = ("refused", str(error), unchanged)
+            get_scheduler(model).close()
+    return out
+
+
+def _one_process(make, world: int, ddp: bool) -> dict:
+    """The oracle: one process on the global batch; with ``ddp``, on the mean of the ranks' gradients
+    summed in rank order (what a data-parallel reduction gives, to the last bit at world 2). With one
+    thread, as the ranks run: LAPACK's QR on 2 threads differs from 1 thread in the last bits."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _one_process_steps(make, world, ddp)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _one_process_steps(make, world: int, ddp: bool) -> dict:
+    model = _mlp()
+    optimizer = make(model)
+    for x in _batches(world):
+        if ddp:
+            grads = []
+            for chunk in x.chunk(world):
+                model.zero_grad()
+                _loss(model, chunk).backward()
+                grads.append([p.grad.clone() for p in model.parameters()])
+            for param, *per_rank in zip(model.parameters(), *grads):
+                param.grad = sum(per_rank[1:], per_rank[0]) / world
+        else:
+            _loss(model, x).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model.state_dict()
+
+
+def _relative(got: dict, expected: dict) -> float:
+    return max(((got[k] - v).abs().max() / v.abs().max()).item() for k, v in expected.items())
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_optimizer_is_exact_or_refused_before_it_changes_a_weight(tmp_path, world):
+    warnings.filterwarnings("ignore")
+    results = run_ranks(_sharded_body, world, tmp_path, timeout=600)[0]
+    for (wrapping, name), result in results.items():
+        make, expected = CASES[name]
+        if expected in (EXACT, AGAINST_DDP):
+            assert result[0] == "trained", (wrapping, name, result[1])
+            if expected == EXACT:
+                assert _relative(result[1], _one_process(make, world, ddp=False)) < 1e-9, (wrapping, name)
+            else:  # SOAP's eigenbases of rank-deficient statistics turn the last bits of a gradient's sum
+                # into large differences, for DDP as for us (DDP is 0.3 off one process on the global batch)
+                assert _relative(result[1], _one_process(make, world, ddp=True)) < 1e-12, (wrapping, name)
+        else:
+            assert result[0] == "refused", (wrapping, name)
+            assert expected in result[1], (wrapping, name, result[1])
+            assert "optimizer_updates={" in result[1], result[1]  # the way to declare it
+            assert result[2], (wrapping, name, "a refused step changed a weight")
+
+
+def test_what_an_optimizer_keeps_is_compared_not_only_its_update():
+    weight, bias = nn.Parameter(torch.randn(4, 3)), nn.Parameter(torch.randn(3))
+    prodigy = po.Prodigy([weight, bias], lr=1e-2)  # d stays at d0 for the probe's steps; d_numerator moves
+    found = measure(prodigy, prodigy.param_groups[0])
+    assert found.kind is None and "param group's 'd_" in found.reason, found.reason
+    slow = SlowGlobal([weight, bias])
+    found = measure(slow, slow.param_groups[0])
+    assert found.kind is None and "its attribute 'total'" in found.reason, found.reason
+    keyed = KeyedByParameter([weight, bias])  # kept by parameter object: per parameter, placed whole
+    assert measure(keyed, keyed.param_groups[0]).kind is UpdateKind.WHOLE_MATRIX
+    spam = po.SPAM([weight, bias], lr=1e-2)
+    assert "when it is built" in measure(spam, spam.param_groups[0]).reason
+    # only the kinds of tensors a group holds: a group of matrices alone is never given a vector
+    assert toy_shapes({"params": [weight]}) == ((7, 6), (5, 6))
+    assert toy_shapes({"params": [weight, bias]}) == ((7, 6), (6,))
+    assert toy_shapes({"params": [torch.zeros(2, 3, 4, 5)]}) == ((7, 6, 5, 4), (5, 4, 5, 6))
+    muon = po.AdaMuon([{"params": [weight], "use_muon": True}], lr=2e-2)
+    assert measure(muon, muon.param_groups[0]).kind is UpdateKind.WHOLE_MATRIX
+    # a statistic of tiny values is compared at its own scale; rounding is not a difference
+    assert _difference(torch.tensor([1e-20, 2e-20]), torch.tensor([1.5e-20, 2e-20])) > 0.1
+    assert _difference(torch.tensor([1.0, 1e-9]), torch.tensor([1.0 + 1e-16, 1e-9])) < 1e-12
+
+
+# ---- the Trainer against Lightning's DDP ----------------------------------------------------------
+
+
+class Measured(L.LightningModule):
+    """An optimizer measured on the model's parameters only (AdaMuon: a group of matrices alone), with
+    clipping and an LR schedule."""
+
+    def __init__(self, optimizer: str) -> None:
+        super().__init__()
+        self.net, self.losses, self.optimizer_name = _mlp().float(), [], optimizer
+
+    def training_step(self, batch, batch_idx):
+        loss = _loss(self.net, batch[0])
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self):
+        if self.optimizer_name == "ScalableShampoo":
+            return po.ScalableShampoo(self.parameters(), start_preconditioning_step=1, preconditioning_compute_steps=1)
+        optimizer = _ada_muon(self)
+        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5)}
+
+
+def _lightning_body(rank: int, world: int) -> dict:
+    warnings.filterwarnings("ignore")
+    data = TensorDataset(torch.randn(48, 37, generator=torch.Generator().manual_seed(8)))
+    runs = {}
+    for name, strategy in (("ours", lambda: FSDPCustomStrategy(auto_wrap_policy={nn.Linear})), ("ddp", lambda: "ddp")):
+        module = Measured("AdaMuon")
+        trainer = quiet_trainer(strategy=strategy(), devices=world, max_steps=4, gradient_clip_val=0.05)
+        trainer.fit(module, DataLoader(data, batch_size=4))
+        runs[name] = module.losses
+    module = Measured("ScalableShampoo")
+    trainer = quiet_trainer(strategy=FSDPCustomStrategy(), devices=world, max_steps=2)
+    try:
+        trainer.fit(module, DataLoader(data, batch_size=4))
+        runs["refused"] = "trained"
+    except TypeError as error:
+        runs["refused"] = str(error)
+    return runs
+
+
+def test_trainer_with_an_optimizer_measured_on_the_model_equals_ddp(tmp_path):
+    ranks = run_ranks(_lightning_body, 2, tmp_path, env=LIGHTNING_ENV, timeout=300)
+    for runs in ranks:
+        assert len(runs["ours"]) == 4 and runs["ours"] == pytest.approx(runs["ddp"], rel=1e-5)
+        assert "ScalableShampoo on sharded parameters" in runs["refused"], runs["refused"]
+        assert "on the model's" in runs["refused"]
