@@ -73,11 +73,12 @@ class DataPosition:
         self.consumed_batches = consumed_batches
 
     def state_dict(self) -> dict[str, int]:
-        """The epoch and the global samples the whole job has consumed of it."""
+        """The epoch and the global samples the whole job has consumed of it, with the batch that took them."""
         return {
             "epoch": self.sampler.epoch,
             "consumed_samples": self.consumed_batches() * self.batch_size * self.sampler.num_replicas,
             "world_size": self.sampler.num_replicas,
+            "batch_size": self.batch_size,
         }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
@@ -102,6 +103,59 @@ def make_resumable(dataloader: Any, consumed_batches: Callable[[], int]) -> tupl
     resumable.epoch = sampler.epoch
     loader = _update_dataloader(dataloader, resumable)
     return loader, DataPosition(resumable, loader.batch_size or 1, consumed_batches)
+
+
+def reopen_stopped_epoch(checkpoint: dict[str, Any], position: dict[str, int]) -> bool:
+    """[Note: an epoch stopped, not finished] A fit that stops inside an epoch (``max_steps``,
+    ``max_time``, a stop request) ends the epoch loop there and counts the epoch as finished; the
+    checkpoint saved at its end (``save_last``, ``trainer.save_checkpoint``) says so, and a resume
+    from it starts the next epoch: the rest of this one is never seen, and every later step trains on
+    other samples than the uninterrupted run. The data position says how far the epoch went: where
+    the loop state counts the position's epoch as finished but its last batch was never reached
+    (``is_last_batch`` false: an epoch cut by ``limit_train_batches`` reaches it), the epoch is
+    reopened in ``checkpoint``'s loop state, as a checkpoint saved inside it would have it. Returns
+    whether it did. Costs: a look at a few counters."""
+    fit = checkpoint.get("loops", {}).get("fit_loop", {})
+    epochs, batches = fit.get("epoch_progress"), fit.get("epoch_loop.batch_progress")
+    if not epochs or not batches or batches.get("is_last_batch", True) or not position.get("consumed_samples"):
+        return False
+    total, current = epochs["total"], epochs["current"]
+    finished = position["epoch"] + 1
+    counts = [total[key] for key in ("ready", "started", "processed", "completed")]
+    if counts != [finished] * 4 or current["completed"] != finished:
+        return False
+    for progress in (total, current):
+        progress["processed"] -= 1
+        progress["completed"] -= 1
+    if isinstance(checkpoint.get("epoch"), int):
+        checkpoint["epoch"] = position["epoch"]
+    return True
+
+
+def describe_batch_change(saved: dict[str, int], batch_size: int, world_size: int) -> str | None:
+    """What a resume at another number of ranks (or another per-rank batch) changes: the global batch
+    of every step from here on, old beside new, and what to change to keep it; None if nothing does."""
+    old_world, old_batch = saved.get("world_size"), saved.get("batch_size")
+    if old_world is None or (old_world, old_batch or batch_size) == (world_size, batch_size):
+        return None
+    old_batch = old_batch or batch_size  # a checkpoint that did not record it: the per-rank batch kept
+    old, new = old_world * old_batch, world_size * batch_size
+    if old == new:
+        return (
+            f"fsdp_custom: the checkpoint was trained on {old_world} ranks x {old_batch} samples, this run has "
+            f"{world_size} ranks x {batch_size}: the same global batch of {new} samples per step"
+        )
+    keep = []
+    if old % world_size == 0:
+        keep.append(f"a per-rank batch of {old // world_size}")
+    if old % new == 0:
+        keep.append(f"accumulate_grad_batches={old // new}")
+    how = f"to keep {old} per step, {' or '.join(keep)}; or " if keep else "you may want to "
+    return (
+        f"fsdp_custom: the checkpoint was trained on {old_world} ranks x {old_batch} samples = {old} per step; this "
+        f"run has {world_size} ranks x {batch_size} = {new} per step ({new / old:.3g}x) with the same learning "
+        f"rate: {how}scale the learning rate with the batch"
+    )
 
 
 def recount_batches(progress: Any, consumed_samples: int, position: DataPosition, epoch_batches: int) -> None:

@@ -16,15 +16,23 @@ import lightning.pytorch as pl
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
 
 from fsdp_strategy import averaging
 from fsdp_strategy import checkpoint as ckpt
-from fsdp_strategy.checkpoint import full, layout, sharded, sharded_load, storage
+from fsdp_strategy.checkpoint import full, layout, names, sharded, sharded_load, storage
 from fsdp_strategy.checkpoint.storage import Location
 from fsdp_strategy.checkpoint.writer import save_targets
-from fsdp_strategy.data import DATA_POSITION_KEY, DataPosition, ExactResumeNotice, make_resumable, recount_batches
+from fsdp_strategy.data import (
+    DATA_POSITION_KEY,
+    DataPosition,
+    ExactResumeNotice,
+    describe_batch_change,
+    make_resumable,
+    recount_batches,
+    reopen_stopped_epoch,
+)
 from fsdp_strategy.engine import is_sharded
 
 
@@ -203,25 +211,40 @@ class CheckpointHooks:
         assert self.model is not None
         checkpoint, averaged = pending.checkpoint, self._averaging_callback()
         with_average = "averaging_state" in checkpoint  # written with WeightAveraging
+        self._refuse_other_optimizers(pending)
         if pending.is_folder:
-            rank_zero_info(
-                f"fsdp_custom: loading {pending.path}: {sharded.describe_resharding(pending.meta, self.model)}"
-            )
             sharded_load.load_tensors(pending.path, self.model, [], checkpoint, strict, meta=pending.meta)
+            rank_zero_info(
+                f"fsdp_custom: loaded {pending.path}: {sharded.describe_resharding(pending.meta, self.model)}"
+            )
             if averaged is not None and with_average:
                 averaging.load_sharded_average(pending.path, self.model, averaged)
         else:
-            world = self.world_size
-            takes = "one rank takes every row" if world == 1 else f"each of {world} ranks takes its rows"
-            rank_zero_info(f"fsdp_custom: loading full checkpoint {pending.path}: {takes}")
             current = checkpoint.get("current_model_state") if with_average else None
             weights = checkpoint if current is None else {**checkpoint, "state_dict": current}
             full.apply_full_checkpoint(weights, self.model, [], strict, pending.path)
+            world = self.world_size
+            takes = "one rank took every row" if world == 1 else f"each of {world} ranks took its rows"
+            rank_zero_info(f"fsdp_custom: loaded full checkpoint {pending.path}: {takes}")
             if averaged is not None and current is not None:
                 averaging.load_full_average(self.model, averaged, checkpoint["state_dict"])
         if averaged is not None and not with_average:  # as WeightAveraging: both start from the weights
             averaging.copy_current(self.model, averaged)
         pending.weights_loaded = True
+
+    def _refuse_other_optimizers(self, pending: _CheckpointToLoad) -> None:
+        """Before a resume loads anything: a checkpoint whose optimizer states have other param groups
+        than this run's optimizers was trained with another optimizer (or grouping): refused, saying so."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or trainer.state.fn != TrainerFn.FITTING or not self.optimizers:
+            return
+        if pending.is_folder:
+            counts = sharded_load.saved_group_counts(pending.path)
+        else:
+            counts = [len(s.get("param_groups", ())) for s in pending.checkpoint.get("optimizer_states", ())]
+        for optimizer, saved in zip(self.optimizers, counts):
+            if saved is not None:
+                names.check_group_count(saved, optimizer, pending.path)
 
     def _averaging_callback(self) -> Any:
         """The trainer's WeightAveraging callback once its sharded average is built, else None."""
@@ -236,6 +259,8 @@ class CheckpointHooks:
             return dataloader
         progress = trainer.fit_loop.epoch_loop.batch_progress
         loader, self._data_position = make_resumable(dataloader, lambda: progress.current.processed)
+        if self._data_position_to_load is not None:
+            self._say_what_resumes(dataloader, self._data_position_to_load)
         if self._data_position is not None and self._data_position_to_load is not None:
             self._data_position.load_state_dict(self._data_position_to_load)
             consumed = self._data_position_to_load["consumed_samples"]
@@ -245,6 +270,22 @@ class CheckpointHooks:
                 self._resume_notice.install(self._data_position_to_load)
         self._data_position_to_load = None
         return loader
+
+    def _say_what_resumes(self, dataloader: Any, saved: dict[str, int]) -> None:
+        """Before a resumed fit: what differs from the run that saved (the global batch at another number
+        of ranks), and, where the epoch cannot resume where it stopped (a sampler of the user's own), that."""
+        if self._data_position is not None:
+            change = describe_batch_change(saved, self._data_position.batch_size, self.world_size)
+            if change:
+                rank_zero_warn(change)
+        elif saved.get("consumed_samples"):
+            sampler = type(getattr(dataloader, "sampler", None)).__name__
+            rank_zero_warn(
+                f"fsdp_custom: the checkpoint stopped {saved['consumed_samples']} samples into epoch {saved['epoch']}, "
+                f"but this training dataloader's sampler ({sampler}) is not the DistributedSampler the strategy can "
+                "position: the epoch starts again from its first batch, and the samples of the following steps "
+                "differ from those of an uninterrupted run"
+            )
 
     def _take_data_position(self, checkpoint: dict[str, Any]) -> None:
         """Keep a loaded checkpoint's data position for the training dataloader (built after the
@@ -256,4 +297,6 @@ class CheckpointHooks:
         if position is None and legacy:
             position = legacy[0]
         fitting = self.lightning_module is not None and self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        if fitting and position is not None:
+            reopen_stopped_epoch(checkpoint, position)  # [Note: an epoch stopped, not finished] in data.py
         self._data_position_to_load = position if fitting else None

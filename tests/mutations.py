@@ -220,6 +220,15 @@ MUTATIONS = [
         ("tests/test_resume.py::test_resume_is_exact_at_the_same_world_size",),
     ),
     Mutation(
+        "stopped_epoch_counted_finished",
+        "a fit stopped inside an epoch (max_steps, max_time) resumes from its end-of-fit checkpoint at the next "
+        "epoch (the rest of the stopped one never seen)",
+        "fsdp_strategy/strategy_checkpoints.py",
+        "            reopen_stopped_epoch(checkpoint, position)",
+        "            pass",
+        ("tests/test_resume_stops.py::test_a_fit_stopped_off_the_checkpoint_grid_resumes_sample_by_sample",),
+    ),
+    Mutation(
         "optimizers_assumed_elementwise",
         "an optimizer the engine does not know is assumed elementwise instead of measured",
         "fsdp_strategy/engine/optimizer_kinds.py",

@@ -39,6 +39,14 @@ class StrictLoadError(CheckpointError, RuntimeError):
     ``load_state_dict`` raises (code that catches that catches this), naming the file and the keys."""
 
 
+def shortened(keys: Any, shown: int = 5) -> str:
+    """``keys`` sorted, as a list of the first ``shown`` and a count of the rest (an error stays readable
+    for a model of thousands of keys)."""
+    ordered = sorted(map(str, keys))
+    head = ", ".join(repr(k) for k in ordered[:shown])
+    return f"[{head}, ... {len(ordered) - shown} more]" if len(ordered) > shown else f"[{head}]"
+
+
 class CheckpointSaveError(OSError):
     """A save that failed on some rank (a full disk, a lost connection): raised on every rank."""
 

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fsdp_strategy.checkpoint.layout import CheckpointError, StrictLoadError
+from fsdp_strategy.checkpoint.layout import CheckpointError, StrictLoadError, shortened
 from fsdp_strategy.engine.param import ShardedParam
 from fsdp_strategy.engine.view import ShardsView
 
@@ -181,9 +181,11 @@ def load_plan(
             raise StrictLoadError(f"{source}: {error}") from None
     missing, unexpected = list(result.missing_keys), list(result.unexpected_keys)
     if strict and (missing or unexpected):
+        expected = len(values) - len(unexpected) + len(missing)
         raise StrictLoadError(
-            f"{source}: checkpoint of another model: keys missing from it {sorted(missing)}, unexpected keys "
-            f"{sorted(unexpected)}"
+            f"{source}: checkpoint of another model? {len(missing)} of the model's {expected} keys are missing from "
+            f"it and it holds {len(unexpected)} the model does not have; nothing was loaded: keys missing from it "
+            f"{shortened(missing)}, unexpected keys {shortened(unexpected)}"
         )
     for destination, origin in recorder.copies:
         _refuse_complex_mismatch(source, probes.get(_storage(origin)), destination)

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp_strategy.checkpoint.layout import CheckpointError
+from fsdp_strategy.checkpoint.layout import CheckpointError, shortened
 from fsdp_strategy.engine.param import ShardedParam
 from fsdp_strategy.engine.view import ShardsView
 
@@ -86,21 +86,32 @@ def named_groups(optimizer: torch.optim.Optimizer, owners: Mapping[int, ShardedP
     ]
 
 
+def check_group_count(saved: int, optimizer: torch.optim.Optimizer, source: Any) -> None:
+    """A checkpoint's optimizer state of ``saved`` param groups fits ``optimizer`` only with as many:
+    else a ``CheckpointError`` whose first words are the likely cause."""
+    if saved != len(optimizer.param_groups):
+        raise CheckpointError(
+            f"{source}: was it trained with another optimizer? Its optimizer state has {saved} param groups, this "
+            f"run's {type(optimizer).__name__} has {len(optimizer.param_groups)} (another optimizer or another "
+            "grouping of the parameters, e.g. the examples' optimizer.name); nothing was loaded"
+        )
+
+
 def resolve_ids(
     optimizer: torch.optim.Optimizer, owners: Mapping[int, ShardedParam], saved_groups: list[dict], source: Any
 ) -> dict[Any, ShardedParam]:
     """``saved id -> ShardedParam``: by name when every saved id is a string, else by position."""
     held = optimizer_params(optimizer, owners)
-    if len(saved_groups) != len(held):
-        raise CheckpointError(
-            f"{source}: optimizer state has {len(saved_groups)} param groups, the optimizer has {len(held)}"
-        )
+    check_group_count(len(saved_groups), optimizer, source)
     saved_ids = [i for group in saved_groups for i in group["params"]]
     if saved_ids and all(isinstance(i, str) for i in saved_ids):
         by_name = {p.fqn: p for params in held for p in params}
         unknown = sorted(set(saved_ids) - set(by_name))
         if unknown:
-            raise CheckpointError(f"{source}: optimizer state for parameters the optimizer does not hold: {unknown}")
+            raise CheckpointError(
+                f"{source}: checkpoint of another model? It has optimizer state for {len(unknown)} parameters this "
+                f"optimizer does not hold: {shortened(unknown)}"
+            )
         return {i: by_name[i] for i in saved_ids}
     mapping = {}
     for index, (group, params) in enumerate(zip(saved_groups, held)):

@@ -14,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from fsdp_strategy.checkpoint import layout, module_state, names, storage
-from fsdp_strategy.checkpoint.layout import CheckpointError
+from fsdp_strategy.checkpoint.layout import CheckpointError, shortened
 from fsdp_strategy.checkpoint.sharded import checkpoint_view, dcp_reader, optimizer_keys, stored_tensors
 from fsdp_strategy.checkpoint.storage import Location
 from fsdp_strategy.engine import collectives
@@ -104,11 +104,17 @@ def _optimizer_targets(
     by_fqn = {p.fqn: p for p in owners.values()}
     unknown = sorted({fqn for fqn, _ in state_keys} - set(by_fqn))
     if unknown:
-        raise CheckpointError(f"{where}: optimizer state for parameters the model does not have: {unknown}")
+        raise CheckpointError(
+            f"{where}: checkpoint of another model? It has optimizer state for {len(unknown)} parameters the model "
+            f"does not have: {shortened(unknown)}"
+        )
     held = {p.fqn for group in names.optimizer_params(optimizer, owners) for p in group}
     unheld = sorted({fqn for fqn, _ in state_keys} - held)
     if unheld:
-        raise CheckpointError(f"{where}: optimizer state for parameters the optimizer does not hold: {unheld}")
+        raise CheckpointError(
+            f"{where}: checkpoint of another model? It has optimizer state for {len(unheld)} parameters this "
+            f"optimizer does not hold: {shortened(unheld)}"
+        )
     mesh = view.mesh
     flat, local_state = {}, {}
     for (fqn, key), flat_key in state_keys.items():
@@ -275,6 +281,18 @@ def _model_targets(
 def _meta(shapes: dict[str, tuple], plan: module_state.LoadPlan) -> dict[str, torch.Tensor]:
     """Meta stand-ins of the entries loaded into shards, for the plain ``load_state_dict``."""
     return {name: torch.empty(shapes[name], device="meta") for name in plan.params}
+
+
+def saved_group_counts(folder: Location) -> list[int | None]:
+    """Per optimizer of the Trainer's layout (``optimizer_<i>``, in order), how many param groups its
+    stored state has (None where the folder does not say: format 1). Reads the metadata only."""
+    stored = _StoredKeys(folder)
+    counts: dict[int, set] = {}
+    for path in stored.paths.values():
+        if path[0].startswith("optimizer_") and path[0][10:].isdigit() and len(path) > 2 and path[1] == "param_groups":
+            counts.setdefault(int(path[0][10:]), set()).add(path[2])
+    indexed = sorted({int(top[10:]) for top in stored.tops() if top.startswith("optimizer_") and top[10:].isdigit()})
+    return [len(counts[i]) if i in counts else None for i in indexed]
 
 
 def saved_optimizer_count(folder: Location) -> int:

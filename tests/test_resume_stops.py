@@ -1,0 +1,245 @@
+"""A run resumed from the checkpoint its fit left, whatever stopped it (``max_steps``, ``max_time`` or
+``max_epochs``, off the checkpoint grid, or an exception), trains every following step on the samples of the
+uninterrupted run and to its losses, at the same and at another world size (the same global batch),
+from sharded and full checkpoints ([Note: an epoch stopped, not finished] in data.py); a resume that
+changes the global batch says so, old beside new."""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+from dist_utils import run_ranks
+from lightning.pytorch.callbacks import ModelCheckpoint
+from test_strategy import LIGHTNING_ENV
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from fsdp_strategy import FSDPCustomStrategy
+from fsdp_strategy.checkpoint.layout import shortened
+from fsdp_strategy.data import describe_batch_change, reopen_stopped_epoch
+
+SAMPLES, GLOBAL_BATCH = 96, 12  # 8 steps per epoch at any world size that divides 12
+GRID = 50  # a periodic checkpoint every 50 steps: none before the stops below, so ``last`` is the fit's end
+
+
+class Interrupted(RuntimeError):
+    """What ends a run "on an exception" below."""
+
+
+class Indexed(L.LightningModule):
+    """A linear model that records the sample ids and the loss of each step."""
+
+    def __init__(self, sleep: float = 0.0, fail_at: int | None = None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net, self.sleep, self.steps = nn.Linear(5, 1).double(), sleep, []
+        self.fail_at = fail_at  # raise inside this step (every rank alike), as a crash would
+
+    def on_train_start(self) -> None:
+        self.start = self.trainer.global_step  # where a resumed fit starts
+
+    def training_step(self, batch, batch_idx):
+        x, ids = batch
+        if self.trainer.global_step == self.fail_at:
+            raise Interrupted(f"stopped at step {self.fail_at}")
+        loss = self.net(x).square().mean()
+        self.steps.append((ids.tolist(), loss.item()))
+        time.sleep(self.sleep)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+
+def _data(world: int) -> DataLoader:
+    x = torch.randn(SAMPLES, 5, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    return DataLoader(TensorDataset(x, torch.arange(SAMPLES)), batch_size=GLOBAL_BATCH // world, shuffle=True)
+
+
+def _fit(
+    world: int, root: str, ckpt: str | None = None, sleep: float = 0.0, state: str = "sharded", fail_at=None, **stop
+) -> dict:
+    """Fit to ``stop``; per step, the samples of every rank (sorted) and the mean loss."""
+    module = Indexed(sleep, fail_at)
+    trainer = L.Trainer(
+        strategy=FSDPCustomStrategy(state_dict_type=state),
+        accelerator="cpu",
+        devices=world,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[
+            ModelCheckpoint(
+                dirpath=root, every_n_train_steps=GRID, save_top_k=-1, save_last=True, save_on_exception=True
+            )
+        ],
+        **stop,
+    )
+    try:
+        trainer.fit(module, _data(world), ckpt_path=ckpt)
+    except Interrupted:
+        pass
+    everyone = [None] * world
+    dist.all_gather_object(everyone, module.steps)
+    steps = []
+    for at_step in zip(*everyone):
+        steps.append((sorted(i for ids, _ in at_step for i in ids), sum(loss for _, loss in at_step) / world))
+    return {"steps": steps, "global_step": trainer.global_step, "start": module.start}
+
+
+STOPS = {  # how the first run stops, and how far the resumed one goes
+    "max_steps": ({"max_steps": 5}, {"max_steps": 13}),
+    "max_epochs": ({"max_epochs": 1}, {"max_epochs": 2}),
+    "max_time": ({"max_time": {"seconds": 2}, "max_steps": 13}, {"max_steps": 13}),
+    "an exception": ({"max_steps": 13, "fail_at": 5}, {"max_steps": 13}),
+}
+
+
+def _stop_body(rank: int, world: int, root: str, phase: str) -> dict:
+    warnings.filterwarnings("ignore")
+    out = {}
+    if phase == "save":
+        out["uninterrupted"] = _fit(world, f"{root}/uninterrupted", max_steps=16)
+        for name, (stop, _) in STOPS.items():
+            sleep = 0.4 if name == "max_time" else 0.0  # a few steps into the first epoch of 8
+            state = "full" if name == "max_steps" else "sharded"
+            out[name] = _fit(world, f"{root}/{name}", sleep=sleep, state=state, **stop)
+    if phase == "chain":  # the third link: back at 2 ranks from the 3 ranks' stop
+        out["chained"] = _fit(world, f"{root}/chain-end", f"{root}/chain/last.ckpt", max_steps=16)
+        return out
+    for name, (_, further) in STOPS.items():
+        out[(name, "resumed")] = _fit(world, f"{root}/{name}-{world}", f"{root}/{name}/last.ckpt", **further)
+    if phase == "resume":  # the second link of a chain: stopped again inside the next epoch
+        out["chain"] = _fit(world, f"{root}/chain", f"{root}/max_steps/last.ckpt", max_steps=10)
+    return out
+
+
+def _assert_continues(stopped: dict, resumed: dict, uninterrupted: dict, where: str) -> None:
+    start = resumed["start"]
+    assert start == stopped["global_step"], (where, start)  # the checkpoint of the fit's end
+    assert 0 < start < len(uninterrupted["steps"]), (where, start)
+    before = uninterrupted["steps"][stopped["start"] : start]
+    assert [ids for ids, _ in stopped["steps"]] == [ids for ids, _ in before], where
+    assert [loss for _, loss in stopped["steps"]] == pytest.approx([loss for _, loss in before], rel=1e-9), where
+    expected = uninterrupted["steps"][start : start + len(resumed["steps"])]
+    assert len(resumed["steps"]) > 2, (where, len(resumed["steps"]))
+    assert [ids for ids, _ in resumed["steps"]] == [ids for ids, _ in expected], where
+    assert [loss for _, loss in resumed["steps"]] == pytest.approx([loss for _, loss in expected], rel=1e-9), where
+
+
+def test_a_fit_stopped_off_the_checkpoint_grid_resumes_sample_by_sample(tmp_path):
+    """Every stop at 2 ranks, each resumed at 2 and at 3; and a chain 2 -> 3 -> 2 stopped inside epochs."""
+    saved = run_ranks(_stop_body, 2, tmp_path, str(tmp_path), "save", env=LIGHTNING_ENV, timeout=300)[0]
+    assert saved["max_steps"]["global_step"] == 5 and saved["max_epochs"]["global_step"] == 8
+    assert saved["an exception"]["global_step"] == 5
+    assert 1 < saved["max_time"]["global_step"] < 8, saved["max_time"]["global_step"]  # inside the first epoch
+    other = run_ranks(_stop_body, 3, tmp_path, str(tmp_path), "resume", env=LIGHTNING_ENV, timeout=300)[0]
+    for name in STOPS:
+        for world, resumed in ((2, saved[(name, "resumed")]), (3, other[(name, "resumed")])):
+            _assert_continues(saved[name], resumed, saved["uninterrupted"], f"{name} resumed at world {world}")
+    chained = run_ranks(_stop_body, 2, tmp_path, str(tmp_path), "chain", env=LIGHTNING_ENV, timeout=300)[0]
+    _assert_continues(saved["max_steps"], other["chain"], saved["uninterrupted"], "2 -> 3 ranks")
+    _assert_continues(other["chain"], chained["chained"], saved["uninterrupted"], "2 -> 3 -> 2 ranks")
+
+
+def test_the_loop_state_of_a_stopped_epoch_is_reopened_and_only_then():
+    def checkpoint(completed: int, is_last_batch: bool) -> dict:
+        counts = {"ready": 1, "started": 1, "processed": completed, "completed": completed}
+        epochs = {"total": dict(counts), "current": dict(counts)}
+        batches = {"total": {}, "current": {}, "is_last_batch": is_last_batch}
+        return {
+            "epoch": completed,
+            "loops": {"fit_loop": {"epoch_progress": epochs, "epoch_loop.batch_progress": batches}},
+        }
+
+    stopped = checkpoint(1, is_last_batch=False)  # max_steps inside epoch 0
+    assert reopen_stopped_epoch(stopped, {"epoch": 0, "consumed_samples": 40})
+    assert stopped["loops"]["fit_loop"]["epoch_progress"]["total"] == {
+        "ready": 1,
+        "started": 1,
+        "processed": 0,
+        "completed": 0,
+    }
+    assert stopped["epoch"] == 0
+    assert not reopen_stopped_epoch(checkpoint(1, is_last_batch=True), {"epoch": 0, "consumed_samples": 96})
+    assert not reopen_stopped_epoch(checkpoint(0, is_last_batch=False), {"epoch": 0, "consumed_samples": 40})  # inside
+    assert not reopen_stopped_epoch(checkpoint(1, is_last_batch=False), {"epoch": 0, "consumed_samples": 0})
+
+
+def test_a_resume_that_changes_the_global_batch_says_so():
+    same = describe_batch_change({"world_size": 2, "batch_size": 6}, 4, 3)
+    assert "the same global batch of 12" in same
+    larger = describe_batch_change({"world_size": 2, "batch_size": 8}, 8, 3)
+    assert "2 ranks x 8 samples = 16 per step" in larger and "3 ranks x 8 = 24 per step (1.5x)" in larger
+    assert "scale the learning rate" in larger
+    smaller = describe_batch_change({"world_size": 4, "batch_size": 8}, 8, 2)
+    assert "a per-rank batch of 16 or accumulate_grad_batches=2" in smaller
+    assert describe_batch_change({"world_size": 2, "batch_size": 8}, 8, 2) is None
+
+
+class Grouped(Indexed):
+    """Indexed with its bias in a param group of its own (as Muon's example splits its parameters)."""
+
+    def configure_optimizers(self):
+        return torch.optim.Adam([{"params": [self.net.weight]}, {"params": [self.net.bias], "lr": 1e-3}], lr=1e-2)
+
+
+def _other_optimizer_body(rank: int, world: int, root: str, state: str) -> dict:
+    warnings.filterwarnings("ignore")
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger().addHandler(handler)
+    trainer = L.Trainer(
+        strategy=FSDPCustomStrategy(state_dict_type=state),
+        accelerator="cpu",
+        devices=world,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        max_steps=2,
+    )
+    trainer.fit(Grouped(), _data(world))
+    trainer.save_checkpoint(f"{root}/grouped-{state}")
+    trainer = L.Trainer(
+        strategy=FSDPCustomStrategy(state_dict_type=state),
+        accelerator="cpu",
+        devices=world,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        max_steps=4,
+    )
+    try:
+        trainer.fit(Indexed(), _data(world), ckpt_path=f"{root}/grouped-{state}")
+        error = "resumed"
+    except Exception as caught:  # noqa: BLE001 - the message is what is tested
+        error = f"{type(caught).__name__}: {caught}"
+    logging.getLogger().removeHandler(handler)
+    return {"error": error, "loaded": [r for r in records if r.startswith("fsdp_custom: loaded")]}
+
+
+@pytest.mark.parametrize("state", ["sharded", "full"])
+def test_a_checkpoint_of_another_optimizer_is_refused_before_anything_loads(tmp_path, state):
+    for result in run_ranks(_other_optimizer_body, 2, tmp_path, str(tmp_path), state, env=LIGHTNING_ENV, timeout=300):
+        assert result["error"].startswith("CheckpointError: "), result["error"]
+        assert (
+            "was it trained with another optimizer? Its optimizer state has 2 param groups, this run's Adam has 1"
+            in (result["error"])
+        )
+        assert not result["loaded"], result["loaded"]  # nothing printed as loaded
+
+
+def test_key_lists_in_errors_are_shortened():
+    assert (
+        shortened([f"layer.{i}" for i in range(12)])
+        == "['layer.0', 'layer.1', 'layer.10', 'layer.11', 'layer.2', ... 7 more]"
+    )
+    assert shortened(["b", "a"]) == "['a', 'b']" and shortened([]) == "[]"
