@@ -1,8 +1,9 @@
 """A run resumed from the checkpoint its fit left, whatever stopped it (``max_steps``, ``max_time`` or
-``max_epochs``, off the checkpoint grid, or an exception), trains every following step on the samples of the
-uninterrupted run and to its losses, at the same and at another world size (the same global batch),
-from sharded and full checkpoints ([Note: an epoch stopped, not finished] in data.py); a resume that
-changes the global batch says so, old beside new."""
+``max_epochs``, off the checkpoint grid, an exception, or a validation after it), trains every
+following step on the samples of the uninterrupted run and to its losses, at the same and at another
+world size (the same global batch), from sharded and full checkpoints ([Note: an epoch stopped, not
+finished] in data.py); a resume that changes the global batch says so, old beside new; a checkpoint
+of another optimizer is refused before anything loads."""
 
 from __future__ import annotations
 
@@ -53,6 +54,9 @@ class Indexed(L.LightningModule):
         time.sleep(self.sleep)
         return loss
 
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self.net(batch[0]).square().mean(), sync_dist=True)
+
     def configure_optimizers(self):
         return torch.optim.Adam(self.parameters(), lr=1e-2)
 
@@ -63,7 +67,14 @@ def _data(world: int) -> DataLoader:
 
 
 def _fit(
-    world: int, root: str, ckpt: str | None = None, sleep: float = 0.0, state: str = "sharded", fail_at=None, **stop
+    world: int,
+    root: str,
+    ckpt: str | None = None,
+    sleep: float = 0.0,
+    state: str = "sharded",
+    fail_at: int | None = None,
+    validate: bool = False,
+    **stop,
 ) -> dict:
     """Fit to ``stop``; per step, the samples of every rank (sorted) and the mean loss."""
     module = Indexed(sleep, fail_at)
@@ -74,7 +85,6 @@ def _fit(
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        limit_val_batches=0,
         callbacks=[
             ModelCheckpoint(
                 dirpath=root, every_n_train_steps=GRID, save_top_k=-1, save_last=True, save_on_exception=True
@@ -86,6 +96,9 @@ def _fit(
         trainer.fit(module, _data(world), ckpt_path=ckpt)
     except Interrupted:
         pass
+    if validate:  # a validation after the fit, then the checkpoint saved last
+        trainer.validate(module, _data(world), verbose=False)
+        trainer.save_checkpoint(f"{root}/last.ckpt")
     everyone = [None] * world
     dist.all_gather_object(everyone, module.steps)
     steps = []
@@ -99,6 +112,7 @@ STOPS = {  # how the first run stops, and how far the resumed one goes
     "max_epochs": ({"max_epochs": 1}, {"max_epochs": 2}),
     "max_time": ({"max_time": {"seconds": 2}, "max_steps": 13}, {"max_steps": 13}),
     "an exception": ({"max_steps": 13, "fail_at": 5}, {"max_steps": 13}),
+    "a validation after max_steps": ({"max_steps": 6, "validate": True}, {"max_steps": 13}),
 }
 
 
@@ -138,7 +152,7 @@ def test_a_fit_stopped_off_the_checkpoint_grid_resumes_sample_by_sample(tmp_path
     """Every stop at 2 ranks, each resumed at 2 and at 3; and a chain 2 -> 3 -> 2 stopped inside epochs."""
     saved = run_ranks(_stop_body, 2, tmp_path, str(tmp_path), "save", env=LIGHTNING_ENV, timeout=300)[0]
     assert saved["max_steps"]["global_step"] == 5 and saved["max_epochs"]["global_step"] == 8
-    assert saved["an exception"]["global_step"] == 5
+    assert saved["an exception"]["global_step"] == 5 and saved["a validation after max_steps"]["global_step"] == 6
     assert 1 < saved["max_time"]["global_step"] < 8, saved["max_time"]["global_step"]  # inside the first epoch
     other = run_ranks(_stop_body, 3, tmp_path, str(tmp_path), "resume", env=LIGHTNING_ENV, timeout=300)[0]
     for name in STOPS:
