@@ -167,9 +167,11 @@ class FSDPCustomFabricStrategy(StrategyArguments, FabricCheckpoints, LightningFS
         return self._modules[-1] if self._modules else None
 
     def _configure_launcher(self) -> None:
+        """Lightning's script launcher in every process, as DDP: under torchrun, SLURM or in the ranks
+        Lightning's launcher starts it starts nothing, but sets the thread count DDP gives each rank
+        (CPUs / processes per node, unless OMP_NUM_THREADS is set), which only rank 0 got before."""
         assert self.cluster_environment is not None
-        if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def setup_environment(self) -> None:
         """Set ranks, check the mesh against the world size, create the process group(s)."""

@@ -309,9 +309,11 @@ class FSDPCustomStrategy(StrategyArguments, CheckpointHooks, LightningFSDPStrate
         set_world_ranks(self)
 
     def _configure_launcher(self) -> None:
+        """Lightning's script launcher in every process, as DDP: under torchrun, SLURM or in the ranks
+        Lightning's launcher starts it starts nothing, but sets the thread count DDP gives each rank
+        (CPUs / processes per node, unless OMP_NUM_THREADS is set), which only rank 0 got before."""
         assert self.cluster_environment is not None
-        if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     @contextmanager
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
