@@ -138,3 +138,14 @@ def test_reset_forgets_everything_in_one_call():
     state.reset()
     fresh = UnitState(is_root=True)
     assert vars(state) == vars(fresh)
+
+
+def test_exposed_until_covered_and_forgotten_by_reset():
+    state = UnitState(is_root=True)
+    assert not state.covered()  # never exposed: its reshard keeps the visibly changed parameters only
+    state.expose()  # training_step runs inside the root: user code may change any full parameter
+    assert state.covered()  # the reshard keeps every parameter's edits, once
+    assert not state.covered()
+    state.expose()
+    state.reset()
+    assert not state.exposed and not state.covered()

@@ -81,7 +81,7 @@ def build(module: nn.Module, sharding: Plan, options: ShardingOptions, where: Wh
         owned = _owned_modules(sharding.placement, index, names)
         materialize(owned, where.device, options.param_init_fn, initializers, sharding.placement.uses, order)
         params = _shard_params(sharding.placement, index, layout, options, comm)
-        units.append(FSDPUnit(sharding.placement.unit_names[index], unit_module, params, context))
+        units.append(FSDPUnit(sharding.placement.unit_names[index], unit_module, params, context, index == 0))
     leftover = meta_tensor_names(module)
     if leftover:
         raise ValueError(f"parameters left on the meta device: {leftover}; materialize them before sharding")

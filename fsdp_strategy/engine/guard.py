@@ -47,16 +47,16 @@ def install_guards(root: nn.Module, units: list[FSDPUnit]) -> list[RemovableHand
     """Register the [Note: loud misuse] check on every module that holds a sharded parameter;
     return the hooks' handles."""
     names = {id(module): name or "root" for name, module in root.named_modules()}
-    holders: dict[int, dict[int, tuple[FSDPUnit, list[ShardedParam]]]] = defaultdict(dict)
+    holders: dict[int, dict[FSDPUnit, list[ShardedParam]]] = defaultdict(dict)  # module id -> unit -> params
     modules: dict[int, nn.Module] = {}
     for unit in units:
         for param in unit.params:
             for use in param.uses:
                 modules[id(use.module)] = use.module
-                holders[id(use.module)].setdefault(id(unit), (unit, []))[1].append(param)
+                holders[id(use.module)].setdefault(unit, []).append(param)
     handles = []
     for module_id, by_unit in holders.items():
-        hook = functools.partial(_check_gathered, names[module_id], list(by_unit.values()))
+        hook = functools.partial(_check_gathered, names[module_id], list(by_unit.items()))
         handles.append(modules[module_id].register_forward_pre_hook(hook))
     return handles
 

@@ -34,7 +34,7 @@ class BackwardPass:
     index: int  # the k-th backward of the iteration (its prefetch phase)
     create_graph: bool  # [Note: double backward] in state.py
     expected: deque[FSDPUnit]  # the reduction order ([Note: post-backward every rank agrees on])
-    ready: set[int] = field(default_factory=set)  # ids of units ready to reduce, waiting for their turn
+    ready: set[FSDPUnit] = field(default_factory=set)  # units ready to reduce, waiting for their turn
 
 
 def autograd_running() -> bool:

@@ -77,8 +77,8 @@ class ExecutionOrder:
         forward), if given. Costs: one pass over both runs."""
         before = self._previous.get(phase)
         if before is not None:
-            ran = {id(unit) for unit in self._current.get(forward, self._previous.get(forward, []))}
-            self._previous[phase] = [unit for unit in before if id(unit) in ran]
+            ran = set(self._current.get(forward, self._previous.get(forward, [])))  # units hash by identity
+            self._previous[phase] = [unit for unit in before if unit in ran]
         elif finished is not None:
             self._previous[phase] = list(reversed(finished))
 

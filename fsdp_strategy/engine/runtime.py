@@ -125,14 +125,12 @@ class Scheduler:
         # [Note: buffers keep their dtype in checkpoints] state-dict name -> dtype before buffer_dtype cast it
         self.saved_buffer_dtypes: dict[str, torch.dtype] = dict(saved_buffer_dtypes or {})
         self.ignored_params: dict[str, nn.Parameter] = dict(ignored_params or {})  # [Note: ignored modules]
-        self._states = {id(unit): UnitState(unit is units[0]) for unit in units}
-        self._backward_hooks: dict[int, Any] = {}  # unit id -> the pre-backward hook put on its outputs
         self._root_depth = 0
         self._order = ExecutionOrder()
         self._forward_phase: tuple | None = None
         self._backwards_in_iteration = 0
         self._backward: BackwardPass | None = None
-        self._ran_forward: dict[int, FSDPUnit] = {}  # units that ran forward with grad since their last reduction
+        self._ran_forward: dict[FSDPUnit, None] = {}  # units that ran forward with grad since their last reduction
         self._post_forward_order: list[FSDPUnit] = []  # this iteration's, units with hooked outputs
         self.device_layer = units[0].device_layer  # [Note: host and device] in device.py
         self.lost_edits = units[0].lost_edits  # [Note: edits while gathered] in edits.py
@@ -150,12 +148,12 @@ class Scheduler:
 
     def _register_hooks(self) -> None:
         for unit in self.units:
-            state = self._states[id(unit)]
+            state = unit.training
+            backward = torch._dynamo.disable(functools.partial(self._pre_backward, unit, state))  # on its outputs
             pre = torch._dynamo.disable(functools.partial(self._pre_forward, unit, state), recursive=True)
-            post = torch._dynamo.disable(functools.partial(self._post_forward, unit, state), recursive=True)
+            post = torch._dynamo.disable(functools.partial(self._post_forward, unit, state, backward), recursive=True)
             self.hook_handles.append(unit.module.register_forward_pre_hook(pre, with_kwargs=True, prepend=True))
             self.hook_handles.append(unit.module.register_forward_hook(post, always_call=True))
-            self._backward_hooks[id(unit)] = torch._dynamo.disable(functools.partial(self._pre_backward, unit, state))
             for param in unit.params:  # [Note: a backward no unit hook sees]; kept when it is unfrozen later
                 trainable = param.unsharded.requires_grad
                 param.unsharded.requires_grad_(True).register_post_accumulate_grad_hook(self._grad_accumulated)
@@ -164,10 +162,6 @@ class Scheduler:
                     trainable = param.sharded.requires_grad
                     param.sharded.requires_grad_(True).register_post_accumulate_grad_hook(shard_used_by(param))
                     param.sharded.requires_grad_(trainable)
-
-    def state_of(self, unit: FSDPUnit) -> UnitState:
-        """The iteration state of ``unit`` (state.py)."""
-        return self._states[id(unit)]
 
     @traced("pre_forward")
     def _pre_forward(self, unit: FSDPUnit, state: UnitState, module: nn.Module, args: tuple, kwargs: dict) -> Any:
@@ -180,9 +174,9 @@ class Scheduler:
         state.forward_entered(frame, in_backward)
         unit.wait_unshard()
         if unit is self.root_unit:  # training_step runs inside it: [Note: edits while gathered]
-            unit.exposed = True
+            state.expose()
         if not in_backward and torch.is_grad_enabled():
-            self._ran_forward.setdefault(id(unit), unit)
+            self._ran_forward.setdefault(unit, None)
         if not in_backward and self._forward_phase is not None:
             state.ran_in_forward_pass()
             target = self._order.record(self._forward_phase, unit)
@@ -210,7 +204,9 @@ class Scheduler:
         return replace_grad_tensors((args, kwargs), list(outputs))
 
     @traced("post_forward")
-    def _post_forward(self, unit: FSDPUnit, state: UnitState, module: nn.Module, args: tuple, output: Any) -> Any:
+    def _post_forward(
+        self, unit: FSDPUnit, state: UnitState, backward_hook: Any, module: nn.Module, args: tuple, output: Any
+    ) -> Any:
         frame = state.forward_exited()
         if frame is None:  # our pre-hook did not run (a hook before it raised)
             return output
@@ -225,7 +221,7 @@ class Scheduler:
         if torch.is_grad_enabled():
             for tensor in grad_tensors(output):
                 if id(tensor) not in frame.input_ids:  # a unit returning its input: backward is not its own
-                    tensor.register_hook(self._backward_hooks[id(unit)])
+                    tensor.register_hook(backward_hook)
                     hooked = True
         if hooked and not in_backward:
             self._post_forward_order.append(unit)  # [Note: prefetch from the previous run]
@@ -234,7 +230,7 @@ class Scheduler:
             if state.reshards_after_forward(hooked, self._root_depth, policy):
                 unit.reshard(keep_edits=True)  # its own forward may have changed it
             else:  # gathered past its forward: user code may reach it ([Note: edits while gathered])
-                unit.exposed = True
+                state.expose()
         if unit is self.root_unit and self._root_depth == 0 and not in_backward:
             self._end_forward()
         return output
@@ -267,10 +263,10 @@ class Scheduler:
             unit.reshard()
         if outcome is AfterPostBackward.RESHARD:  # another call of this unit may be ahead in backward
             return
-        backward.ready.add(id(unit))
-        while backward.expected and id(backward.expected[0]) in backward.ready:
+        backward.ready.add(unit)
+        while backward.expected and backward.expected[0] in backward.ready:
             ready = backward.expected.popleft()
-            if not self._states[id(ready)].reduced:
+            if not ready.training.reduced:
                 self._reduce(ready)
 
     @traced("end_of_backward")
@@ -280,10 +276,10 @@ class Scheduler:
         try:
             while backward.expected:  # [Note: post-backward every rank agrees on]
                 unit = backward.expected.popleft()
-                if not self._states[id(unit)].reduced:
+                if not unit.training.reduced:
                     self._reduce(unit)
             for unit in self.units:  # then one fixed order on every rank
-                if self._states[id(unit)].needs_reduction(unit.state is ShardedState.UNSHARDED):
+                if unit.training.needs_reduction(unit.state is ShardedState.UNSHARDED):
                     self._reduce(unit)
             self._ran_forward.clear()
             self.reductions.settle()
@@ -296,7 +292,7 @@ class Scheduler:
 
     def _finish_backward(self, backward: BackwardPass) -> None:
         for unit in self.units:
-            state = self._states[id(unit)]
+            state = unit.training
             if not state.keeps_after_backward(backward.create_graph):
                 unit.reshard()
             state.backward_finished(backward.create_graph)
@@ -319,7 +315,7 @@ class Scheduler:
         # its forward's checks, each rank its own: ranks may run different numbers of forward-only
         # iterations (an uneven predict), where NO_SHARD issues no collective to agree in
         self._report_lost_edits(send=previous_without_backward, agree=False)
-        stale = self._backward is not None or any(state.on_stack for state in self._states.values())
+        stale = self._backward is not None or any(unit.training.on_stack for unit in self.units)
         if stale:
             log.warning("fsdp_custom: the previous iteration did not finish (an exception in backward?); resetting")
             self.reset()
@@ -345,7 +341,7 @@ class Scheduler:
         self._order.commit(self._forward_phase)
         self._forward_phase = None
         for unit in self.units:
-            if self._states[id(unit)].forward_pass_finished():
+            if unit.training.forward_pass_finished():
                 unit.reshard()
 
     def _forward_failed(self, unit: FSDPUnit, state: UnitState, frame: Frame) -> None:
@@ -368,7 +364,7 @@ class Scheduler:
 
     def _enter_backward(self) -> None:
         if self._backward is None:
-            expected = deque(reversed(self._ran_forward.values()))
+            expected = deque(reversed(self._ran_forward))
             self._backward = BackwardPass(self._backwards_in_iteration, torch.is_grad_enabled(), expected)
             self._backwards_in_iteration += 1
             self._order.start(("backward", self._backward.index))
@@ -378,7 +374,7 @@ class Scheduler:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _reduce(self, unit: FSDPUnit) -> None:
-        self._states[id(unit)].reduced_now()
+        unit.training.reduced_now()
         self.reductions.reduce(unit)
 
     # ---- public ------------------------------------------------------------------------
@@ -399,7 +395,7 @@ class Scheduler:
         self.device_layer.close()  # what reduced gradients are kept, and what was copied, is complete
         self.lost_edits.drop_pending()
         for unit in self.units:
-            self._states[id(unit)].reset()
+            unit.training.reset()
             unit.drop_grads()
             unit.reshard(keep_edits=False)
         self._root_depth = 0

@@ -72,6 +72,7 @@ class UnitState:
         self.uncovered_call = False  # [Note: calls without a post-backward]
         self.pinned = 0  # > 0 inside summon_full_params: nothing reshards it
         self.prefetch_after_backward: Any = None  # BACKWARD_POST: the unit to gather once its gradients exist
+        self.exposed = False  # gathered where user code may change it ([Note: edits while gathered] in edits.py)
 
     # ---- transitions -------------------------------------------------------------------
 
@@ -154,6 +155,16 @@ class UnitState:
         missed = not self.ran_forward and not self.frames and not self.is_root
         self.ran_forward = False
         return missed and self.may_reshard()
+
+    def expose(self) -> None:
+        """It stays gathered where user code may change its full parameters (the root under
+        ``training_step``, a unit kept past its forward): its reshard keeps every parameter's edits."""
+        self.exposed = True
+
+    def covered(self) -> bool:
+        """It reshards: whether it was exposed since it was last gathered; no longer."""
+        exposed, self.exposed = self.exposed, False
+        return exposed
 
     def pin(self) -> None:
         """``summon_full_params`` holds it gathered."""

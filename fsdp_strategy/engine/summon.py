@@ -24,7 +24,7 @@ def summon_all_units(scheduler: Scheduler, writeback: bool = False) -> Iterator[
                 "weights with load_full_state_dict"
             )
     for unit in scheduler.units:
-        scheduler.state_of(unit).pin()
+        unit.training.pin()
         unit.unshard()
     try:
         for unit in scheduler.units:
@@ -32,5 +32,5 @@ def summon_all_units(scheduler: Scheduler, writeback: bool = False) -> Iterator[
         yield
     finally:
         for unit in scheduler.units:
-            if scheduler.state_of(unit).unpin():
+            if unit.training.unpin():
                 unit.reshard(keep_edits=writeback)

@@ -34,6 +34,7 @@ from fsdp_strategy.engine.device import DeviceLayer
 from fsdp_strategy.engine.edits import LostEdits, keep_full_edits
 from fsdp_strategy.engine.flat import FlatLayout, real_dtype, real_view
 from fsdp_strategy.engine.param import ShardedParam
+from fsdp_strategy.engine.state import UnitState
 from fsdp_strategy.engine.trace import span
 
 
@@ -121,8 +122,11 @@ class FSDPUnit:
     trainable full size in ``reduce_dtype`` plus one shard of it.
     """
 
-    def __init__(self, name: str, module: nn.Module, params: list[ShardedParam], context: UnitContext) -> None:
+    def __init__(
+        self, name: str, module: nn.Module, params: list[ShardedParam], context: UnitContext, is_root: bool = False
+    ) -> None:
         self.name = name
+        self.training = UnitState(is_root)  # where it is in the iteration (state.py); the Scheduler drives it
         self.module = module
         self.params = params
         self.shard_comm = context.shard_comm
@@ -134,7 +138,6 @@ class FSDPUnit:
         self.memory = context.memory
         self.device_layer = context.device_layer
         self.state = ShardedState.SHARDED
-        self.exposed = False  # gathered where user code may change it ([Note: edits while gathered])
         self.lost_edits = context.lost_edits
         self._gathered_versions: list[int] = []  # shard versions when a gather in flight copied them
         self._aliased = bool(params) and all(p.aliased for p in params)  # [Note: aliased shards]
@@ -264,9 +267,9 @@ class FSDPUnit:
             gather, self._gather = self._gather, None
             gather.work.wait()
             self.memory.freed(self.name, gather.nbytes, "gather_buffer")
+        exposed = self.training.covered()
         if self.state is ShardedState.UNSHARDED and keep_edits is not False:
-            self.keep_edits(every_param=bool(keep_edits) or self.exposed)
-        self.exposed = False
+            self.keep_edits(every_param=bool(keep_edits) or exposed)
         if self.state is ShardedState.UNSHARDED:
             for param in self.params:
                 param.sync_requires_grad()  # a change made to the full parameter outlives it
