@@ -69,3 +69,84 @@ class SlowGlobal(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is not None:
                     p.add_(p.grad, alpha=-group["lr"] * scale)
+
+
+class DropsEntry(torch.optim.Optimizer):
+    """Normalized gradients scaled by 2 while a scalar state entry lasts; the step deletes it at step 3."""
+
+    def __init__(self, params, lr: float = 1e-2) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                state["n"] = state.get("n", 0) + 1
+                if state["n"] == 1:
+                    state["warm"] = 2.0
+                elif state["n"] == 3:
+                    del state["warm"]
+                p.add_(p.grad / (p.grad.norm() + 1e-12), alpha=-group["lr"] * state.get("warm", 1.0))
+
+
+class ClosureTwice(torch.optim.Optimizer):
+    """Normalized gradients; evaluates the closure again after its update (for the loss it reports)."""
+
+    def __init__(self, params, lr: float = 1e-2) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            with torch.enable_grad():
+                closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad / (p.grad.norm() + 1e-12), alpha=-group["lr"])
+        if closure is not None:
+            with torch.enable_grad():
+                return closure()
+        return None
+
+
+class StacksItsGroup(torch.optim.Optimizer):
+    """Normalized gradients, computed for a group at once with ``torch.stack`` of its norms: a group
+    with no parameter to step raises."""
+
+    def __init__(self, params, lr: float = 1e-2) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            norms = torch.stack([p.grad.norm() for p in params])
+            for p, norm in zip(params, norms):
+                p.add_(p.grad / (norm + 1e-12), alpha=-group["lr"])
+
+
+class DropsRowState(torch.optim.Optimizer):
+    """Normalized momentum of the parameter's shape until step 4, where it is dropped for good (plain
+    normalized gradients after)."""
+
+    def __init__(self, params, lr: float = 1e-2) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                state["n"] = state.get("n", 0) + 1
+                if state["n"] >= 4:
+                    state.pop("m", None)
+                    p.add_(p.grad / (p.grad.norm() + 1e-12), alpha=-group["lr"])
+                    continue
+                m = state.setdefault("m", torch.zeros_like(p)).mul_(0.9).add_(p.grad)
+                p.add_(m / (m.norm() + 1e-12), alpha=-group["lr"])

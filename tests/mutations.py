@@ -257,6 +257,28 @@ MUTATIONS = [
         ),
     ),
     Mutation(
+        "owners_chosen_again",
+        "a param group added to an optimizer placed whole chooses every parameter's owner again (the state "
+        "only the old owner held is lost)",
+        "fsdp_strategy/engine/whole_matrix.py",
+        "        kept = {i: rank for i, rank in (cached[1] if cached is not None else {}).items() if i in ids}\n",
+        "        kept = {}\n",
+        (
+            "tests/test_optimizer_verification.py::test_param_groups_added_and_optimizers_replaced_keep_placing_whole_"
+            "exactly[2]",
+        ),
+    ),
+    Mutation(
+        "deleted_state_comes_back",
+        "a state entry an optimizer placed whole deletes in its step stays in the owner's state at rest",
+        "fsdp_strategy/engine/whole_matrix.py",
+        "        for key in set(state) - {entry.key for entry in layout}:  # the optimizer deleted it in its step\n",
+        "        for key in ():\n",
+        (
+            "tests/test_optimizer_verification.py::test_every_optimizer_is_exact_or_refused_before_it_changes_a_weight[2]",
+        ),
+    ),
+    Mutation(
         "stand_ins_made_anew",
         "a parameter placed whole gets a new stand-in object at each step (state an optimizer keys by the "
         "parameter object is lost)",

@@ -15,7 +15,15 @@ import lightning as L
 import pytest
 import pytorch_optimizer as po
 import torch
-from custom_optimizers import KeyedByParameter, LateState, SlowGlobal
+from custom_optimizers import (
+    ClosureTwice,
+    DropsEntry,
+    DropsRowState,
+    KeyedByParameter,
+    LateState,
+    SlowGlobal,
+    StacksItsGroup,
+)
 from dist_utils import run_ranks
 from test_strategy import LIGHTNING_ENV, quiet_trainer
 from torch import nn
@@ -87,6 +95,16 @@ CASES = {  # name -> (build from the model, what must happen: EXACT, AGAINST_DDP
     "a global statistic that moves after 12 steps": (lambda m: SlowGlobal(m.parameters()), "its attribute 'total'"),
     "DistributedMuon": (_distributed_muon, "it communicates in its step (c10d::allgather_)"),
     "SPAM": (lambda m: po.SPAM(m.parameters(), lr=1e-2), "it draws random numbers when it is built"),
+    "a state entry the step deletes": (lambda m: DropsEntry(m.parameters()), EXACT),
+    "a closure called again after the update": (lambda m: ClosureTwice(m.parameters()), EXACT),
+    "a step of a group that holds no gradient raises": (
+        lambda m: StacksItsGroup([{"params": list(m.parameters())[:-1]}, {"params": list(m.parameters())[-1:]}]),
+        "a rank that owns none of a param group's parameters steps it empty",
+    ),
+    "state of the parameter's shape dropped at step 4": (
+        lambda m: DropsRowState(m.parameters()),
+        "its state ['m'] of a parameter's shape goes or changes shape",
+    ),
 }
 WRAPPINGS = {"whole model one unit": {}, "per-Linear units": {"auto_wrap_policy": {nn.Linear}}}
 
@@ -100,6 +118,14 @@ def _loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return model(x).square().mean()
 
 
+def _backward(model: nn.Module, x: torch.Tensor, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+    """A closure's work: the gradients of the loss at the current weights."""
+    optimizer.zero_grad()
+    loss = _loss(model, x)
+    loss.backward()
+    return loss
+
+
 def _sharded_body(rank: int, world: int) -> dict:
     warnings.filterwarnings("ignore")
     out = {}
@@ -110,8 +136,11 @@ def _sharded_body(rank: int, world: int) -> dict:
             before = full_state_dict(model, rank0_only=False)
             try:
                 for x in _batches(world):
-                    _loss(model, x.chunk(world)[rank]).backward()
-                    optimizer.step()
+                    if isinstance(optimizer, ClosureTwice):
+                        optimizer.step(lambda x=x, m=model, o=optimizer: _backward(m, x.chunk(world)[rank], o))
+                    else:
+                        _loss(model, x.chunk(world)[rank]).backward()
+                        optimizer.step()
                     optimizer.zero_grad()
                 out[(wrapping, name)] = ("trained", full_state_dict(model, rank0_only=False))
             except TypeError as error:
@@ -146,9 +175,12 @@ def _one_process_steps(make, world: int, ddp: bool) -> dict:
                 grads.append([p.grad.clone() for p in model.parameters()])
             for param, *per_rank in zip(model.parameters(), *grads):
                 param.grad = sum(per_rank[1:], per_rank[0]) / world
+            optimizer.step()
+        elif isinstance(optimizer, ClosureTwice):
+            optimizer.step(lambda x=x: _backward(model, x, optimizer))
         else:
             _loss(model, x).backward()
-        optimizer.step()
+            optimizer.step()
         optimizer.zero_grad()
     return model.state_dict()
 
@@ -175,6 +207,46 @@ def test_every_optimizer_is_exact_or_refused_before_it_changes_a_weight(tmp_path
             assert expected in result[1], (wrapping, name, result[1])
             assert "optimizer_updates={" in result[1], result[1]  # the way to declare it
             assert result[2], (wrapping, name, "a refused step changed a weight")
+
+
+def _phases(model: nn.Module, batches: list, step) -> None:
+    """torch's Adafactor (placed whole, row and column statistics held by each owner) on all but the
+    first layer; at step 3 the first layer joins in a param group of its own (progressive
+    unfreezing); at step 6 a new Adafactor replaces it (a new phase)."""
+    rest = [p for name, p in model.named_parameters() if not name.startswith("0.")]
+    optimizer = torch.optim.Adafactor(rest, lr=1e-2)
+    for index, x in enumerate(batches):
+        if index == 3:
+            optimizer.add_param_group({"params": list(model[0].parameters()), "lr": 2e-2})
+        if index == 6:
+            optimizer = torch.optim.Adafactor(model.parameters(), lr=5e-3)
+        step(x)
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _phases_body(rank: int, world: int) -> dict:
+    out = {}
+    for wrapping, options in WRAPPINGS.items():
+        model = shard_model(_mlp(), **options)
+        _phases(model, _batches(world)[:9], lambda x, m=model: _loss(m, x.chunk(world)[rank]).backward())
+        out[wrapping] = full_state_dict(model, rank0_only=False)
+        get_scheduler(model).close()
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_param_groups_added_and_optimizers_replaced_keep_placing_whole_exactly(tmp_path, world):
+    results = run_ranks(_phases_body, world, tmp_path, timeout=300)[0]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = _mlp()
+        _phases(model, _batches(world)[:9], lambda x: _loss(model, x).backward())
+    finally:
+        torch.set_num_threads(threads)
+    for wrapping, state in results.items():
+        assert _relative(state, model.state_dict()) < 1e-9, wrapping
 
 
 def test_what_an_optimizer_keeps_is_compared_not_only_its_update():

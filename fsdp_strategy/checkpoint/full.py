@@ -173,7 +173,8 @@ def load_full_optimizer_state_dict(
     format-1 files): see ``names.py``.
     """
     view = ShardsView.of(module)
-    view.loaded_state(names.load_state(optimizer, names.optimizer_owners(view), state_dict, source, cut_rows=True))
+    rows = names.load_state(optimizer, names.optimizer_owners(view), state_dict, source, cut_rows=True)
+    view.loaded_state(optimizer, rows)
 
 
 def load_full_checkpoint(

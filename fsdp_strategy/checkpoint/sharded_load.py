@@ -237,7 +237,9 @@ def load_tensors(
             for (fqn, key), flat_key in state_keys.items()
         }
         loaded_state = {"state": local_state, "param_groups": groups}
-        view.loaded_state(names.load_state(optimizer, owners, loaded_state, folder, cut_rows=False, rows=rows))
+        view.loaded_state(
+            optimizer, names.load_state(optimizer, owners, loaded_state, folder, cut_rows=False, rows=rows)
+        )
 
 
 def _read_values(folder: Location, stored: _StoredKeys, model_key: str, process_group: Any) -> dict[str, Any]:

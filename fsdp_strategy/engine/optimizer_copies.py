@@ -62,6 +62,12 @@ def refuse_random_construction(optimizer: torch.optim.Optimizer, group: dict[str
         raise ProbeStopped("it draws random numbers when it is built (for your shards, not your parameters)")
 
 
+def torch_hooks(key: str) -> bool:
+    """Whether ``key`` is one of torch's hook registries of an optimizer (``_optimizer_step_pre_hooks``,
+    ``_optimizer_load_state_dict_post_hooks``, ...), which a copy starts empty."""
+    return key.startswith("_optimizer_") and key.endswith("hooks")
+
+
 def _wrapped(optimizer: torch.optim.Optimizer) -> str | None:
     """The attribute of ``optimizer`` that holds another optimizer (a wrapper: Lookahead, OrthoGrad), if any."""
     for key, value in vars(optimizer).items():
@@ -87,7 +93,7 @@ def _like(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     skipped = ("param_groups", "state", "_optimizer_step_pre_hooks", "_optimizer_step_post_hooks")
     attributes, bound = {}, {}
     for key, value in vars(optimizer).items():
-        if key in skipped or "hook" in key or callable(getattr(cls, key, None)):
+        if key in skipped or torch_hooks(key) or callable(getattr(cls, key, None)):
             continue  # an instance attribute over a method (an LR scheduler's wrapper of ``step``) calls the original
         if getattr(value, "__self__", None) is optimizer:
             bound[key] = value.__func__  # a method of the original, bound to the copy below
@@ -100,7 +106,7 @@ def _like(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     probe._optimizer_step_pre_hooks = OrderedDict()
     probe._optimizer_step_post_hooks = OrderedDict()
     for key in vars(optimizer):
-        if "hook" in key and key not in probe.__dict__:
+        if torch_hooks(key) and key not in probe.__dict__:
             probe.__dict__[key] = OrderedDict()
     return probe
 

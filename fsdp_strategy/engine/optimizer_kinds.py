@@ -178,7 +178,9 @@ class OptimizerKinds:
 
     def _on_small_tensors(self, optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> Measured:
         """The measurement on small tensors, once per class, hyperparameters and kinds of tensors."""
-        key = (type(optimizer), _frozen({k: v for k, v in group.items() if k != "params"}), toy_shapes(group))
+        settings = {k: v for k, v in vars(optimizer).items() if k not in ("param_groups", "state") and not callable(v)}
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        key = (type(optimizer), _frozen(hyper), _frozen(settings), toy_shapes(group))
         if key not in self._measured:
             self._measured[key] = measure(optimizer, group)
         return self._measured[key]
@@ -283,7 +285,9 @@ def _frozen(value: Any) -> Any:
         return tuple(sorted((str(k), _frozen(v)) for k, v in value.items()))
     if isinstance(value, (list, tuple)):
         return tuple(_frozen(v) for v in value)
-    if torch.is_tensor(value):
+    if torch.is_tensor(value):  # a hyperparameter by value; a large tensor (the model's) by its kind
+        if value.numel() > 64 or value.device.type == "meta":
+            return ("tensor", tuple(value.shape), str(value.dtype), id(value))
         return ("tensor", tuple(value.detach().cpu().reshape(-1).tolist()))
     try:
         hash(value)

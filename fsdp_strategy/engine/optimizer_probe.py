@@ -52,7 +52,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from fsdp_strategy.engine.optimizer_copies import ProbeStopped, build, refuse_random_construction
+from fsdp_strategy.engine.optimizer_copies import ProbeStopped, build, refuse_random_construction, torch_hooks
 from fsdp_strategy.engine.optimizer_copies import step as step_once
 from fsdp_strategy.engine.probe_compare import Difference, snapshot_difference
 from fsdp_strategy.options import UpdateKind
@@ -63,7 +63,7 @@ STEPS = 8
 STEP_SCALES = (1.0, 50.0, 0.02, 1.0)  # a step with far larger gradients: clips and running statistics show
 MAX_STEPS = 2048  # the longest probe: an optimizer that changes its update after N steps is run past N
 OTHER_INTS = 64  # an integer hyperparameter not named as a step count (a history length; a dimension) runs at most this
-DELAY_WORDS = ("step", "freq", "interval", "iteration", "every")  # hyperparameters that count steps
+DELAY_WORDS = ("step", "freq", "interval", "iteration", "every", "warm")  # hyperparameters that count steps
 MODEL_BUDGET = 1 << 28  # elements x steps measured on the model's parameters per rank, beyond STEPS
 
 
@@ -97,7 +97,12 @@ def measure(optimizer: torch.optim.Optimizer, group: dict[str, Any], case: Case 
     group = _moving(group)
     try:
         refuse_random_construction(optimizer, group, case.starts)
-        rows = _compare(optimizer, group, case, _rows)
+        try:
+            rows = _compare(optimizer, group, case, _rows)
+        except ProbeStopped as stopped:  # a row block it cannot step (a rank's 3 x 11): not elementwise
+            if stopped.ran:
+                raise
+            rows = Difference(math.inf, f"its step on a row block ({stopped})", 0)
         if rows.equal:
             return Measured(
                 UpdateKind.ELEMENTWISE,
@@ -106,6 +111,7 @@ def measure(optimizer: torch.optim.Optimizer, group: dict[str, Any], case: Case 
             )
         per_param = _compare(optimizer, group, case, _per_param)
         if per_param.equal:
+            _refuse_empty_groups(optimizer, group)
             return Measured(
                 UpdateKind.WHOLE_MATRIX,
                 f"stepping rows of a parameter changes {rows.describe()}, stepping each parameter alone does "
@@ -238,6 +244,17 @@ def _moving(group: dict[str, Any]) -> dict[str, Any]:
     return {**group, "lr": torch.full_like(lr, 1e-3) if torch.is_tensor(lr) else 1e-3} if zero else group
 
 
+def _refuse_empty_groups(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> None:
+    """Placed whole, a rank that owns none of a param group's parameters steps that group empty (the
+    optimizer's ``step`` runs on every rank): an optimizer that cannot is refused before its first step."""
+    try:
+        step_once(build(optimizer, group, []))
+    except ProbeStopped as stopped:
+        raise ProbeStopped(
+            f"placed whole, a rank that owns none of a param group's parameters steps it empty, and {stopped}"
+        ) from None
+
+
 # ---- layouts ---------------------------------------------------------------------------------------
 
 
@@ -290,7 +307,10 @@ class _Run:
         instance its param group's values and its own attributes."""
         count = len(self.case.starts)
         attributes = [_attributes(probe) for probe in self.optimizers]
-        keyed = [{k: attrs.pop(k) for k in list(attrs) if _by_parameter(attrs[k])} for attrs in attributes]
+        keyed = [
+            {k: attrs.pop(k) for k in list(attrs) if _by_parameter(attrs[k], params)}
+            for attrs, params in zip(attributes, self.params)
+        ]
         tensors = []
         for index, start in enumerate(self.case.starts):
             pieces = self.layout.pieces(index, count, self.case.ranks)
@@ -299,7 +319,10 @@ class _Run:
             for i, slot in pieces:
                 param = self.params[i][slot]
                 state = dict(self.optimizers[i].state.get(param, {}))
-                state.update({f"{key}[parameter]": held[param] for key, held in keyed[i].items() if param in held})
+                for key, held in keyed[i].items():  # by the parameter or by its id (never compared as tensors)
+                    for k, value in held.items():
+                        if k is param or (isinstance(k, int) and k == id(param)):
+                            state[f"{key}[parameter]"] = value
                 states.append(state)
             tensors.append((start.shape, params, states))
         groups = [{k: v for k, v in probe.param_groups[0].items() if k != "params"} for probe in self.optimizers]
@@ -307,22 +330,48 @@ class _Run:
 
 
 def _attributes(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    skipped = ("param_groups", "state", "defaults")
-    return {k: v for k, v in vars(optimizer).items() if k not in skipped and "hook" not in k and not callable(v)}
+    """What the optimizer keeps beside its parameters' state: its attributes (its ``defaults`` too),
+    and entries of ``optimizer.state`` under keys that are not parameters (a global statistic)."""
+    found = {k: v for k, v in vars(optimizer).items() if k not in ("param_groups", "state") and not torch_hooks(k)}
+    found = {k: v for k, v in found.items() if not callable(v)}
+    found.update({f"state[{k!r}]": v for k, v in optimizer.state.items() if not isinstance(k, torch.Tensor)})
+    return found
 
 
-def _by_parameter(value: Any) -> bool:
-    """An attribute that keeps something per parameter, keyed by the parameter object (state of its own)."""
-    return isinstance(value, dict) and bool(value) and all(isinstance(k, torch.Tensor) for k in value)
+def _by_parameter(value: Any, params: list[torch.Tensor]) -> bool:
+    """An attribute that keeps something per parameter, keyed by the parameter object or its ``id``
+    (state of its own)."""
+    ids = {id(p) for p in params}
+    return isinstance(value, dict) and bool(value) and all(isinstance(k, torch.Tensor) or k in ids for k in value)
 
 
 def _compare(optimizer: torch.optim.Optimizer, group: dict[str, Any], case: Case, layout: _Layout) -> Difference:
     """Step whole and ``layout`` in lockstep; the first difference between what they keep, if any."""
     whole, other = _Run(optimizer, group, case, _whole), _Run(optimizer, group, case, layout)
+    rows: dict[int, dict[str, tuple]] = {}  # per tensor, its state of its own shape as first kept
     for step in range(case.steps):
         whole.step(step)
         other.step(step)
-        found = snapshot_difference(whole.snapshot(), other.snapshot(), step)
+        snapshot = whole.snapshot()
+        found = snapshot_difference(snapshot, other.snapshot(), step)
         if not found.equal:
             return found
+        _refuse_changing_rows(rows, snapshot, step)
     return Difference.none()
+
+
+def _refuse_changing_rows(first: dict[int, dict[str, tuple]], snapshot: dict[str, Any], step: int) -> None:
+    """Placed whole, the state of a parameter's shape it holds after its first step is kept in rows
+    on every rank; one whose entry later goes or changes shape cannot be carried: refused."""
+    for index, (shape, _, (state,)) in enumerate(snapshot["tensors"]):
+        rows = {k: tuple(v.shape) for k, v in state.items() if torch.is_tensor(v) and v.shape == shape}
+        if index not in first:
+            if state:
+                first[index] = rows
+            continue
+        gone = [k for k in first[index] if k not in state or not torch.is_tensor(state[k]) or state[k].shape != shape]
+        if gone:
+            raise ProbeStopped(
+                f"its state {gone} of a parameter's shape goes or changes shape at step {step + 1}, which placing "
+                "a parameter whole cannot carry (that state is kept in rows on every rank)"
+            )

@@ -122,9 +122,13 @@ class OptimizerSteps:
             ready()
             return None
 
+        calls = []
+
         def placed_closure() -> Any:
             loss = closure()
-            ready()
+            if not calls:  # an optimizer may call it again after its update (for the loss): placed once
+                calls.append(loss)
+                ready()
             return loss
 
         if "closure" in kwargs:

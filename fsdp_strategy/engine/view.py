@@ -64,11 +64,11 @@ class ShardsView:
         shards, whatever their shape."""
         return self._whole.apart_keys(optimizer) if self._whole is not None else {}
 
-    def loaded_state(self, rows: dict[int, dict[str, bool]]) -> None:
-        """A load put these shards' optimizer state in place: ``{id(shard): {key: row-shaped in the
-        checkpoint}}`` (what the placement of whole parameters reads instead of guessing by shape)."""
+    def loaded_state(self, optimizer: torch.optim.Optimizer, rows: dict[int, dict[str, bool]]) -> None:
+        """A load put these shards' state of ``optimizer`` in place: ``{id(shard): {key: row-shaped in
+        the checkpoint}}`` (what the placement of whole parameters reads instead of guessing by shape)."""
         if self._whole is not None:
-            self._whole.loaded(rows)
+            self._whole.loaded(optimizer, rows)
 
     @classmethod
     def of(cls, model: nn.Module | ShardsView) -> ShardsView:

@@ -67,6 +67,7 @@ class WholeMatrixSteps:
         self._layouts: dict[int, tuple[StateEntry, ...]] = {}  # id(shard) -> its state layout
         self._loaded_rows: dict[int, dict[str, bool]] = {}  # id(shard) -> {key: row-shaped}, as a load found it
         self._steps: dict[int, _Step] = {}  # id(optimizer) -> the step in progress
+        self._seen: weakref.WeakSet = weakref.WeakSet()  # optimizers whose layouts these are
         self._proxies: dict[int, nn.Parameter] = {}  # id(shard) -> its whole stand-in on its owner
 
     def holds(self, optimizer: torch.optim.Optimizer) -> bool:
@@ -78,6 +79,7 @@ class WholeMatrixSteps:
     @torch.no_grad()
     def before_update(self, optimizer: torch.optim.Optimizer) -> None:
         """Gather each stepped matrix whole on its owner and point the optimizer at the stand-ins."""
+        self._adopt(optimizer)
         stepped = [
             self._by_id[id(p)]
             for group in optimizer.param_groups
@@ -86,7 +88,8 @@ class WholeMatrixSteps:
         ]
         owners = self._owners_of(optimizer)
         me, world = self._comm.rank, self._comm.size
-        first = any(not self._layout(optimizer, p) for p in stepped)
+        layouts = [self._layout(optimizer, p) for p in stepped]  # every one read: a later one may hold state
+        first = not all(layouts)
         owned = [[p for p in stepped if owners[id(p.sharded)] == rank] for rank in range(world)]
         pieces = [self._rows_to_send(optimizer, p) for rank in range(world) for p in owned[rank]]
         dtype = self._payload_dtype(pieces)
@@ -103,16 +106,34 @@ class WholeMatrixSteps:
             ]
         self._steps[id(optimizer)] = _Step(groups, stepped, owners, proxies, first, dtype)
 
+    def _adopt(self, optimizer: torch.optim.Optimizer) -> None:
+        """The first step (or load) of an optimizer: layouts another optimizer learnt for the same
+        parameters (an earlier phase's, a tuner's) are not its own."""
+        if optimizer in self._seen:
+            return
+        self._seen.add(optimizer)
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                self._layouts.pop(id(param), None)
+                self._loaded_rows.pop(id(param), None)
+
     def _owners_of(self, optimizer: torch.optim.Optimizer) -> dict[int, int]:
         """The owner of each matrix of ``optimizer``: largest first, to the least loaded rank (the
-        same on every rank); kept while the optimizer holds the same parameters."""
+        same on every rank). A parameter keeps its owner while the optimizer holds it (a param group
+        added later, as progressive unfreezing does, places only its own parameters): the state only
+        an owner holds stays where it is."""
         ids = tuple(id(p) for group in optimizer.param_groups for p in group["params"] if id(p) in self._by_id)
         cached = self._owners.get(optimizer)
         if cached is not None and cached[0] == ids:
             return cached[1]
+        kept = {i: rank for i, rank in (cached[1] if cached is not None else {}).items() if i in ids}
         load = [0] * self._comm.size
-        owners = {}
+        for param_id, rank in kept.items():
+            load[rank] += self._by_id[param_id].shard_numel
+        owners = dict(kept)
         for param_id in sorted(ids, key=lambda i: (-self._by_id[i].shard_numel, ids.index(i))):
+            if param_id in owners:
+                continue
             rank = min(range(self._comm.size), key=lambda r: (load[r], r))
             owners[param_id] = rank
             load[rank] += self._by_id[param_id].shard_numel
@@ -309,7 +330,10 @@ class WholeMatrixSteps:
         """The state not shaped like ``param``: the owner keeps its stand-in's (``owned``), on the
         shard's device; another rank drops any copy (one loaded from a checkpoint)."""
         state = optimizer.state[param.sharded]
-        for entry in self._layouts.get(id(param.sharded), ()):
+        layout = self._layouts.get(id(param.sharded), ())
+        for key in set(state) - {entry.key for entry in layout}:  # the optimizer deleted it in its step
+            del state[key]
+        for entry in layout:
             if entry.rows:
                 continue
             if owned is None:
@@ -318,10 +342,11 @@ class WholeMatrixSteps:
             value = owned[entry.key]
             state[entry.key] = value.to(param.sharded.device) if torch.is_tensor(value) else value
 
-    def loaded(self, rows: dict[int, dict[str, bool]]) -> None:
-        """A checkpoint was loaded into these shards' state: ``{id(shard): {key: row-shaped}}`` as the
-        checkpoint had them (an entry of the shard's shape is not necessarily a row shard); the
-        layouts learnt before are forgotten."""
+    def loaded(self, optimizer: torch.optim.Optimizer, rows: dict[int, dict[str, bool]]) -> None:
+        """A checkpoint was loaded into these shards' state of ``optimizer``: ``{id(shard): {key:
+        row-shaped}}`` as the checkpoint had them (an entry of the shard's shape is not necessarily a
+        row shard); the layouts learnt before are forgotten."""
+        self._adopt(optimizer)
         for shard_id, keys in rows.items():
             self._layouts.pop(shard_id, None)
             self._loaded_rows[shard_id] = dict(keys)
