@@ -31,6 +31,9 @@ COLLECTIVE_TIMEOUT = timedelta(seconds=90)  # a collective waiting on a dead or 
 def _child(rank: int, world: int, rendezvous: str, fn: Callable, args: tuple, queue: Any, env: dict) -> None:
     try:
         os.environ.update({key: value.format(rank=rank) for key, value in env.items()})
+        # one thread, and a Lightning launcher told so: a forked child that raises torch's thread count after
+        # the parent used its OpenMP pool hangs (tests/test_threads.py checks real launchers without this)
+        os.environ["OMP_NUM_THREADS"] = "1"
         torch.set_num_threads(1)
         dist.init_process_group(
             "gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT

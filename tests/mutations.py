@@ -46,7 +46,7 @@ MUTATIONS = [
         "backward_prefetch_from_last_step",
         "backward prefetches in the previous step's backward order (a layer dropped this step is gathered)",
         "fsdp_strategy/engine/order.py",
-        "            self._previous[phase] = [unit for unit in before if id(unit) in ran]\n",
+        "            self._previous[phase] = [unit for unit in before if unit in ran]\n",
         "            pass\n",
         (
             "tests/test_comm_schedule.py::"

@@ -17,9 +17,23 @@ from lightning.fabric.utilities.distributed import _suggested_max_num_threads
 JOB = str(Path(__file__).with_name("thread_count_job.py"))
 
 
+LAUNCHER_VARIABLES = (
+    "OMP_NUM_THREADS",
+    "LOCAL_RANK",
+    "NODE_RANK",
+    "GROUP_RANK",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
+
+
 def _environment(**extra: str) -> dict[str, str]:
-    """The shell's environment without OMP_NUM_THREADS (the tests' own setting hid the bug)."""
-    env = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"}
+    """A shell's environment: without OMP_NUM_THREADS (the tests' own setting hid the bug) and without
+    what a launcher in this process (an in-process Trainer of an earlier test) left in ``os.environ``."""
+    env = {key: value for key, value in os.environ.items() if key not in LAUNCHER_VARIABLES}
     return {**env, "PYTHONUNBUFFERED": "1", **extra}
 
 
