@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from dist_utils import run_ranks
 from lightning.pytorch.callbacks import ModelCheckpoint
-from test_strategy import LIGHTNING_ENV
+from test_strategy import LIGHTNING_ENV, quiet_trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -211,28 +211,15 @@ def _other_optimizer_body(rank: int, world: int, root: str, state: str) -> dict:
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())
     logging.getLogger().addHandler(handler)
-    trainer = L.Trainer(
-        strategy=FSDPCustomStrategy(state_dict_type=state),
-        accelerator="cpu",
-        devices=world,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        max_steps=2,
-    )
-    trainer.fit(Grouped(), _data(world))
-    trainer.save_checkpoint(f"{root}/grouped-{state}")
-    trainer = L.Trainer(
-        strategy=FSDPCustomStrategy(state_dict_type=state),
-        accelerator="cpu",
-        devices=world,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        max_steps=4,
-    )
+
+    def trainer(max_steps: int) -> L.Trainer:
+        return quiet_trainer(strategy=FSDPCustomStrategy(state_dict_type=state), devices=world, max_steps=max_steps)
+
+    first = trainer(2)
+    first.fit(Grouped(), _data(world))
+    first.save_checkpoint(f"{root}/grouped-{state}")
     try:
-        trainer.fit(Indexed(), _data(world), ckpt_path=f"{root}/grouped-{state}")
+        trainer(4).fit(Indexed(), _data(world), ckpt_path=f"{root}/grouped-{state}")
         error = "resumed"
     except Exception as caught:  # noqa: BLE001 - the message is what is tested
         error = f"{type(caught).__name__}: {caught}"
