@@ -150,3 +150,23 @@ class DropsRowState(torch.optim.Optimizer):
                     continue
                 m = state.setdefault("m", torch.zeros_like(p)).mul_(0.9).add_(p.grad)
                 p.add_(m / (m.norm() + 1e-12), alpha=-group["lr"])
+
+
+class GroupCounter(torch.optim.Optimizer):
+    """Normalized momentum with bias correction by a step counter of the param group that advances only
+    when the group has a gradient (as many hand-written optimizers skip an empty group)."""
+
+    def __init__(self, params, lr: float = 1e-2) -> None:
+        super().__init__(params, {"lr": lr, "t": 0})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            group["t"] += 1
+            for p in params:
+                m = self.state[p].setdefault("m", torch.zeros_like(p)).mul_(0.9).add_(p.grad, alpha=0.1)
+                corrected = m / (1 - 0.9 ** group["t"])
+                p.add_(corrected / (corrected.norm() + 1e-12), alpha=-group["lr"])

@@ -19,6 +19,7 @@ from custom_optimizers import (
     ClosureTwice,
     DropsEntry,
     DropsRowState,
+    GroupCounter,
     KeyedByParameter,
     LateState,
     SlowGlobal,
@@ -100,6 +101,10 @@ CASES = {  # name -> (build from the model, what must happen: EXACT, AGAINST_DDP
     "a step of a group that holds no gradient raises": (
         lambda m: StacksItsGroup([{"params": list(m.parameters())[:-1]}, {"params": list(m.parameters())[-1:]}]),
         "a rank that owns none of a param group's parameters steps it empty",
+    ),
+    "a group counter that advances only with gradients": (
+        lambda m: GroupCounter([{"params": list(m.parameters())[:-1]}, {"params": list(m.parameters())[-1:]}]),
+        "its param group's 't' changes in a step only where the group has parameters to step",
     ),
     "state of the parameter's shape dropped at step 4": (
         lambda m: DropsRowState(m.parameters()),

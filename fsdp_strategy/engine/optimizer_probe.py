@@ -54,7 +54,7 @@ import torch
 
 from fsdp_strategy.engine.optimizer_copies import ProbeStopped, build, refuse_random_construction, torch_hooks
 from fsdp_strategy.engine.optimizer_copies import step as step_once
-from fsdp_strategy.engine.probe_compare import Difference, snapshot_difference
+from fsdp_strategy.engine.probe_compare import Difference, snapshot_difference, values_differ
 from fsdp_strategy.options import UpdateKind
 
 SHAPES = ((7, 6), (6,))  # a matrix whose rows split unevenly over 2 and 3 ranks, and a vector
@@ -111,7 +111,7 @@ def measure(optimizer: torch.optim.Optimizer, group: dict[str, Any], case: Case 
             )
         per_param = _compare(optimizer, group, case, _per_param)
         if per_param.equal:
-            _refuse_empty_groups(optimizer, group)
+            _refuse_empty_groups(optimizer, group, case)
             return Measured(
                 UpdateKind.WHOLE_MATRIX,
                 f"stepping rows of a parameter changes {rows.describe()}, stepping each parameter alone does "
@@ -244,15 +244,29 @@ def _moving(group: dict[str, Any]) -> dict[str, Any]:
     return {**group, "lr": torch.full_like(lr, 1e-3) if torch.is_tensor(lr) else 1e-3} if zero else group
 
 
-def _refuse_empty_groups(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> None:
+def _refuse_empty_groups(optimizer: torch.optim.Optimizer, group: dict[str, Any], case: Case) -> None:
     """Placed whole, a rank that owns none of a param group's parameters steps that group empty (the
-    optimizer's ``step`` runs on every rank): an optimizer that cannot is refused before its first step."""
+    optimizer's ``step`` runs on every rank): an optimizer that cannot, or whose param group then keeps
+    other values than where it steps parameters (a step counter of the group, a switch), is refused
+    before its first step: the ranks' groups would differ, and a checkpoint holds rank 0's."""
+    empty = build(optimizer, group, [])
+    param = torch.nn.Parameter(case.starts[0].clone())
+    param.grad = case.gradient(0)[0].clone()
+    stepping = build(optimizer, group, [param])
     try:
-        step_once(build(optimizer, group, []))
+        step_once(empty)
     except ProbeStopped as stopped:
         raise ProbeStopped(
             f"placed whole, a rank that owns none of a param group's parameters steps it empty, and {stopped}"
         ) from None
+    step_once(stepping)
+    values = [{k: v for k, v in probe.param_groups[0].items() if k != "params"} for probe in (stepping, empty)]
+    for key in sorted(set(values[0]) | set(values[1]), key=str):
+        if key not in values[0] or key not in values[1] or values_differ(values[0][key], values[1][key]):
+            raise ProbeStopped(
+                f"its param group's {key!r} changes in a step only where the group has parameters to step: placed "
+                "whole, the ranks that own none of them would keep another value"
+            )
 
 
 # ---- layouts ---------------------------------------------------------------------------------------

@@ -68,6 +68,11 @@ def snapshot_difference(whole: dict[str, Any], other: dict[str, Any], step: int)
     return Difference(value, where, step) if value > RTOL else Difference.none()
 
 
+def values_differ(a: Any, b: Any) -> bool:
+    """Whether two kept values differ beyond ``RTOL`` (or in structure)."""
+    return _difference(a, b) > RTOL
+
+
 def _joined(pieces: list[torch.Tensor], shape: torch.Size) -> torch.Tensor:
     """One tensor of ``shape`` from its pieces (itself, or zero-padded row blocks)."""
     if len(pieces) == 1 and pieces[0].shape == shape:
