@@ -232,8 +232,8 @@ MUTATIONS = [
         "optimizers_assumed_elementwise",
         "an optimizer the engine does not know is assumed elementwise instead of measured",
         "fsdp_strategy/engine/optimizer_kinds.py",
-        "        kind = self._measure(optimizer)\n",
-        "        kind = UpdateKind.ELEMENTWISE\n",
+        "            measured[shapes] = self._measure(optimizer)\n",
+        "            measured[shapes] = UpdateKind.ELEMENTWISE\n",
         ("tests/test_optimizer_probe.py::test_real_optimizers_equal_one_process_on_the_global_batch[2]",),
     ),
     Mutation(

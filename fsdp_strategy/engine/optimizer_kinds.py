@@ -102,7 +102,7 @@ class OptimizerKinds:
         self._by_id = {id(p.sharded): p for p in params}
         self._device = device or torch.device("cpu")
         self._measured: dict[Any, Measured] = {}  # (class, hyperparameters, kinds of tensors) -> on small tensors
-        self._kinds: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> (shapes, kind)
+        self._kinds: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> {shapes: kind}
         self._said: set[str] = set()
 
     def known(self, optimizer: torch.optim.Optimizer) -> UpdateKind | None:
@@ -129,12 +129,10 @@ class OptimizerKinds:
         if kind is not None:
             return kind
         shapes = self._shapes(optimizer)
-        known = self._kinds.get(optimizer)
-        if known is not None and known[0] == shapes:
-            return known[1]
-        kind = self._measure(optimizer)
-        self._kinds[optimizer] = (shapes, kind)
-        return kind
+        measured = self._kinds.setdefault(optimizer, {})
+        if shapes not in measured:  # once per set of shapes with gradients: a branch that skips some alternates
+            measured[shapes] = self._measure(optimizer)
+        return measured[shapes]
 
     def _shapes(self, optimizer: torch.optim.Optimizer) -> tuple:
         """Per param group, the shapes of its sharded parameters that have a gradient."""
