@@ -298,6 +298,17 @@ MUTATIONS = [
         ("tests/test_optimizer_probe.py::test_real_optimizers_equal_one_process_on_the_global_batch[2]",),
     ),
     Mutation(
+        "group_digest_ignores_values",
+        "param groups are compared by their keys alone (a value one rank set from its parameters goes unseen)",
+        "fsdp_strategy/engine/group_agreement.py",
+        "    text = repr(_plain(values)).encode()\n",
+        "    text = repr(sorted(values)).encode()\n",
+        (
+            "tests/test_optimizer_verification.py::"
+            "test_a_group_value_set_from_one_parameter_after_the_measurement_is_an_error_on_every_rank",
+        ),
+    ),
+    Mutation(
         "layers_assumed_alike",
         "a memory plan counts identical-looking layers without checking that each runs alike (by its index)",
         "fsdp_strategy/plan/run.py",

@@ -277,6 +277,72 @@ def test_what_an_optimizer_keeps_is_compared_not_only_its_update():
     assert _difference(torch.tensor([1.0, 1e-9]), torch.tensor([1.0 + 1e-16, 1e-9])) < 1e-12
 
 
+def _swats(model: nn.Module) -> torch.optim.Optimizer:
+    """pytorch-optimizer's SWATS: Adam until one parameter's statistic settles, then its param group
+    switches to SGD with a learning rate computed from that parameter (at step 13 here, on world 2's
+    global batch), long after the measurement's steps."""
+    return po.SWATS(model.parameters(), lr=1e-3, eps=2e-4)
+
+
+def _switch_body(rank: int, world: int) -> dict:
+    warnings.filterwarnings("ignore")
+    out = {}
+    for wrapping, options in WRAPPINGS.items():
+        model = shard_model(_mlp(), **options)
+        optimizer = _swats(model)
+        steps = 0
+        try:
+            for x in _batches(world) * 2:
+                before = full_state_dict(model, rank0_only=False)
+                _loss(model, x.chunk(world)[rank]).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                steps += 1
+            out[wrapping] = ("trained", steps)
+        except RuntimeError as error:
+            stopped = full_state_dict(model, rank0_only=False)  # the error comes after that step (on the CPU)
+            out[wrapping] = ("raised", str(error), steps, before, stopped, dict(optimizer.param_groups[0], params=None))
+        get_scheduler(model).close()
+    return out
+
+
+def test_a_group_value_set_from_one_parameter_after_the_measurement_is_an_error_on_every_rank(tmp_path):
+    """SWATS switches its group to SGD at step 13 from one parameter's statistic: placed whole, only
+    that parameter's owner switches. Every rank raises at that step, naming it, before a weight is
+    stepped with the other rank's settings; the weights until then are one process's."""
+    world = 2
+    ranks = run_ranks(_switch_body, world, tmp_path, timeout=300)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model, oracle = _mlp(), []
+        optimizer = _swats(model)
+        for x in _batches(world) * 2:
+            oracle.append({k: v.clone() for k, v in model.state_dict().items()})
+            _loss(model, x).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if optimizer.param_groups[0]["phase"] == "sgd":
+                oracle.append({k: v.clone() for k, v in model.state_dict().items()})
+                break
+    finally:
+        torch.set_num_threads(threads)
+    switched_at = len(oracle) - 1
+    assert switched_at == 13
+    phases = set()
+    for results in ranks:
+        for wrapping, result in results.items():
+            assert result[0] == "raised", (wrapping, result)
+            _, message, steps, before, stopped, group = result
+            assert "SWATS's param group 0 holds other values on other ranks after its step 13" in message, message
+            assert "NO_SHARD" in message
+            assert steps == switched_at - 1  # the step that switched raised in its hook, after its update
+            assert _relative(before, oracle[steps]) < 1e-9, wrapping
+            assert _relative(stopped, oracle[switched_at]) < 1e-9, wrapping
+            phases.add(group["phase"])
+    assert phases == {"adam", "sgd"}  # without the check the ranks would go on apart
+
+
 # ---- the Trainer against Lightning's DDP ----------------------------------------------------------
 
 

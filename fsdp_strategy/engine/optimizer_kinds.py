@@ -122,6 +122,11 @@ class OptimizerKinds:
             return UpdateKind.ELEMENTWISE
         return None
 
+    @staticmethod
+    def torch_own(optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``optimizer`` is one of torch's own, known to set no param group value from data."""
+        return type(optimizer) in ELEMENTWISE or type(optimizer) in WHOLE_MATRIX
+
     def of(self, optimizer: torch.optim.Optimizer) -> UpdateKind:
         """The kind of ``optimizer``, measured if need be: call it where its gradients exist, before it
         changes a weight ([Note: measure what will run]). A refused one raises ``TypeError``."""

@@ -18,6 +18,7 @@ from typing import Any
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from fsdp_strategy.engine.device import DeviceLayer
+from fsdp_strategy.engine.group_agreement import GroupAgreement
 from fsdp_strategy.engine.optimizer_kinds import OptimizerKinds
 from fsdp_strategy.engine.unit import FSDPUnit, ShardedState
 from fsdp_strategy.engine.whole_matrix import WholeMatrixSteps
@@ -37,11 +38,13 @@ class OptimizerSteps:
         device_layer: DeviceLayer,
         kinds: OptimizerKinds | None = None,
         whole_matrix: WholeMatrixSteps | None = None,
+        agreement: GroupAgreement | None = None,
     ) -> None:
         self._units = units
         self._device_layer = device_layer
         self._kinds = kinds or OptimizerKinds({})
         self._whole_matrix = whole_matrix  # None: a shard group of one (every parameter is whole)
+        self._agreement = agreement  # None: a shard group of one ([Note: param groups agree])
         self._held = {id(p.sharded) for unit in units for p in unit.params}
         # id -> (weak reference, name) of the parameters sharding replaced: stepping one is a mistake
         self._replaced = {
@@ -49,6 +52,7 @@ class OptimizerSteps:
         }
         self._checked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> its groups then
         self._stepping: dict[int, list[FSDPUnit]] = {}  # optimizer id -> gathered units its step changes
+        self._checked_groups: set[int] = set()  # ids of optimizers of this model whose step is under way, not torch's own
         self._handles: list[Any] = []
         self.open()
 
@@ -81,6 +85,12 @@ class OptimizerSteps:
         self._handles = []
         self._stepping.clear()
 
+    def raise_due(self) -> None:
+        """Raise for param groups that differed between the ranks after the last steps, waiting for
+        the device ([Note: param groups agree]; outside a step only)."""
+        if self._agreement is not None:
+            self._agreement.raise_due(everything=True)
+
     def _gathered_units_of(self, optimizer: Any) -> list[FSDPUnit]:
         gathered = [unit for unit in self._units if unit.state is ShardedState.UNSHARDED]
         if not gathered:
@@ -94,6 +104,8 @@ class OptimizerSteps:
             return None  # another model's optimizer (or a reference's, or the probe's: optimizer_probe.py)
         # a refused one raises here, before anything changes; with a shard group of one every parameter is whole
         known = self._kinds.known(optimizer) if self._whole_matrix is not None else UpdateKind.ELEMENTWISE
+        if not self._kinds.torch_own(optimizer):
+            self._checked_groups.add(id(optimizer))
         self._refuse_replaced(optimizer)
         self._device_layer.before_host_writes_shards()  # [Note: host and device] 1
         units = self._gathered_units_of(optimizer)
@@ -167,6 +179,9 @@ class OptimizerSteps:
     def _after_step(self, optimizer: Any) -> None:
         if self._whole_matrix is not None:
             self._whole_matrix.after_update(optimizer)
+        if id(optimizer) in self._checked_groups and self._agreement is not None:
+            self._checked_groups.discard(id(optimizer))
+            self._agreement.send(optimizer)  # [Note: param groups agree] in group_agreement.py
         self._device_layer.check_optimizer_step(optimizer)
         units = self._stepping.pop(id(optimizer), [])
         if units:

@@ -69,6 +69,7 @@ from fsdp_strategy.config import BackwardPrefetch, MixedPrecision, ShardingStrat
 from fsdp_strategy.engine.accounting import MemoryAccount
 from fsdp_strategy.engine.clipping import clip_grad_norm
 from fsdp_strategy.engine.collectives import CommContext
+from fsdp_strategy.engine.group_agreement import GroupAgreement
 from fsdp_strategy.engine.guard import shard_used_by
 from fsdp_strategy.engine.iteration import BackwardPass, PostBackward, autograd_running
 from fsdp_strategy.engine.optimizer_kinds import OptimizerKinds
@@ -138,9 +139,11 @@ class Scheduler:
         self.reductions = Reductions(self.device_layer)  # the gradient reductions in flight (reductions.py)
         shard_comm = units[0].shard_comm
         params = [p for unit in units for p in unit.params]
-        whole = WholeMatrixSteps(params, shard_comm, comm, device) if shard_comm.size > 1 else None
+        sharded = shard_comm.size > 1
+        whole = WholeMatrixSteps(params, shard_comm, comm, device) if sharded else None
+        agreement = GroupAgreement(shard_comm, comm, device) if sharded else None
         kinds = OptimizerKinds(optimizer_updates or {}, shard_comm, comm, params, device)
-        self.optimizer_steps = OptimizerSteps(units, self.device_layer, kinds, whole)  # [Note: edits while gathered]
+        self.optimizer_steps = OptimizerSteps(units, self.device_layer, kinds, whole, agreement)
         self.hook_handles: list[Any] = list(guards)  # every module hook the engine registered on the model
         self._register_hooks()
 
@@ -425,6 +428,7 @@ class Scheduler:
             self.observer.attach(None)
         if not unwinding:
             self.lost_edits.raise_due(everything=True)
+            self.optimizer_steps.raise_due()
 
     def open(self) -> None:
         """Install the optimizer-step hooks again after ``close`` (the strategy, at each setup)."""

@@ -1,0 +1,116 @@
+"""Param group values that differ between the ranks after a step: an error on every rank, never a
+silent divergence.
+
+[Note: param groups agree]
+An optimizer may set a param group value from the parameters it steps: pytorch-optimizer's SWATS
+switches a group to SGD, with a learning rate computed from one parameter's update, at the step
+where that parameter's statistic settles (step 48 on a small MLP). On one process every parameter
+is stepped in one place. Sharded, each rank steps its own rows (elementwise) or its own whole
+parameters (placed whole: [Note: whole-matrix placement] in whole_matrix.py), so each rank sets
+the value from other data, the ranks go on with different settings, and a checkpoint keeps rank
+0's. The measurement before the first step ([Note: measure what will run] in optimizer_kinds.py)
+sees this only where the branch runs in its few steps. So after every step of an optimizer that
+is not one of torch's own, the ranks compare their param groups:
+- each rank digests every group's values but ``params`` (plain values: numbers, strings, None and
+  sequences of them, by value; a tensor by its shape and dtype, without reading it; anything else
+  by its type), one 62-bit number per group;
+- one all-reduce MAX over the shard group of each digest and its negation: they agree where the
+  maximum equals the minimum;
+- the verdict goes to the host as a ``HostCopy`` and is read by the rule of ``LostEdits``
+  ([Note: edits while gathered] in edits.py): on the CPU at once (after the step that set the
+  value, before any weight used it), on CUDA one step later (a host wait inside a step stalls
+  the device: [Note: host and device] 4 in device.py), and at ``close``. Every rank reads the
+  same agreed verdict at the same place and raises the same error, naming the optimizer, the
+  group, the step and this rank's values.
+Costs per step of such an optimizer: a digest of its groups' values on the host (microseconds), an
+all-reduce of 16 bytes per group and a copy of one byte per group to the host. torch's own
+optimizers set no group value from data and are not checked.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import weakref
+from collections import deque
+from typing import Any, NamedTuple
+
+import torch
+
+from fsdp_strategy.engine import collectives
+from fsdp_strategy.engine.collectives import CommContext, CommGroup
+from fsdp_strategy.engine.device import DeviceLayer, HostCopy
+
+
+class _Sent(NamedTuple):
+    copy: HostCopy  # per group: whether the ranks' values differ
+    optimizer: str  # its class's name
+    step: int  # of this optimizer, counted from 1
+    groups: list[dict[str, Any]]  # this rank's values after that step, for the error
+
+
+class GroupAgreement:
+    """Compares the param group values of optimizers across the shard group after their steps
+    ([Note: param groups agree]). Costs: see the note."""
+
+    def __init__(self, comm: CommGroup, ctx: CommContext, device: torch.device) -> None:
+        self._comm, self._ctx, self._device = comm, ctx, device
+        self._steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> its steps so far
+        self._sent: deque[_Sent] = deque()
+
+    def send(self, optimizer: torch.optim.Optimizer) -> None:
+        """Start the comparison of ``optimizer``'s groups after its step (every rank, at the same
+        place); reads nothing. Then raises for the comparisons that are due."""
+        step = self._steps[optimizer] = self._steps.get(optimizer, 0) + 1
+        groups = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+        digests = torch.tensor([_digest(values) for values in groups], dtype=torch.int64)
+        both = torch.cat([digests, -digests]).to(self._device, non_blocking=True)
+        collectives.all_reduce(both, self._comm, self._ctx, "param groups", op="max").wait()
+        highest, lowest = both.view(2, -1)
+        differ = highest != -lowest
+        self._sent.append(_Sent(DeviceLayer.copy_to_host(differ), type(optimizer).__name__, step, groups))
+        self.raise_due()
+
+    def raise_due(self, everything: bool = False) -> None:
+        """Raise for the first comparison due that found groups differing. Due: on the CPU every one
+        sent; on CUDA every one but the last, which has had a step to land; ``everything``: the last
+        one too, waiting for the device (outside a step only)."""
+        due = len(self._sent)
+        if not everything and self._sent and self._sent[-1].copy.event is not None:
+            due -= 1
+        for _ in range(due):
+            sent = self._sent.popleft()
+            differ = sent.copy.wait().tolist()  # host memory, landed: no device wait inside a step
+            if any(differ):
+                self._sent.clear()
+                _raise_for(sent, differ.index(True))
+
+
+def _raise_for(sent: _Sent, index: int) -> None:
+    values = {k: v for k, v in sent.groups[index].items() if not torch.is_tensor(v)}
+    raise RuntimeError(
+        f"fsdp_custom: {sent.optimizer}'s param group {index} holds other values on other ranks after its step "
+        f"{sent.step} (here: {values}). Its step set them from the parameters this rank steps, which are not "
+        "every parameter when they are sharded, so the ranks would go on with different settings and a "
+        "checkpoint would keep rank 0's. The measurement before its first step did not reach that branch. "
+        "sharding_strategy='NO_SHARD' (every rank steps whole parameters, as DDP) works with it"
+    )
+
+
+def _digest(values: dict[str, Any]) -> int:
+    """A 62-bit digest of a group's values, equal on every rank for equal values (no ``hash``: Python
+    salts it per process)."""
+    text = repr(_plain(values)).encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 2
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as plain data whose ``repr`` is the same in every process: no addresses."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return tuple(_plain(item) for item in value)
+    if isinstance(value, dict):
+        return tuple(sorted((repr(_plain(k)), _plain(v)) for k, v in value.items()))
+    if torch.is_tensor(value):
+        return ("tensor", tuple(value.shape), str(value.dtype))
+    return ("object", type(value).__qualname__)
