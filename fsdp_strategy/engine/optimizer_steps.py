@@ -52,7 +52,7 @@ class OptimizerSteps:
         }
         self._checked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> its groups then
         self._stepping: dict[int, list[FSDPUnit]] = {}  # optimizer id -> gathered units its step changes
-        self._checked_groups: set[int] = set()  # ids of optimizers of this model whose step is under way, not torch's own
+        self._checked_groups: set[int] = set()  # ids of this model's optimizers stepping now, not torch's own
         self._handles: list[Any] = []
         self.open()
 
