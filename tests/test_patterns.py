@@ -101,6 +101,12 @@ def _inside(model: nn.Module, tokens: torch.Tensor, rank: int, step: int) -> tor
     return model(torch.cat([tokens, tokens.flip(0)]))
 
 
+def _two_root_forwards(model: nn.Module, tokens: torch.Tensor, rank: int, step: int) -> torch.Tensor:
+    """Two calls of the model (two root forwards, e.g. a contrastive pair), then one backward: the
+    reductions follow both forwards, not only the second."""
+    return lm_loss(model(tokens), tokens) + 0.5 * lm_loss(model(tokens.flip(0)[:, :4]), tokens.flip(0)[:, :4])
+
+
 PATTERNS = {
     # name: (build, auto_wrap_policy, loss, data, before_step, steps)
     "dense": (Dense, {MLPBlock, nn.Embedding}, _lm, _tokens, None, 4),
@@ -118,6 +124,7 @@ PATTERNS = {
     "inside_forward": (InsideForward, {MLPBlock, nn.Embedding}, _inside, _tokens, None, 3),
     "critic_real_then_fake": (GeneratorCritic, {Critic}, _gan, _gan_data, None, 3),
     "freeze_inside_step": (FreezeInStep, {MLPBlock}, _gan, _gan_data, None, 3),
+    "two_root_forwards_one_backward": (Dense, {MLPBlock, nn.Embedding}, _two_root_forwards, _tokens, None, 3),
 }
 UNUSED_PARAMETER_PATTERNS = ["moe", "multitask", "finetune", "lora"]
 

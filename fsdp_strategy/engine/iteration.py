@@ -1,5 +1,7 @@
-"""What the Scheduler tracks of one backward pass, and the autograd function that fires a unit's
-post-backward (each unit's own state is in state.py)."""
+"""What the Scheduler tracks of one iteration (``Step``) and of one backward pass in it
+(``BackwardPass``), and the autograd function that fires a unit's post-backward (each unit's own
+state is in state.py; what outlives an iteration, the prefetch order and the reduction order, is in
+order.py and reductions.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +11,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-
-from fsdp_strategy.engine.unit import FSDPUnit
 
 
 class PostBackward(torch.autograd.Function):
@@ -33,8 +33,20 @@ class BackwardPass:
 
     index: int  # the k-th backward of the iteration (its prefetch phase)
     create_graph: bool  # [Note: double backward] in state.py
-    expected: deque[FSDPUnit]  # the reduction order ([Note: post-backward every rank agrees on])
-    ready: set[FSDPUnit] = field(default_factory=set)  # units ready to reduce, waiting for their turn
+    expected: deque[Any]  # FSDPUnits: the reduction order ([Note: post-backward every rank agrees on])
+    ready: set[Any] = field(default_factory=set)  # units ready to reduce, waiting for their turn
+
+
+@dataclass
+class Step:
+    """One iteration, from a root forward's start to the next one's: a new iteration is a new
+    ``Step``, nothing reset by hand. Costs: one object per iteration."""
+
+    forward_phase: tuple | None = None  # ("forward", grad enabled) while the outermost root forward runs
+    root_depth: int = 0  # root forwards on the stack (a nested or recomputed one included)
+    backwards: int = 0  # backward passes begun in this iteration
+    backward: BackwardPass | None = None  # the one in progress
+    post_forward_order: list[Any] = field(default_factory=list)  # FSDPUnits with hooked outputs, in order
 
 
 def autograd_running() -> bool:

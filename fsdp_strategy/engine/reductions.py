@@ -34,6 +34,21 @@ class Reductions:
         self._in_flight: deque[PendingReduce] = deque()
         self._replicating: PendingReduce | None = None  # [Note: replicas reduce behind compute]
         self._undecided: list[UndecidedGrad] = []
+        self._ran_forward: dict[FSDPUnit, None] = {}  # units that ran forward with grad since their last reduction
+
+    def ran_forward(self, unit: FSDPUnit) -> None:
+        """``unit`` ran forward with gradients enabled: it reduces in the next backward, in the
+        reverse order of the forwards since the last backward (two root forwards before one backward
+        included: the order outlives an iteration)."""
+        self._ran_forward.setdefault(unit, None)
+
+    def order(self) -> deque[FSDPUnit]:
+        """The reduction order of the next backward ([Note: post-backward every rank agrees on])."""
+        return deque(reversed(self._ran_forward))
+
+    def forget_forwards(self) -> None:
+        """A backward reduced them all (or the iteration failed): the next order starts empty."""
+        self._ran_forward.clear()
 
     def reduce(self, unit: FSDPUnit) -> None:
         """Issue ``unit``'s reduction (or stash its gradients inside ``no_sync``), finishing the

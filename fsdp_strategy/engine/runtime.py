@@ -55,7 +55,6 @@ from __future__ import annotations
 import functools
 import logging
 import sys
-from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -71,7 +70,7 @@ from fsdp_strategy.engine.clipping import clip_grad_norm
 from fsdp_strategy.engine.collectives import CommContext
 from fsdp_strategy.engine.group_agreement import GroupAgreement
 from fsdp_strategy.engine.guard import shard_used_by
-from fsdp_strategy.engine.iteration import BackwardPass, PostBackward, autograd_running
+from fsdp_strategy.engine.iteration import BackwardPass, PostBackward, Step, autograd_running
 from fsdp_strategy.engine.optimizer_kinds import OptimizerKinds
 from fsdp_strategy.engine.optimizer_steps import OptimizerSteps
 from fsdp_strategy.engine.order import ExecutionOrder, Prefetch
@@ -126,13 +125,8 @@ class Scheduler:
         # [Note: buffers keep their dtype in checkpoints] state-dict name -> dtype before buffer_dtype cast it
         self.saved_buffer_dtypes: dict[str, torch.dtype] = dict(saved_buffer_dtypes or {})
         self.ignored_params: dict[str, nn.Parameter] = dict(ignored_params or {})  # [Note: ignored modules]
-        self._root_depth = 0
-        self._order = ExecutionOrder()
-        self._forward_phase: tuple | None = None
-        self._backwards_in_iteration = 0
-        self._backward: BackwardPass | None = None
-        self._ran_forward: dict[FSDPUnit, None] = {}  # units that ran forward with grad since their last reduction
-        self._post_forward_order: list[FSDPUnit] = []  # this iteration's, units with hooked outputs
+        self._order = ExecutionOrder()  # outlives iterations: [Note: prefetch from the previous run]
+        self.step = Step()  # the iteration in progress (iteration.py)
         self.device_layer = units[0].device_layer  # [Note: host and device] in device.py
         self.lost_edits = units[0].lost_edits  # [Note: edits while gathered] in edits.py
         self._lower_param_dtype = any(p.param_dtype != p.sharded.dtype for unit in units for p in unit.params)
@@ -170,19 +164,19 @@ class Scheduler:
     def _pre_forward(self, unit: FSDPUnit, state: UnitState, module: nn.Module, args: tuple, kwargs: dict) -> Any:
         in_backward = autograd_running()
         if unit is self.root_unit:
-            if self._root_depth == 0 and not in_backward:
+            if self.step.root_depth == 0 and not in_backward:
                 args, kwargs = self._start_iteration(args, kwargs)
-            self._root_depth += 1
+            self.step.root_depth += 1
         frame = Frame(sys.exc_info()[1])
         state.forward_entered(frame, in_backward)
         unit.wait_unshard()
         if unit is self.root_unit:  # training_step runs inside it: [Note: edits while gathered]
             state.expose()
         if not in_backward and torch.is_grad_enabled():
-            self._ran_forward.setdefault(unit, None)
-        if not in_backward and self._forward_phase is not None:
+            self.reductions.ran_forward(unit)
+        if not in_backward and self.step.forward_phase is not None:
             state.ran_in_forward_pass()
-            target = self._order.record(self._forward_phase, unit)
+            target = self._order.record(self.step.forward_phase, unit)
             if target is not None and self.prefetch.forward:
                 target.unshard()  # [Note: bounded prefetch]
         if torch.is_grad_enabled():
@@ -214,7 +208,7 @@ class Scheduler:
         if frame is None:  # our pre-hook did not run (a hook before it raised)
             return output
         if unit is self.root_unit:
-            self._root_depth -= 1
+            self.step.root_depth -= 1
         raised = sys.exc_info()[1]
         if raised is not None and raised is not frame.exception:
             self._forward_failed(unit, state, frame)
@@ -227,14 +221,14 @@ class Scheduler:
                     tensor.register_hook(backward_hook)
                     hooked = True
         if hooked and not in_backward:
-            self._post_forward_order.append(unit)  # [Note: prefetch from the previous run]
+            self.step.post_forward_order.append(unit)  # [Note: prefetch from the previous run]
         if not state.on_stack:
             policy = self.sharding_strategy.reshard_after_forward
-            if state.reshards_after_forward(hooked, self._root_depth, policy):
+            if state.reshards_after_forward(hooked, self.step.root_depth, policy):
                 unit.reshard(keep_edits=True)  # its own forward may have changed it
             else:  # gathered past its forward: user code may reach it ([Note: edits while gathered])
                 state.expose()
-        if unit is self.root_unit and self._root_depth == 0 and not in_backward:
+        if unit is self.root_unit and self.step.root_depth == 0 and not in_backward:
             self._end_forward()
         return output
 
@@ -244,8 +238,8 @@ class Scheduler:
         if not state.backward_reached():
             return
         unit.wait_unshard()
-        assert self._backward is not None
-        target = self._order.record(("backward", self._backward.index), unit)
+        assert self.step.backward is not None
+        target = self._order.record(("backward", self.step.backward.index), unit)
         if target is not None and self.prefetch.backward is BackwardPrefetch.BACKWARD_PRE:
             target.unshard()  # [Note: bounded prefetch]
         elif target is not None and self.prefetch.backward is BackwardPrefetch.BACKWARD_POST:
@@ -254,7 +248,7 @@ class Scheduler:
     @traced("post_backward")
     def _post_backward(self, unit: FSDPUnit, state: UnitState, counted: bool) -> None:
         self._enter_backward()
-        backward = self._backward
+        backward = self.step.backward
         assert backward is not None
         target = state.take_prefetch()
         if target is not None:  # BACKWARD_POST: this unit's gradients are computed
@@ -274,7 +268,7 @@ class Scheduler:
 
     @traced("end_of_backward")
     def _end_of_backward(self) -> None:
-        backward = self._backward
+        backward = self.step.backward
         assert backward is not None
         try:
             while backward.expected:  # [Note: post-backward every rank agrees on]
@@ -284,7 +278,7 @@ class Scheduler:
             for unit in self.units:  # then one fixed order on every rank
                 if unit.training.needs_reduction(unit.state is ShardedState.UNSHARDED):
                     self._reduce(unit)
-            self._ran_forward.clear()
+            self.reductions.forget_forwards()
             self.reductions.settle()
             self.device_layer.before_host_reads_grads()  # [Note: host and device] 2
             self.device_layer.before_host_writes_shards()  # a closure's step updates next (1)
@@ -300,7 +294,7 @@ class Scheduler:
                 unit.reshard()
             state.backward_finished(backward.create_graph)
         self._order.commit(("backward", backward.index))
-        self._backward = None
+        self.step.backward = None
 
     # ---- schedule ----------------------------------------------------------------------
 
@@ -314,19 +308,17 @@ class Scheduler:
             self.lost_edits.raise_due()
 
     def _start_iteration(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        previous_without_backward = self.observer.recorder.iteration > 0 and self._backwards_in_iteration == 0
+        previous_without_backward = self.observer.recorder.iteration > 0 and self.step.backwards == 0
         # its forward's checks, each rank its own: ranks may run different numbers of forward-only
         # iterations (an uneven predict), where NO_SHARD issues no collective to agree in
         self._report_lost_edits(send=previous_without_backward, agree=False)
-        stale = self._backward is not None or any(unit.training.on_stack for unit in self.units)
+        stale = self.step.backward is not None or any(unit.training.on_stack for unit in self.units)
         if stale:
             log.warning("fsdp_custom: the previous iteration did not finish (an exception in backward?); resetting")
             self.reset()
-        self._backwards_in_iteration = 0
-        self._post_forward_order = []
         self.observer.recorder.iteration += 1
-        self._forward_phase = ("forward", torch.is_grad_enabled())
-        self._order.start(self._forward_phase)
+        self.step = Step(forward_phase=("forward", torch.is_grad_enabled()))
+        self._order.start(self.step.forward_phase)
         dtype = self.mixed_precision.param_dtype
         if dtype is not None:
 
@@ -340,19 +332,19 @@ class Scheduler:
 
     def _end_forward(self) -> None:
         """The outermost root forward returned: free what was prefetched and did not run."""
-        assert self._forward_phase is not None
-        self._order.commit(self._forward_phase)
-        self._forward_phase = None
+        assert self.step.forward_phase is not None
+        self._order.commit(self.step.forward_phase)
+        self.step.forward_phase = None
         for unit in self.units:
             if unit.training.forward_pass_finished():
                 unit.reshard()
 
     def _forward_failed(self, unit: FSDPUnit, state: UnitState, frame: Frame) -> None:
         state.forward_raised(frame)
-        if unit is self.root_unit and self._root_depth == 0 and not autograd_running():
+        if unit is self.root_unit and self.step.root_depth == 0 and not autograd_running():
             log.info("fsdp_custom: the root forward raised; the iteration is reset")
             self.reset()
-        elif not state.on_stack and state.reshards_after_forward(False, self._root_depth, True):
+        elif not state.on_stack and state.reshards_after_forward(False, self.step.root_depth, True):
             unit.reshard()
 
     @torch._dynamo.disable
@@ -362,18 +354,17 @@ class Scheduler:
         ``training_step`` with the whole model one unit) passes no unit's output hook and no
         post-backward node: a gradient landing in a full parameter starts the backward pass, so
         its end-of-backward callback reduces the unit."""
-        if self._backward is None:
+        if self.step.backward is None:
             self._enter_backward()
 
     def _enter_backward(self) -> None:
-        if self._backward is None:
-            expected = deque(reversed(self._ran_forward))
-            self._backward = BackwardPass(self._backwards_in_iteration, torch.is_grad_enabled(), expected)
-            self._backwards_in_iteration += 1
-            self._order.start(("backward", self._backward.index))
-            first = self._backward.index == 0
-            finished = self._post_forward_order if first else None
-            self._order.follow_forward(("backward", self._backward.index), ("forward", True), finished)
+        step = self.step
+        if step.backward is None:
+            step.backward = BackwardPass(step.backwards, torch.is_grad_enabled(), self.reductions.order())
+            step.backwards += 1
+            self._order.start(("backward", step.backward.index))
+            finished = step.post_forward_order if step.backward.index == 0 else None
+            self._order.follow_forward(("backward", step.backward.index), ("forward", True), finished)
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _reduce(self, unit: FSDPUnit) -> None:
@@ -401,11 +392,8 @@ class Scheduler:
             unit.training.reset()
             unit.drop_grads()
             unit.reshard(keep_edits=False)
-        self._root_depth = 0
-        self._backward = None
-        self._ran_forward.clear()
-        self._post_forward_order = []
-        self._forward_phase = None
+        self.step = Step(backwards=self.step.backwards)  # an iteration without a backward is still one
+        self.reductions.forget_forwards()
         self._order.discard()
 
     def close(self, agree: bool = False) -> None:
@@ -451,7 +439,7 @@ class Scheduler:
     @property
     def running(self) -> bool:
         """Whether a forward of the root or a backward through the model is in progress."""
-        return bool(self._root_depth) or self._backward is not None
+        return bool(self.step.root_depth) or self.step.backward is not None
 
     def unsharded_grad_bytes(self) -> int:
         """Bytes of full-size gradients held now (non-zero only inside ``no_sync`` accumulation)."""
