@@ -49,6 +49,7 @@ from fsdp_strategy.engine.ledger import CommLedger
 from fsdp_strategy.options import check_fsdp_keywords
 from fsdp_strategy.precision import FSDPCustomPrecision
 from fsdp_strategy.strategy_checkpoints import CheckpointHooks
+from fsdp_strategy.strategy_preemption import AgreedSigterm
 from fsdp_strategy.strategy_requeue import DeferredRequeue
 from fsdp_strategy.strategy_watchdog import RunWatchdog
 from fsdp_strategy.sync_batchnorm import convert_sync_batchnorm
@@ -220,6 +221,7 @@ class FSDPCustomStrategy(StrategyArguments, CheckpointHooks, LightningFSDPStrate
         self._watch = RunWatchdog(self._writer)  # a watchdog per run: started at setup, closed at teardown
         self._ledger_global_step: int | None = None  # the global_step the ledger's count started at
         self._requeue = DeferredRequeue(self._writer.in_foreground)  # SLURM's signal, at an agreed step
+        self._sigterm = AgreedSigterm()  # [Note: preemption at an agreed step]
         self._init_checkpoint_hooks()
 
     # ---- Lightning plumbing --------------------------------------------------------------
@@ -455,16 +457,31 @@ class FSDPCustomStrategy(StrategyArguments, CheckpointHooks, LightningFSDPStrate
             self.scheduler.reset()
         super().on_exception(exception)
 
+    def on_validation_start(self) -> None:
+        """In ``fit`` (its sanity check first): hold SIGTERM back to an agreed batch boundary
+        ([Note: preemption at an agreed step] in strategy_preemption.py)."""
+        trainer = self.lightning_module.trainer
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._sigterm.install(trainer)
+        super().on_validation_start()
+
     def on_train_start(self) -> None:
-        """Hold Lightning's SLURM requeue handler back to a step all ranks agree on ([Note: requeue
-        at an agreed step] in strategy_requeue.py)."""
+        """Hold SIGTERM and Lightning's SLURM requeue handler back to steps all ranks agree on
+        ([Note: preemption at an agreed step], [Note: requeue at an agreed step])."""
+        self._sigterm.install(self.lightning_module.trainer)
         self._requeue.install(self.lightning_module.trainer)
         super().on_train_start()
+
+    def on_train_end(self) -> None:
+        """A SIGTERM received in the last batch or validation stops every rank here, together."""
+        self._sigterm.at_boundary("at the end of training", self._watch.dog)
+        super().on_train_end()
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """Start the ledger's count at the first batch of each optimizer step (under gradient
         accumulation a step's micro-batches are counted together); a resume's hidden warning shows
-        again; SLURM's requeue signal is acted on here, between two optimizer steps."""
+        again; SIGTERM and SLURM's requeue signal are acted on here, between two batches."""
+        self._sigterm.at_boundary("before this batch", self._watch.dog)
         self._resume_notice.remove()  # the epoch loop has checked the dataloader by now
         global_step = self.lightning_module.trainer.global_step
         self._requeue.at_batch_start(global_step)
@@ -477,6 +494,7 @@ class FSDPCustomStrategy(StrategyArguments, CheckpointHooks, LightningFSDPStrate
     def teardown(self) -> None:
         """Finish any checkpoint in flight, close the engine's hooks and threads and the watchdog,
         then tear down as Lightning does."""
+        self._sigterm.remove()
         self._requeue.remove()
         self._writer.teardown()
         self._resume_notice.remove()

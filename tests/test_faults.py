@@ -247,11 +247,18 @@ def _sigterm_every_rank(strategy: str, checkpoints: Path) -> tuple[int, str]:
 
 
 def test_sigterm_to_every_rank_ends_as_lightning_does(tmp_path):
-    # Lightning raises SIGTERMException on every rank at the same step; OnExceptionCheckpoint saves,
-    # then rank 0 spends 6 s in an on_exception of its own (an upload): as under DDP, all end well
+    # every rank raises SIGTERMException at the same batch boundary ([Note: preemption at an agreed
+    # step]); OnExceptionCheckpoint saves, then rank 0 spends 6 s in an on_exception of its own (an
+    # upload): as under DDP, all end well, but with status 143 (128 + SIGTERM: ended by the signal,
+    # where DDP's 0 reads as a finished job), which torchrun reports as the workers' exit code
     reference = _sigterm_every_rank("ddp_find_unused_parameters_true", tmp_path / "ddp")
     code, output = _sigterm_every_rank("fsdp_custom", tmp_path / "fsdp")
-    assert (code, reference[0]) == (0, 0), output[-4000:]
+    assert reference[0] == 0 and code != 0, output[-4000:]
+    # ended by SIGTERM: 143, or -15 where the agent's own SIGTERM (sent to the workers still running when
+    # one exits) lands in the interpreter's last moments, after every handler ran (Python restores the
+    # default action there); before that, a SIGTERM after the stop is recorded and ignored
+    assert output.count("exitcode  : 143") + output.count("exitcode  : -15") == 2, output[-4000:]
+    assert "fsdp_custom: SIGTERM received by 2 of 2 ranks; every rank stops before this batch" in output
     for rank in (0, 1):
         assert f"ON_EXCEPTION rank {rank}: SIGTERMException" in output, output[-4000:]
     assert os.listdir(tmp_path / "fsdp") == os.listdir(tmp_path / "ddp") == ["on_exception.ckpt"]

@@ -12,16 +12,20 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import warnings
 from collections import Counter
 from typing import Any
 
+import lightning as L
 import pytest
 import torch
 from dist_utils import run_ranks
+from test_strategy import LIGHTNING_ENV, quiet_trainer
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.data import DataLoader, TensorDataset
 
-from fsdp_strategy import MixedPrecision
+from fsdp_strategy import FSDPCustomStrategy, MixedPrecision
 from fsdp_strategy.engine import edits, get_scheduler, shard_model
 from fsdp_strategy.engine.device import DeviceLayer, HostCopy
 
@@ -32,18 +36,24 @@ PYTHON_READS = ("item", "tolist", "__bool__", "__float__", "__int__")
 # the order-stamp check on CPU tensors (gloo, whose wait() blocks the host anyway); CUDA stamps
 # take ``Watchdog.defer_check``, a HostCopy read by the watchdog thread once landed
 CPU_ONLY = ("engine/monitoring.py", "check")
+# the SIGTERM agreement's sum: a CPU tensor on a gloo group on every device ([Note: preemption at an
+# agreed step]); Lightning's own is a tensor on the root device, read with ``item()``
+CPU_FLAGS = {CPU_ONLY, ("strategy_preemption.py", "at_boundary")}
+TRAINER_ROOTS = ("fsdp_strategy/", "lightning/pytorch/loops/")
 
 
-def _engine_caller() -> str | None:
-    """``file:line function`` of the innermost frame outside torch, if it is the engine's."""
+def _engine_caller(roots: tuple[str, ...] = (ENGINE,)) -> str | None:
+    """``file:line function`` of the innermost frame outside torch, if it is under one of ``roots``
+    (the engine's, or also Lightning's loops)."""
     frame = sys._getframe(3)  # past this, ``_note`` and the read's own wrapper
     while frame is not None and frame.f_code.co_filename != __file__:
         name = frame.f_code.co_filename
         if "/torch/" not in name and "<" not in name:
-            if ENGINE not in name:
+            root = next((root for root in roots if root in name), None)
+            if root is None:
                 return None
-            short = name.split(ENGINE)[-1]
-            if (short, frame.f_code.co_name) == CPU_ONLY:
+            short = name.split(root)[-1]
+            if (short, frame.f_code.co_name) in CPU_FLAGS:
                 return None
             return f"{short}:{frame.f_lineno} {frame.f_code.co_name}"
         frame = frame.f_back
@@ -53,8 +63,9 @@ def _engine_caller() -> str | None:
 class HostReads(TorchDispatchMode):
     """Count the engine's reads of tensor values on the host, except of landed ``HostCopy`` values."""
 
-    def __init__(self) -> None:
+    def __init__(self, roots: tuple[str, ...] = (ENGINE,)) -> None:
         super().__init__()
+        self.roots = roots
         self.places: Counter[str] = Counter()
         self.copied: list[torch.Tensor] = []  # HostCopy values: read once landed, not a wait
         self.counting = False
@@ -62,7 +73,7 @@ class HostReads(TorchDispatchMode):
 
     def _note(self, tensor: Any) -> None:
         if self.counting and not any(tensor is value for value in self.copied):
-            place = _engine_caller()
+            place = _engine_caller(self.roots)
             if place is not None:
                 self.places[place] += 1
 
@@ -150,6 +161,56 @@ def test_a_steady_state_step_reads_nothing_on_the_host(tmp_path):
         assert set(per_config) == set(CONFIGS)
         reading = {name: steps for name, steps in per_config.items() if any(steps)}
         assert not reading, f"rank {rank}: the engine read tensors on the host inside a step: {reading}"
+
+
+class _TrainerModule(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+
+    def training_step(self, batch, batch_idx):
+        return self.net(batch[0]).square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=1e-2)  # reads nothing itself (AdamW reads its step count)
+
+
+class _PerStep(L.Callback):
+    """The reads of each Trainer step from the fourth on, between one batch's start and the next's."""
+
+    def __init__(self, reads: HostReads) -> None:
+        self.reads, self.steps = reads, []
+
+    def on_train_batch_start(self, trainer, *args) -> None:
+        if self.reads.counting:
+            self.steps.append(dict(self.reads.places))
+        self.reads.places.clear()
+        self.reads.counting = trainer.global_step >= 3
+
+
+def _trainer_reads(rank: int, world: int) -> dict[str, list]:
+    warnings.filterwarnings("ignore")
+    data = DataLoader(TensorDataset(torch.randn(64, 8, generator=torch.Generator().manual_seed(0))), batch_size=4)
+    out = {}
+    for name in ("fsdp_custom", "ddp"):
+        with HostReads(TRAINER_ROOTS) as reads:
+            per_step = _PerStep(reads)
+            strategy = FSDPCustomStrategy(auto_wrap_policy={nn.Linear}) if name == "fsdp_custom" else "ddp"
+            trainer = quiet_trainer(strategy=strategy, devices=world, max_steps=7, callbacks=[per_step])
+            trainer.fit(_TrainerModule(), data)
+        out[name] = per_step.steps
+    return out
+
+
+def test_a_trainer_step_reads_nothing_on_the_host_where_ddp_reads_its_sigterm_flag(tmp_path):
+    """The Trainer's own step under fsdp_custom: no read by the engine, the strategy or Lightning's
+    loops (Lightning's per-batch SIGTERM broadcast is replaced by a sum on the CPU: [Note: preemption
+    at an agreed step]); DDP's step reads one (that broadcast's ``item()`` on the root device)."""
+    for rank, runs in enumerate(run_ranks(_trainer_reads, 2, tmp_path, env=LIGHTNING_ENV, timeout=300)):
+        assert len(runs["fsdp_custom"]) == len(runs["ddp"]) == 3
+        assert all(step == {} for step in runs["fsdp_custom"]), (rank, runs["fsdp_custom"])
+        assert all(sum(step.values()) == 1 for step in runs["ddp"]), (rank, runs["ddp"])
+        assert all("_broadcast_sigterm_tensor" in next(iter(step)) for step in runs["ddp"]), runs["ddp"]
 
 
 class _Event:

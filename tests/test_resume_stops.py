@@ -1,5 +1,6 @@
 """A run resumed from the checkpoint its fit left, whatever stopped it (``max_steps``, ``max_time`` or
-``max_epochs``, off the checkpoint grid, an exception, or a validation after it), trains every
+``max_epochs``, off the checkpoint grid, an exception, a real SIGTERM to one rank, or a validation
+after it), trains every
 following step on the samples of the uninterrupted run and to its losses, at the same and at another
 world size (the same global batch), from sharded and full checkpoints ([Note: an epoch stopped, not
 finished] in data.py); a resume that changes the global batch says so, old beside new; a checkpoint
@@ -8,6 +9,8 @@ of another optimizer is refused before anything loads."""
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import time
 import warnings
 
@@ -17,6 +20,7 @@ import torch
 import torch.distributed as dist
 from dist_utils import run_ranks
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from test_strategy import LIGHTNING_ENV, quiet_trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -36,11 +40,12 @@ class Interrupted(RuntimeError):
 class Indexed(L.LightningModule):
     """A linear model that records the sample ids and the loss of each step."""
 
-    def __init__(self, sleep: float = 0.0, fail_at: int | None = None) -> None:
+    def __init__(self, sleep: float = 0.0, fail_at: int | None = None, sigterm_at: int | None = None) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.net, self.sleep, self.steps = nn.Linear(5, 1).double(), sleep, []
         self.fail_at = fail_at  # raise inside this step (every rank alike), as a crash would
+        self.sigterm_at = sigterm_at  # rank 1 receives a real SIGTERM inside this step (an operator, a drain)
 
     def on_train_start(self) -> None:
         self.start = self.trainer.global_step  # where a resumed fit starts
@@ -49,6 +54,8 @@ class Indexed(L.LightningModule):
         x, ids = batch
         if self.trainer.global_step == self.fail_at:
             raise Interrupted(f"stopped at step {self.fail_at}")
+        if self.trainer.global_step == self.sigterm_at and self.global_rank == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
         loss = self.net(x).square().mean()
         self.steps.append((ids.tolist(), loss.item()))
         time.sleep(self.sleep)
@@ -74,10 +81,11 @@ def _fit(
     state: str = "sharded",
     fail_at: int | None = None,
     validate: bool = False,
+    sigterm_at: int | None = None,
     **stop,
 ) -> dict:
     """Fit to ``stop``; per step, the samples of every rank (sorted) and the mean loss."""
-    module = Indexed(sleep, fail_at)
+    module = Indexed(sleep, fail_at, sigterm_at)
     trainer = L.Trainer(
         strategy=FSDPCustomStrategy(state_dict_type=state),
         accelerator="cpu",
@@ -92,10 +100,13 @@ def _fit(
         ],
         **stop,
     )
+    exit_status = None
     try:
         trainer.fit(module, _data(world), ckpt_path=ckpt)
     except Interrupted:
         pass
+    except SIGTERMException as stop_signal:
+        exit_status = stop_signal.code
     if validate:  # a validation after the fit, then the checkpoint saved last
         trainer.validate(module, _data(world), verbose=False)
         trainer.save_checkpoint(f"{root}/last.ckpt")
@@ -104,7 +115,7 @@ def _fit(
     steps = []
     for at_step in zip(*everyone):
         steps.append((sorted(i for ids, _ in at_step for i in ids), sum(loss for _, loss in at_step) / world))
-    return {"steps": steps, "global_step": trainer.global_step, "start": module.start}
+    return {"steps": steps, "global_step": trainer.global_step, "start": module.start, "exit_status": exit_status}
 
 
 STOPS = {  # how the first run stops, and how far the resumed one goes
@@ -112,6 +123,7 @@ STOPS = {  # how the first run stops, and how far the resumed one goes
     "max_epochs": ({"max_epochs": 1}, {"max_epochs": 2}),
     "max_time": ({"max_time": {"seconds": 2}, "max_steps": 13}, {"max_steps": 13}),
     "an exception": ({"max_steps": 13, "fail_at": 5}, {"max_steps": 13}),
+    "a SIGTERM to one rank": ({"max_steps": 13, "sigterm_at": 4}, {"max_steps": 13}),
     "a validation after max_steps": ({"max_steps": 6, "validate": True}, {"max_steps": 13}),
 }
 
@@ -153,6 +165,8 @@ def test_a_fit_stopped_off_the_checkpoint_grid_resumes_sample_by_sample(tmp_path
     saved = run_ranks(_stop_body, 2, tmp_path, str(tmp_path), "save", env=LIGHTNING_ENV, timeout=300)[0]
     assert saved["max_steps"]["global_step"] == 5 and saved["max_epochs"]["global_step"] == 8
     assert saved["an exception"]["global_step"] == 5 and saved["a validation after max_steps"]["global_step"] == 6
+    # both ranks stop before the batch after the one rank 1 was signalled in, with status 143 (128 + SIGTERM)
+    assert (saved["a SIGTERM to one rank"]["global_step"], saved["a SIGTERM to one rank"]["exit_status"]) == (5, 143)
     assert 1 < saved["max_time"]["global_step"] < 8, saved["max_time"]["global_step"]  # inside the first epoch
     other = run_ranks(_stop_body, 3, tmp_path, str(tmp_path), "resume", env=LIGHTNING_ENV, timeout=300)[0]
     for name in STOPS:

@@ -1,0 +1,137 @@
+"""SIGTERM (preemption, a time limit, an eviction) acted on at a training-batch boundary that every
+rank agrees on, with no collective inside the signal handler.
+
+[Note: preemption at an agreed step]
+Clusters end jobs with SIGTERM to every process (SLURM at preemption and at the time limit, SIGKILL
+``KillWait`` seconds later, 30 by default; Kubernetes on eviction, 30 s of grace). Lightning 2.6's
+handler broadcasts a tensor from inside the signal handler, which meets whatever collective another
+rank is in (a hang until SIGKILL, or a mismatched-size crash), and its training loop broadcasts a
+device tensor and reads it on the host at every batch. While ``fit`` runs under ``fsdp_custom``:
+- the handler only records the signal, passes it to a launcher's child processes once (as
+  Lightning's does) and calls the other handlers Lightning composed with its own (SLURM's
+  "bypass", a handler the user had); Lightning's per-batch broadcast is switched off;
+- at the start of every training batch and at the end of training, every rank adds what it has
+  recorded to a sum over all ranks: one blocking all-reduce of one integer on a gloo group of its
+  own (the CPU: it never waits for the device, and reads no device tensor);
+- where the sum is not zero, every rank, at that same boundary, sets ``trainer.received_sigterm``
+  and raises Lightning's ``SIGTERMException`` with exit status 143 (128 + SIGTERM, what a shell,
+  torchrun and Kubernetes read as "ended by SIGTERM"; Lightning exits 0). Lightning then runs
+  ``on_exception`` on every rank together (``ModelCheckpoint(save_on_exception=True)`` saves the
+  last completed step there, atomically) and tears down.
+So the job ends after the batch in flight (and a validation or a checkpoint save in flight, which
+finish first), whichever ranks got the signal; after that stop, a further SIGTERM is recorded and
+ignored until the process exits. Outside ``fit`` (``validate``, ``test``,
+``predict``) Lightning's own handler is left in place. With one process the same boundaries apply,
+without the all-reduce. Costs: per training batch one all-reduce of 8 bytes on the CPU (it waits
+for the slowest rank's host to reach the batch, not for any device), and the group's connections.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+from fsdp_strategy.engine import collectives
+from fsdp_strategy.engine.monitoring import watched
+from fsdp_strategy.engine.watchdog import Watchdog
+
+log = logging.getLogger(__name__)
+
+EXIT_STATUS = 128 + signal.SIGTERM  # 143: "ended by SIGTERM"
+
+
+class AgreedSigterm:
+    """Holds SIGTERM to a training-batch boundary that every rank agrees on ([Note: preemption at an
+    agreed step]). Costs: see the note."""
+
+    def __init__(self) -> None:
+        self._trainer: Any = None  # while installed
+        self._others: list[Any] = []  # the handlers Lightning composed beside its own broadcasting one
+        self._received = 0
+        self._stopped = False  # every rank raised at a boundary: none after it
+        self._group: Any = None
+
+    @property
+    def installed(self) -> bool:
+        """Whether SIGTERM is held back in this run."""
+        return self._trainer is not None
+
+    def install(self, trainer: Any) -> None:
+        """Take SIGTERM over while ``fit`` runs (idempotent; a collective on the first call where
+        there are several ranks: every rank reaches it alike)."""
+        if self._trainer is not None:
+            return
+        connector = trainer._signal_connector
+        handler = signal.getsignal(signal.SIGTERM)
+        composed = list(getattr(handler, "signal_handlers", ()))
+        if connector._sigterm_notifier_fn not in composed:
+            return  # not Lightning's handler (Windows, or the user replaced it): leave it alone
+        self._trainer, self._received, self._stopped = trainer, 0, False
+        self._others = [h for h in composed if h != connector._sigterm_notifier_fn]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            self._group = collectives.new_gloo_group()
+        trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = _nothing  # its device broadcast and host read
+        signal.signal(signal.SIGTERM, self._record)
+
+    def _record(self, signum: int, frame: Any) -> None:
+        """The handler: records, passes the signal on; no collective, no lock."""
+        if not self._received and self._trainer is not None:
+            launcher = self._trainer.strategy.launcher
+            if launcher is not None and hasattr(launcher, "kill"):
+                launcher.kill(signum)  # a launcher's child processes, as Lightning's handler does
+        self._received = 1
+        for other in self._others:
+            handler = signal.getsignal(other) if isinstance(other, int) else other
+            if callable(handler):
+                handler(signum, frame)
+
+    def at_boundary(self, where: str, dog: Watchdog | None) -> None:
+        """At a boundary every rank reaches alike (a training batch's start, the end of training):
+        raise ``SIGTERMException`` on every rank if any rank received SIGTERM."""
+        if self._trainer is None or self._stopped:
+            return
+        received = torch.tensor([self._received], dtype=torch.int64)
+        if self._group is not None:
+            with watched("all_reduce", "preemption", dog):
+                dist.all_reduce(received, group=self._group)
+        ranks = int(received.item())  # a CPU tensor: no device wait
+        if not ranks:
+            return
+        trainer = self._trainer
+        trainer._signal_connector.received_sigterm = True
+        if trainer.is_global_zero:
+            log.warning(
+                "fsdp_custom: SIGTERM received by %d of %d ranks; every rank stops %s (step %d), exit status %d",
+                ranks,
+                trainer.world_size,
+                where,
+                trainer.global_step,
+                EXIT_STATUS,
+            )
+        self._stopped = True
+        raise SIGTERMException(EXIT_STATUS)
+
+    def remove(self) -> None:
+        """At the strategy's teardown: release the group and Lightning's loop. The handler stays,
+        recording (a second SIGTERM while ``on_exception`` saves must not broadcast), until
+        Lightning's teardown, right after, restores the handlers from before ``fit``; after a stop
+        by SIGTERM it stays for good: the process is on its way out, and a launcher that sends
+        SIGTERM to the workers still running when one exits (torchrun) must not cut another
+        rank's teardown short. SIGKILL still ends it."""
+        if self._trainer is None:
+            return
+        trainer, self._trainer = self._trainer, None
+        trainer.fit_loop.epoch_loop.__dict__.pop("_broadcast_sigterm_tensor", None)
+        if self._stopped:
+            trainer._signal_connector._original_handlers[signal.SIGTERM] = self._record
+        collectives.destroy_group(self._group)
+        self._group = None
+
+
+def _nothing() -> None:
+    """Lightning's per-batch SIGTERM broadcast, switched off while ``AgreedSigterm`` holds the signal."""
