@@ -170,3 +170,87 @@ class GroupCounter(torch.optim.Optimizer):
                 m = self.state[p].setdefault("m", torch.zeros_like(p)).mul_(0.9).add_(p.grad, alpha=0.1)
                 corrected = m / (1 - 0.9 ** group["t"])
                 p.add_(corrected / (corrected.norm() + 1e-12), alpha=-group["lr"])
+
+
+class MaxNormSGD(torch.optim.Optimizer):
+    """SGD with each parameter projected back onto the ball of radius ``max_norm``: only a parameter
+    whose norm exceeds it takes the branch (of two of one shape, maybe only the second)."""
+
+    def __init__(self, params, lr: float = 1e-4, max_norm: float = 20.0) -> None:
+        super().__init__(params, {"lr": lr, "max_norm": max_norm})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                p.add_(p.grad, alpha=-group["lr"])
+                norm = p.norm()
+                if norm > group["max_norm"]:
+                    p.mul_(group["max_norm"] / norm)
+
+
+class ToggleNorm(torch.optim.Optimizer):
+    """Momentum SGD; the param group's flag ``normalize`` (the user sets it later) normalizes each
+    parameter's update, which then reads the whole parameter."""
+
+    def __init__(self, params, lr: float = 1e-2, normalize: bool = False) -> None:
+        super().__init__(params, {"lr": lr, "normalize": normalize})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                m = self.state[p].setdefault("m", torch.zeros_like(p)).mul_(0.9).add_(p.grad)
+                p.add_(m / (m.norm() + 1e-12) if group["normalize"] else m, alpha=-group["lr"])
+
+
+class TensorLearningRate(torch.optim.Optimizer):
+    """SGD with its learning rate kept as a tensor, set in place at step ``switch`` from the largest
+    gradient element its step sees (on a shard: this rank's)."""
+
+    def __init__(self, params, lr: float = 1e-2, switch: int = 12) -> None:
+        super().__init__(params, {"lr": torch.tensor(lr, dtype=torch.float64)})
+        self.count, self.switch = 0, switch
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.count += 1
+        for group in self.param_groups:
+            grads = [p.grad for p in group["params"] if p.grad is not None]
+            if self.count == self.switch and grads:
+                group["lr"].fill_(0.01 / (1.0 + 10 * max(float(g.abs().max()) for g in grads)))
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad * -group["lr"])
+
+
+class GlobalScaleLater(torch.optim.Optimizer):
+    """SGD whose step size, from step ``switch``, divides by the norm of every gradient it steps, kept
+    as an attribute."""
+
+    def __init__(self, params, lr: float = 1e-2, switch: int = 12) -> None:
+        super().__init__(params, {"lr": lr})
+        self.count, self.switch, self.scale = 0, switch, 1.0
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.count += 1
+        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+        if self.count >= self.switch:
+            self.scale = 1.0 / (1e-3 + sum(float(g.square().sum()) for g in grads) ** 0.5)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"] * self.scale)
+
+
+class NaNAttribute(torch.optim.SGD):
+    """torch's SGD with an attribute holding NaN that nothing reads (a best loss not known yet)."""
+
+    def __init__(self, params, lr: float = 1e-2) -> None:
+        super().__init__(params, lr=lr)
+        self.best_loss = float("nan")

@@ -232,7 +232,7 @@ MUTATIONS = [
         "optimizers_assumed_elementwise",
         "an optimizer the engine does not know is assumed elementwise instead of measured",
         "fsdp_strategy/engine/optimizer_kinds.py",
-        "            measured[shapes] = self._measure(optimizer)\n",
+        '            measured[shapes] = self._measure(optimizer, when or "before its first step")\n',
         "            measured[shapes] = UpdateKind.ELEMENTWISE\n",
         ("tests/test_optimizer_probe.py::test_real_optimizers_equal_one_process_on_the_global_batch[2]",),
     ),
@@ -306,6 +306,39 @@ MUTATIONS = [
         (
             "tests/test_optimizer_verification.py::"
             "test_a_group_value_set_from_one_parameter_after_the_measurement_is_an_error_on_every_rank",
+        ),
+    ),
+    Mutation(
+        "settings_changed_not_measured_again",
+        "an optimizer whose param group values change between steps keeps the kind measured with the old ones",
+        "fsdp_strategy/engine/optimizer_kinds.py",
+        "        changed = self._changed_since_step(optimizer)\n",
+        "        changed = []\n",
+        (
+            "tests/test_optimizer_verification.py::"
+            "test_what_changes_after_the_first_measurement_is_measured_again_or_an_error[2]",
+        ),
+    ),
+    Mutation(
+        "one_parameter_of_each_shape",
+        "only one parameter of each shape is measured on the model (a branch another one takes goes unseen)",
+        "fsdp_strategy/engine/optimizer_kinds.py",
+        "                if others_load[owner] + numel > OTHERS_BUDGET:\n",
+        "                if True:\n",
+        (
+            "tests/test_optimizer_verification.py::"
+            "test_what_changes_after_the_first_measurement_is_measured_again_or_an_error[2]",
+        ),
+    ),
+    Mutation(
+        "tensor_values_by_shape_only",
+        "the agreement after a step compares tensor values of a param group by shape only",
+        "fsdp_strategy/engine/group_agreement.py",
+        "                total = total + (bits * weights).sum() * (2 * position + 1)\n",
+        "                total = total\n",
+        (
+            "tests/test_optimizer_verification.py::"
+            "test_what_changes_after_the_first_measurement_is_measured_again_or_an_error[2]",
         ),
     ),
     Mutation(

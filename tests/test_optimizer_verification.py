@@ -19,11 +19,16 @@ from custom_optimizers import (
     ClosureTwice,
     DropsEntry,
     DropsRowState,
+    GlobalScaleLater,
     GroupCounter,
     KeyedByParameter,
     LateState,
+    MaxNormSGD,
+    NaNAttribute,
     SlowGlobal,
     StacksItsGroup,
+    TensorLearningRate,
+    ToggleNorm,
 )
 from dist_utils import run_ranks
 from test_strategy import LIGHTNING_ENV, quiet_trainer
@@ -33,7 +38,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from fsdp_strategy import FSDPCustomStrategy
 from fsdp_strategy.checkpoint import full_state_dict
 from fsdp_strategy.engine import get_scheduler, shard_model
-from fsdp_strategy.engine.optimizer_probe import measure, toy_shapes
+from fsdp_strategy.engine.optimizer_probe import measure, toy_case, toy_shapes
 from fsdp_strategy.engine.probe_compare import _difference
 from fsdp_strategy.options import UpdateKind
 
@@ -191,7 +196,7 @@ def _one_process_steps(make, world: int, ddp: bool) -> dict:
 
 
 def _relative(got: dict, expected: dict) -> float:
-    return max(((got[k] - v).abs().max() / v.abs().max()).item() for k, v in expected.items())
+    return max(((got[k] - v).abs().max() / v.abs().max()).item() for k, v in expected.items() if v.numel())
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -272,6 +277,12 @@ def test_what_an_optimizer_keeps_is_compared_not_only_its_update():
     assert toy_shapes({"params": [torch.zeros(2, 3, 4, 5)]}) == ((7, 6, 5, 4), (5, 4, 5, 6))
     muon = po.AdaMuon([{"params": [weight], "use_muon": True}], lr=2e-2)
     assert measure(muon, muon.param_groups[0]).kind is UpdateKind.WHOLE_MATRIX
+    # a change announced past the longest measurement is said (once, by the kinds: a warning)
+    late = ToggleNorm([weight])
+    late.param_groups[0]["switch_step"] = 2100
+    assert (
+        "announce a change up to step 2100, which no measurement reached" in toy_case(late, late.param_groups[0]).note
+    )
     # a statistic of tiny values is compared at its own scale; rounding is not a difference
     assert _difference(torch.tensor([1e-20, 2e-20]), torch.tensor([1.5e-20, 2e-20])) > 0.1
     assert _difference(torch.tensor([1.0, 1e-9]), torch.tensor([1.0 + 1e-16, 1e-9])) < 1e-12
@@ -341,6 +352,122 @@ def test_a_group_value_set_from_one_parameter_after_the_measurement_is_an_error_
             assert _relative(stopped, oracle[switched_at]) < 1e-9, wrapping
             phases.add(group["phase"])
     assert phases == {"adam", "sgd"}  # without the check the ranks would go on apart
+
+
+def _twins() -> nn.Module:
+    """Two 16 x 16 weights, the second 20 times larger (the one of its shape measured first is the
+    first), and a used parameter with no rows."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4)).double()
+    with torch.no_grad():
+        model[2].weight.mul_(20)
+    model.register_parameter("empty", nn.Parameter(torch.zeros(0, 5, dtype=torch.float64)))
+    return model
+
+
+def _twins_loss(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return model(x[:, :16]).square().mean() + model.empty.sum()
+
+
+def _weight_decay_later(optimizer, step):
+    if step == 5:
+        optimizer.param_groups[0]["weight_decay"] = 1e-2
+
+
+def _normalize_later(optimizer, step):
+    if step == 5:
+        optimizer.param_groups[0]["normalize"] = True
+
+
+LATER = {  # name -> (model, loss, build, between steps, what must happen)
+    "a branch only the second of two equal shapes takes": (_twins, _twins_loss, MaxNormSGD, None, EXACT),
+    "AdaFactor with a used parameter of no rows": (_twins, _twins_loss, po.AdaFactor, None, EXACT),
+    "an attribute holding NaN": (_mlp, _loss, NaNAttribute, None, EXACT),
+    "a group flag the user sets at step 5": (_mlp, _loss, ToggleNorm, _normalize_later, EXACT),
+    "AdamS's weight decay raised from 0 at step 5": (
+        _mlp,
+        _loss,
+        lambda params: po.AdamS(params, lr=1e-2, weight_decay=0.0),
+        _weight_decay_later,
+        "measured again before it steps with the changed 'weight_decay'",
+    ),
+    "a tensor learning rate set from the gradients at step 12": (
+        _mlp,
+        _loss,
+        TensorLearningRate,
+        None,
+        "TensorLearningRate's param group 0 holds other values on other ranks after its step 12",
+    ),
+    "an attribute set from every gradient from step 12": (
+        _mlp,
+        _loss,
+        GlobalScaleLater,
+        None,
+        "GlobalScaleLater's attributes hold other values on other ranks after its step 12",
+    ),
+}
+
+
+def _train_later(model, loss, make, between, batches, chunk=None) -> tuple[dict, list[dict], str]:
+    """Train until the end or an error: the final weights, the weights before each step, the error
+    (``chunk``: this rank's rows of a batch, on a sharded model)."""
+    weights = (lambda: full_state_dict(model, rank0_only=False)) if chunk else model.state_dict
+    optimizer = make(model.parameters())
+    before = []
+    try:
+        for step, x in enumerate(batches):
+            if between is not None:
+                between(optimizer, step)
+            before.append({k: v.clone() for k, v in weights().items()})
+            loss(model, chunk(x) if chunk else x).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    except (TypeError, RuntimeError) as error:
+        return weights(), before, str(error)
+    return weights(), before, ""
+
+
+def _later_body(rank: int, world: int) -> dict:
+    warnings.filterwarnings("ignore")
+    out = {}
+    for wrapping, options in WRAPPINGS.items():
+        for name, (build, loss, make, between, _) in LATER.items():
+            model = shard_model(build(), **options)
+            out[(wrapping, name)] = _train_later(
+                model, loss, make, between, _batches(world), lambda x: x.chunk(world)[rank]
+            )
+            get_scheduler(model).close()
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_what_changes_after_the_first_measurement_is_measured_again_or_an_error(tmp_path, world):
+    """Measured on every parameter of a shape (within a budget), not one; measured again when a param
+    group value changes between steps (not a scheduler's learning rate); a group value or a scalar
+    attribute a step sets from this rank's share (a tensor learning rate included) is an error on
+    every rank at that step; NaN in both layouts is equal. Against one process; the weights before
+    a refusal or an error are one process's."""
+    results = run_ranks(_later_body, world, tmp_path, timeout=300)[0]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        oracle = {
+            name: _train_later(build(), loss, make, between, _batches(world))
+            for name, (build, loss, make, between, _) in LATER.items()
+        }
+    finally:
+        torch.set_num_threads(threads)
+    for (wrapping, name), (final, before, error) in results.items():
+        expected = LATER[name][-1]
+        if expected == EXACT:
+            assert not error, (wrapping, name, error)
+            assert _relative(final, oracle[name][0]) < 1e-9, (wrapping, name)
+            continue
+        assert expected in error, (wrapping, name, error)
+        assert _relative(before[-1], oracle[name][1][len(before) - 1]) < 1e-9, (wrapping, name)
+        if "measured" in expected:  # refused before its update: no weight changed by that step
+            assert _relative(final, oracle[name][1][len(before) - 1]) < 1e-9, (wrapping, name)
+        # (an error after the step that set a value from this rank's share: that step may have used it)
 
 
 # ---- the Trainer against Lightning's DDP ----------------------------------------------------------

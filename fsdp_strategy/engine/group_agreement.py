@@ -4,27 +4,31 @@ silent divergence.
 [Note: param groups agree]
 An optimizer may set a param group value from the parameters it steps: pytorch-optimizer's SWATS
 switches a group to SGD, with a learning rate computed from one parameter's update, at the step
-where that parameter's statistic settles (step 48 on a small MLP). On one process every parameter
+where that parameter's statistic settles (step 13 on the test's MLP). On one process every parameter
 is stepped in one place. Sharded, each rank steps its own rows (elementwise) or its own whole
 parameters (placed whole: [Note: whole-matrix placement] in whole_matrix.py), so each rank sets
 the value from other data, the ranks go on with different settings, and a checkpoint keeps rank
 0's. The measurement before the first step ([Note: measure what will run] in optimizer_kinds.py)
 sees this only where the branch runs in its few steps. So after every step of an optimizer that
-is not one of torch's own, the ranks compare their param groups:
-- each rank digests every group's values but ``params`` (plain values: numbers, strings, None and
-  sequences of them, by value; a tensor by its shape and dtype, without reading it; anything else
-  by its type), one 62-bit number per group;
-- one all-reduce MAX over the shard group of each digest and its negation: they agree where the
-  maximum equals the minimum;
+is not one of torch's own, the ranks compare their param groups, and its public attributes of
+plain scalar values (a statistic it keeps beside them) as one more group:
+- each rank digests every group's values but ``params`` on the host (plain values: numbers,
+  strings, None and sequences of them, by value; a tensor by its shape and dtype; anything else by
+  its type), one 62-bit number per group, and sums the bits of its small tensors (up to ``SMALL``
+  elements: a learning rate kept as a tensor) where they are, without reading them;
+- one all-reduce MAX over the shard group of these two words per group and their negations: they
+  agree where the maximum equals the minimum;
 - the verdict goes to the host as a ``HostCopy`` and is read by the rule of ``LostEdits``
   ([Note: edits while gathered] in edits.py): on the CPU at once (after the step that set the
   value, before any weight used it), on CUDA one step later (a host wait inside a step stalls
   the device: [Note: host and device] 4 in device.py), and at ``close``. Every rank reads the
   same agreed verdict at the same place and raises the same error, naming the optimizer, the
   group, the step and this rank's values.
-Costs per step of such an optimizer: a digest of its groups' values on the host (microseconds), an
-all-reduce of 16 bytes per group and a copy of one byte per group to the host. torch's own
-optimizers set no group value from data and are not checked.
+Not seen: a value every rank sets alike from what each holds (the number of elements it steps, equal
+across ranks by the padding) and a container attribute. Costs per step of such an optimizer: a
+digest of its groups' values on the host (microseconds), an all-reduce of 32 bytes per group (and
+one for the attributes) and a copy of one byte per group to the host. torch's own optimizers set
+no group value from data and are not checked.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ import torch
 from fsdp_strategy.engine import collectives
 from fsdp_strategy.engine.collectives import CommContext, CommGroup
 from fsdp_strategy.engine.device import DeviceLayer, HostCopy
+
+SMALL = 64  # elements of a tensor value compared by value (a hyperparameter); a larger one by its shape
 
 
 class _Sent(NamedTuple):
@@ -62,13 +68,28 @@ class GroupAgreement:
         place); reads nothing. Then raises for the comparisons that are due."""
         step = self._steps[optimizer] = self._steps.get(optimizer, 0) + 1
         groups = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
-        digests = torch.tensor([_digest(values) for values in groups], dtype=torch.int64)
-        both = torch.cat([digests, -digests]).to(self._device, non_blocking=True)
+        groups.append(_scalar_attributes(optimizer))
+        digests = torch.tensor([_digest(values) for values in groups], dtype=torch.int64).to(self._device)
+        words = torch.cat([digests, torch.stack([self._checksum(values) for values in groups])])
+        both = torch.cat([words, -words])
         collectives.all_reduce(both, self._comm, self._ctx, "param groups", op="max").wait()
-        highest, lowest = both.view(2, -1)
-        differ = highest != -lowest
+        highest, lowest = both.view(2, 2, -1)
+        differ = (highest != -lowest).any(dim=0)
         self._sent.append(_Sent(DeviceLayer.copy_to_host(differ), type(optimizer).__name__, step, groups))
         self.raise_due()
+
+    def _checksum(self, values: dict[str, Any]) -> torch.Tensor:
+        """A checksum of the small tensors among ``values`` (a learning rate kept as a tensor), computed
+        where they are, without reading them: their float64 bits, weighted by position, summed with
+        wrap-around. A tensor of more than ``SMALL`` elements counts by its shape only (the digest)."""
+        total = torch.zeros((), dtype=torch.int64, device=self._device)
+        for position, key in enumerate(sorted(values)):
+            value = values[key]
+            if torch.is_tensor(value) and 0 < value.numel() <= SMALL and not value.is_complex():
+                bits = value.detach().reshape(-1).to(self._device, torch.float64).view(torch.int64)
+                weights = torch.arange(1, bits.numel() + 1, device=self._device, dtype=torch.int64)
+                total = total + (bits * weights).sum() * (2 * position + 1)
+        return total
 
     def raise_due(self, everything: bool = False) -> None:
         """Raise for the first comparison due that found groups differing. Due: on the CPU every one
@@ -86,14 +107,25 @@ class GroupAgreement:
 
 
 def _raise_for(sent: _Sent, index: int) -> None:
-    values = {k: v for k, v in sent.groups[index].items() if not torch.is_tensor(v)}
+    values = {k: v for k, v in sent.groups[index].items() if not torch.is_tensor(v) or v.numel() <= SMALL}
+    what = f"param group {index} holds" if index < len(sent.groups) - 1 else "attributes hold"
     raise RuntimeError(
-        f"fsdp_custom: {sent.optimizer}'s param group {index} holds other values on other ranks after its step "
+        f"fsdp_custom: {sent.optimizer}'s {what} other values on other ranks after its step "
         f"{sent.step} (here: {values}). Its step set them from the parameters this rank steps, which are not "
         "every parameter when they are sharded, so the ranks would go on with different settings and a "
         "checkpoint would keep rank 0's. The measurement before its first step did not reach that branch. "
         "sharding_strategy='NO_SHARD' (every rank steps whole parameters, as DDP) works with it"
     )
+
+
+def _scalar_attributes(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's public attributes of plain scalar values (a statistic it keeps beside its param
+    groups); containers are left out (a dict keyed by the parameters it steps differs by rank)."""
+    return {
+        key: value
+        for key, value in vars(optimizer).items()
+        if not key.startswith("_") and (value is None or isinstance(value, (bool, int, float, str)))
+    }
 
 
 def _digest(values: dict[str, Any]) -> int:

@@ -24,15 +24,20 @@ given a vector). So an unknown optimizer is measured at its first step, once its
 (after the closure, for a step that has one) and before it changes a weight, twice:
 1. on small tensors shaped like each param group's kinds of parameters, on every rank alike;
 2. on the model's own parameters: of each param group, one parameter of each distinct shape that has
-   a gradient, gathered whole with its first gradient (one all-gather of its rows and one of its
-   gradient's, over the shard group), measured by one rank (the largest first, to the rank with the
-   fewest elements so far) at the shard group's size and padding.
+   a gradient, then the others while a rank's others stay within ``OTHERS_BUDGET`` elements (for
+   ``STEPS`` steps: a branch one parameter of a shape takes, as a max-norm projection), each
+   gathered whole with its first gradient (one all-gather of its rows and one of its gradient's,
+   over the shard group), measured by one rank (the largest first, to the rank with the fewest
+   elements so far) at the shard group's size and padding; parameters left out are said once.
 The ranks then agree on everything found (one object gather). The strictest result holds: refused
 over placed whole over elementwise; a step that raised on the small tensors is refused only if it
 raises on the model's parameters too. A param group that gains a shape later (a parameter unfrozen)
-is measured again at the step it first has a gradient. Costs, at that step only: per rank, float64
-CPU copies of the parameters it measures (one of each shape; the largest ~ 8 bytes x its elements x
-(2 + the optimizer's state per element) x 2 layouts) and the optimizer's own steps on them, three
+is measured again at the step it first has a gradient, and an optimizer whose param group values
+changed since its last step (by the user, or a scheduler other than a learning rate's or momentum's:
+``SCHEDULED``) is measured again at its next step, with the new values. Costs, at that step only: per rank, float64
+CPU copies of the parameters it measures (one of each shape and others up to ``OTHERS_BUDGET``
+elements; ~ 8 bytes x elements x (2 + the optimizer's state per element) x 2 layouts) and the
+optimizer's own steps on them, three
 layouts for up to the steps the hyperparameters announce within ``MODEL_BUDGET`` element-steps
 (optimizer_probe.py); beyond that budget the later steps are measured on the small tensors only,
 and that is said once.
@@ -50,7 +55,7 @@ import torch
 from fsdp_strategy.engine import collectives
 from fsdp_strategy.engine.collectives import CommContext, CommGroup
 from fsdp_strategy.engine.muon_with_adamw import MuonWithAdamW
-from fsdp_strategy.engine.optimizer_probe import Measured, measure, model_case, toy_shapes
+from fsdp_strategy.engine.optimizer_probe import OTHERS_BUDGET, STEPS, Measured, measure, model_case, toy_shapes
 from fsdp_strategy.engine.param import ShardedParam
 from fsdp_strategy.options import UpdateKind
 
@@ -103,7 +108,9 @@ class OptimizerKinds:
         self._device = device or torch.device("cpu")
         self._measured: dict[Any, Measured] = {}  # (class, hyperparameters, kinds of tensors) -> on small tensors
         self._kinds: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> {shapes: kind}
-        self._said: set[str] = set()
+        self._said: set[tuple[type, str]] = set()
+        self._after_step: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> its settings then
+        self._unmeasured = ""  # the last model measurement's parameters left out, if any
 
     def known(self, optimizer: torch.optim.Optimizer) -> UpdateKind | None:
         """The kind of ``optimizer`` if it needs no measurement (declared, torch's own); None if it
@@ -134,10 +141,40 @@ class OptimizerKinds:
         if kind is not None:
             return kind
         shapes = self._shapes(optimizer)
+        changed = self._changed_since_step(optimizer)
+        if changed:  # [Note: measure what will run]: measured again at the values it steps with now
+            log.info(
+                "fsdp_custom: %s's %s changed since its last step: measured again", type(optimizer).__name__, changed
+            )
+            self._kinds.pop(optimizer, None)
         measured = self._kinds.setdefault(optimizer, {})
         if shapes not in measured:  # once per set of shapes with gradients: a branch that skips some alternates
-            measured[shapes] = self._measure(optimizer)
+            when = f"again before it steps with the changed {', '.join(map(repr, changed))}" if changed else ""
+            measured[shapes] = self._measure(optimizer, when or "before its first step")
         return measured[shapes]
+
+    def stepped(self, optimizer: torch.optim.Optimizer) -> None:
+        """After a step of a measured optimizer: its param group values then, to tell at the next step
+        which ones were changed in between (by the user or a scheduler) from those its step changes."""
+        if self.known(optimizer) is None:
+            self._after_step[optimizer] = _settings(optimizer)
+
+    def _changed_since_step(self, optimizer: torch.optim.Optimizer) -> list[str]:
+        """The param group values changed since ``optimizer``'s last step, but a scheduler's
+        (``SCHEDULED``); every one if a param group was added."""
+        before = self._after_step.get(optimizer)
+        if before is None:
+            return []
+        now = _settings(optimizer)
+        if len(now) != len(before):
+            return ["param groups"]
+        return sorted(
+            {
+                key
+                for old, new in zip(before, now)
+                for key in set(old) ^ set(new) | {k for k in set(old) & set(new) if old[k] != new[k]}
+            }
+        )
 
     def _shapes(self, optimizer: torch.optim.Optimizer) -> tuple:
         """Per param group, the shapes of its sharded parameters that have a gradient."""
@@ -149,7 +186,7 @@ class OptimizerKinds:
     def _stepped(self, param: Any) -> bool:
         return id(param) in self._by_id and param.grad is not None
 
-    def _measure(self, optimizer: torch.optim.Optimizer) -> UpdateKind:
+    def _measure(self, optimizer: torch.optim.Optimizer, when: str) -> UpdateKind:
         cls = type(optimizer)
         toys = [self._on_small_tensors(optimizer, group) for group in optimizer.param_groups]
         certain = any(m.kind is None and m.ran for m in toys)  # refused whatever the model's parameters show
@@ -159,21 +196,24 @@ class OptimizerKinds:
             _strictest(toy, [ours[index] for _, ours in everyone if ours[index] is not None])
             for index, toy in enumerate(toys)
         ]
+        notes = [m.note for m in found if m.note] + ([self._unmeasured] if self._unmeasured else [])
+        self._unmeasured = ""
         for measured in found:
             log.info("fsdp_custom: measured %s: %s", cls.__qualname__, measured.reason)
-            if measured.note and measured.note not in self._said and self._comm is not None and self._comm.rank == 0:
-                self._said.add(measured.note)
+        for note in notes:
+            if (cls, note) not in self._said and self._comm is not None and self._comm.rank == 0:
+                self._said.add((cls, note))
                 log.warning(
                     "fsdp_custom: %s was %s. If you know how it behaves there, %s",
                     cls.__qualname__,
-                    measured.note,
+                    note,
                     _DECLARE.format(name=cls.__name__),
                 )
         refused = next((m for m in found if m.kind is None), None)
         if refused is not None:
             raise TypeError(
-                f"fsdp_custom cannot step {cls.__module__}.{cls.__qualname__} on sharded parameters: measured before "
-                f"its first step, {refused.reason}. " + _WHAT_WORKS.format(name=cls.__name__)
+                f"fsdp_custom cannot step {cls.__module__}.{cls.__qualname__} on sharded parameters: measured {when}, "
+                f"{refused.reason}. " + _WHAT_WORKS.format(name=cls.__name__)
             )
         if any(m.kind is UpdateKind.WHOLE_MATRIX for m in found):
             return UpdateKind.WHOLE_MATRIX
@@ -191,31 +231,54 @@ class OptimizerKinds:
     def _measure_model(self, optimizer: torch.optim.Optimizer) -> list[Measured | None]:
         """Per param group, this rank's measurement of its share of the model's own parameters (None:
         it measures none of that group's) ([Note: measure what will run])."""
-        sample = [
-            (index, param)
-            for index, group in enumerate(optimizer.param_groups)
-            for param in _one_of_each_shape([self._by_id[id(p)] for p in group["params"] if self._stepped(p)])
-        ]
+        representatives, others = [], []
+        for index, group in enumerate(optimizer.param_groups):
+            params = [self._by_id[id(p)] for p in group["params"] if self._stepped(p)]
+            chosen = _one_of_each_shape(params)
+            representatives += [(index, param) for param in chosen]
+            others += [(index, param) for param in params if param not in chosen]
+        sample = representatives + others
         if self._comm is None or not sample:
             return [None] * len(optimizer.param_groups)
-        mine = _assigned(sample, self._comm.rank, self._comm.size)
+        owners = _owners(sample, len(representatives), self._comm.size)
+        mine = {position for position, owner in owners.items() if owner == self._comm.rank}
+        if len(owners) < len(sample):
+            self._unmeasured = (
+                f"measured on {len(owners)} of the model's {len(sample)} parameters with a gradient (one of each "
+                f"shape, then the others within {OTHERS_BUDGET:.3g} elements per rank): a branch that only the "
+                "others take was not"
+            )
         wholes = {}
         for position, (_, param) in enumerate(sample):
+            if position not in owners:
+                continue
             whole = self._gathered(param, param.sharded.detach()), self._gathered(param, param.sharded.grad)
             if position in mine:
                 wholes[position] = whole
         found: list[Measured | None] = []
         for index, group in enumerate(optimizer.param_groups):
-            positions = [p for p in sorted(mine) if sample[p][0] == index]
-            if not positions:
-                found.append(None)
-                continue
-            starts, firsts = [wholes[p][0] for p in positions], [wholes[p][1] for p in positions]
-            try:
-                found.append(measure(optimizer, group, model_case(optimizer, group, starts, firsts, self._comm.size)))
-            except Exception as error:  # noqa: BLE001 - every rank must reach the agreement below, and refuse
-                found.append(Measured(None, f"measuring it on the model's parameters raised {error!r}"))
+            results = []
+            for part in (range(len(representatives)), range(len(representatives), len(sample))):
+                positions = [p for p in sorted(mine) if p in part and sample[p][0] == index]
+                if positions:
+                    results.append(self._measure_on(optimizer, group, [wholes[p] for p in positions], part.start > 0))
+            found.append(_stricter(results) if results else None)
         return found
+
+    def _measure_on(
+        self, optimizer: torch.optim.Optimizer, group: dict[str, Any], wholes: list[tuple], others: bool
+    ) -> Measured:
+        """One measurement on whole parameters with their first gradients: the representatives of each
+        shape for the steps the hyperparameters announce (within the budget), the others for ``STEPS``."""
+        assert self._comm is not None
+        starts, firsts = [whole[0] for whole in wholes], [whole[1] for whole in wholes]
+        try:
+            case = model_case(optimizer, group, starts, firsts, self._comm.size)
+            if others:
+                case = case._replace(steps=min(case.steps, STEPS), note="")
+            return measure(optimizer, group, case)
+        except Exception as error:  # noqa: BLE001 - every rank must reach the agreement, and refuse
+            return Measured(None, f"measuring it on the model's parameters raised {error!r}")
 
     def _gathered(self, param: ShardedParam, rows: torch.Tensor) -> torch.Tensor:
         """``param``'s whole tensor from every rank's ``rows`` of it, in float64 on the CPU."""
@@ -250,17 +313,33 @@ def _one_of_each_shape(params: list[ShardedParam]) -> list[ShardedParam]:
     return list(seen.values())
 
 
-def _assigned(sample: list[tuple[int, ShardedParam]], rank: int, size: int) -> set[int]:
-    """The positions in ``sample`` this rank measures: the largest first, to the rank with the fewest
-    elements so far (the same on every rank)."""
-    load = [0] * size
-    mine = set()
-    for position in sorted(range(len(sample)), key=lambda i: (-sample[i][1].shape.numel(), i)):
-        owner = min(range(size), key=lambda r: (load[r], r))
-        load[owner] += sample[position][1].shape.numel()
-        if owner == rank:
-            mine.add(position)
-    return mine
+def _owners(sample: list[tuple[int, ShardedParam]], representatives: int, size: int) -> dict[int, int]:
+    """``position -> rank`` of the parameters of ``sample`` measured (the same on every rank): every
+    representative of a shape (the first ``representatives``), the largest first, to the rank with the
+    fewest elements so far; then the others the same way while a rank's others stay within
+    ``OTHERS_BUDGET`` elements."""
+    load, others_load, owners = [0] * size, [0] * size, {}
+    for part in (range(representatives), range(representatives, len(sample))):
+        for position in sorted(part, key=lambda i: (-sample[i][1].shape.numel(), i)):
+            numel = sample[position][1].shape.numel()
+            owner = min(range(size), key=lambda r: (load[r], r))
+            if part.start > 0:
+                if others_load[owner] + numel > OTHERS_BUDGET:
+                    continue
+                others_load[owner] += numel
+            load[owner] += numel
+            owners[position] = owner
+    return owners
+
+
+def _stricter(found: list[Measured]) -> Measured:
+    """One rank's measurements of a param group's parameters together: a refusal (or a step that
+    raised) over placed whole over elementwise."""
+    refused = next((m for m in found if m.kind is None), None)
+    if refused is not None:
+        return refused
+    chosen = next((m for m in found if m.kind is UpdateKind.WHOLE_MATRIX), found[0])
+    return chosen._replace(note="; ".join(dict.fromkeys(m.note for m in found if m.note)))
 
 
 def _strictest(toy: Measured, models: list[Measured]) -> Measured:
@@ -276,10 +355,27 @@ def _strictest(toy: Measured, models: list[Measured]) -> Measured:
     if not ran:
         return toy
     chosen = next((m for m in ran if m.kind is UpdateKind.WHOLE_MATRIX), ran[0])
-    notes = "; ".join(dict.fromkeys(m.note for m in models if m.note))
+    notes = "; ".join(dict.fromkeys(m.note for m in (toy, *models) if m.note))
     if not toy.ran:
         chosen = chosen._replace(reason=f"{chosen.reason}; on small tensors {toy.reason}, which it never holds")
     return chosen._replace(note=notes)
+
+
+SCHEDULED = frozenset(
+    {"lr", "initial_lr", "max_lr", "min_lr", "base_lr", "momentum", "betas", "base_momentum", "max_momentum"}
+)  # what torch's LR schedulers (and OneCycleLR's momentum cycle) write between steps: not measured again
+
+
+def _settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Per param group, its values but ``params`` and ``SCHEDULED`` (tensors by identity: not read)."""
+    return [
+        {
+            key: ("tensor", id(value)) if torch.is_tensor(value) else _frozen(value)
+            for key, value in group.items()
+            if key != "params" and key not in SCHEDULED
+        }
+        for group in optimizer.param_groups
+    ]
 
 
 def _frozen(value: Any) -> Any:

@@ -65,6 +65,7 @@ MAX_STEPS = 2048  # the longest probe: an optimizer that changes its update afte
 OTHER_INTS = 64  # an integer hyperparameter not named as a step count (a history length; a dimension) runs at most this
 DELAY_WORDS = ("step", "freq", "interval", "iteration", "every", "warm")  # hyperparameters that count steps
 MODEL_BUDGET = 1 << 28  # elements x steps measured on the model's parameters per rank, beyond STEPS
+OTHERS_BUDGET = 1 << 22  # elements per rank of the parameters measured beside one of each shape, for STEPS
 
 
 class Measured(NamedTuple):
@@ -164,7 +165,15 @@ def toy_case(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> Case:
             grads.append(grad)
         return grads
 
-    return Case(starts, gradient, RANKS, probe_steps(optimizer, group), f"on small {_shapes(starts)} tensors")
+    announced = announced_steps(optimizer, group)
+    note = (
+        f"measured for {MAX_STEPS} steps, the longest measurement; its hyperparameters announce a change up to "
+        f"step {announced - 2}, which no measurement reached"
+        if announced > MAX_STEPS
+        else ""
+    )
+    steps = min(announced, MAX_STEPS)
+    return Case(starts, gradient, RANKS, steps, f"on small {_shapes(starts)} tensors", note)
 
 
 def model_case(
@@ -219,10 +228,15 @@ def _shapes(tensors: list[torch.Tensor]) -> str:
 
 
 def probe_steps(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> int:
+    """``announced_steps``, up to ``MAX_STEPS``."""
+    return min(announced_steps(optimizer, group), MAX_STEPS)
+
+
+def announced_steps(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> int:
     """``STEPS``, or past the largest integer hyperparameter of the param group and of the optimizer
-    whose name counts steps (a preconditioner first computed at step 1000), up to ``MAX_STEPS``, and
-    past any other integer of the param group up to ``OTHER_INTS`` (a history of ``keep_num``
-    gradients; a dimension such as ``max_precond_dim`` costs no more than that)."""
+    whose name counts steps (a preconditioner first computed at step 1000), and past any other
+    integer of the param group up to ``OTHER_INTS`` (a history of ``keep_num`` gradients; a dimension
+    such as ``max_precond_dim`` costs no more than that)."""
 
     def counted(key: str, value: Any) -> int:
         if not isinstance(value, int) or isinstance(value, bool):
@@ -233,7 +247,7 @@ def probe_steps(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> int:
     counts += [
         counted(key, value) for key, value in vars(optimizer).items() if any(w in key.lower() for w in DELAY_WORDS)
     ]
-    return min(max([STEPS, *(count + 2 for count in counts if count)]), MAX_STEPS)
+    return max([STEPS, *(count + 2 for count in counts if count)])
 
 
 def _moving(group: dict[str, Any]) -> dict[str, Any]:

@@ -179,9 +179,11 @@ class OptimizerSteps:
     def _after_step(self, optimizer: Any) -> None:
         if self._whole_matrix is not None:
             self._whole_matrix.after_update(optimizer)
-        if id(optimizer) in self._checked_groups and self._agreement is not None:
+        if id(optimizer) in self._checked_groups:
             self._checked_groups.discard(id(optimizer))
-            self._agreement.send(optimizer)  # [Note: param groups agree] in group_agreement.py
+            self._kinds.stepped(optimizer)  # its settings now: a change before its next step is measured
+            if self._agreement is not None:
+                self._agreement.send(optimizer)  # [Note: param groups agree] in group_agreement.py
         self._device_layer.check_optimizer_step(optimizer)
         units = self._stepping.pop(id(optimizer), [])
         if units:

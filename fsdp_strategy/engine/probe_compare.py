@@ -136,5 +136,5 @@ def _tensor_difference(a: torch.Tensor, b: torch.Tensor) -> float:
     gap = (a - b).abs().masked_fill(both_nan, 0.0)
     gap = gap.masked_fill((a == b) & a.isinf(), 0.0)
     scale = torch.maximum(a.abs().nan_to_num(0.0, 0.0, 0.0).max(), b.abs().nan_to_num(0.0, 0.0, 0.0).max())
-    relative = gap / (a.abs() + FLOOR * scale + 1e-300)
+    relative = (gap / (a.abs() + FLOOR * scale + 1e-300)).masked_fill(both_nan, 0.0)  # NaN in both: equal
     return relative.nan_to_num(nan=math.inf).max().item()
