@@ -417,6 +417,8 @@ class FSDPCustomStrategy(StrategyArguments, CheckpointHooks, LightningFSDPStrate
             return self._redirect("training_step", *args, **kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._sigterm.in_validation:  # fit's validation, on equal batches: [Note: preemption at an agreed step]
+            self._sigterm.at_boundary("before this validation batch", self._watch.dog)
         with self.precision_plugin.val_step_context():
             return self._redirect("validation_step", *args, **kwargs)
 
@@ -458,12 +460,19 @@ class FSDPCustomStrategy(StrategyArguments, CheckpointHooks, LightningFSDPStrate
         super().on_exception(exception)
 
     def on_validation_start(self) -> None:
-        """In ``fit`` (its sanity check first): hold SIGTERM back to an agreed batch boundary
-        ([Note: preemption at an agreed step] in strategy_preemption.py)."""
+        """In ``fit`` (its sanity check first): hold SIGTERM back to an agreed batch boundary, also
+        between validation batches where every rank runs as many ([Note: preemption at an agreed
+        step] in strategy_preemption.py)."""
         trainer = self.lightning_module.trainer
         if trainer.state.fn == TrainerFn.FITTING:
             self._sigterm.install(trainer)
+            self._sigterm.start_validation(trainer)
         super().on_validation_start()
+
+    def on_validation_end(self) -> None:
+        """Back to training's boundaries."""
+        self._sigterm.in_validation = False
+        super().on_validation_end()
 
     def on_train_start(self) -> None:
         """Hold SIGTERM and Lightning's SLURM requeue handler back to steps all ranks agree on
@@ -481,7 +490,7 @@ class FSDPCustomStrategy(StrategyArguments, CheckpointHooks, LightningFSDPStrate
         """Start the ledger's count at the first batch of each optimizer step (under gradient
         accumulation a step's micro-batches are counted together); a resume's hidden warning shows
         again; SIGTERM and SLURM's requeue signal are acted on here, between two batches."""
-        self._sigterm.at_boundary("before this batch", self._watch.dog)
+        self._sigterm.at_step_start(self.lightning_module.trainer.global_step, self._watch.dog)
         self._resume_notice.remove()  # the epoch loop has checked the dataloader by now
         global_step = self.lightning_module.trainer.global_step
         self._requeue.at_batch_start(global_step)

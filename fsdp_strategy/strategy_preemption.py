@@ -10,16 +10,22 @@ device tensor and reads it on the host at every batch. While ``fit`` runs under 
 - the handler only records the signal, passes it to a launcher's child processes once (as
   Lightning's does) and calls the other handlers Lightning composed with its own (SLURM's
   "bypass", a handler the user had); Lightning's per-batch broadcast is switched off;
-- at the start of every training batch and at the end of training, every rank adds what it has
-  recorded to a sum over all ranks: one blocking all-reduce of one integer on a gloo group of its
-  own (the CPU: it never waits for the device, and reads no device tensor);
+- at the start of every optimizer step (its first training batch: a micro-batch that goes on
+  accumulating is no boundary, a stop there would lose the step's earlier gradients), of every
+  validation batch inside ``fit`` where every rank runs as many (a ``DistributedSampler``: Lightning's
+  by default; with another sampler the ranks may run different numbers) and no accumulation is
+  interrupted (otherwise the signal waits for the next optimizer step), and at the end of training,
+  every rank adds what it has recorded to a sum over all ranks: one blocking all-reduce of one
+  integer on a gloo group of its own (the CPU: it never waits for the device, and reads no device
+  tensor);
 - where the sum is not zero, every rank, at that same boundary, sets ``trainer.received_sigterm``
   and raises Lightning's ``SIGTERMException`` with exit status 143 (128 + SIGTERM, what a shell,
   torchrun and Kubernetes read as "ended by SIGTERM"; Lightning exits 0). Lightning then runs
   ``on_exception`` on every rank together (``ModelCheckpoint(save_on_exception=True)`` saves the
   last completed step there, atomically) and tears down.
-So the job ends after the batch in flight (and a validation or a checkpoint save in flight, which
-finish first), whichever ranks got the signal; after that stop, a further SIGTERM is recorded and
+So the job ends after the batch in flight (a checkpoint save in flight finishes first), whichever
+ranks got the signal; a stop between validation batches leaves the validation to run again at the
+resume, as Lightning does; after that stop, a further SIGTERM is recorded and
 ignored until the process exits. Outside ``fit`` (``validate``, ``test``,
 ``predict``) Lightning's own handler is left in place. With one process the same boundaries apply,
 without the all-reduce. Costs: per training batch one all-reduce of 8 bytes on the CPU (it waits
@@ -35,6 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+from torch.utils.data import DistributedSampler
 
 from fsdp_strategy.engine import collectives
 from fsdp_strategy.engine.monitoring import watched
@@ -54,6 +61,8 @@ class AgreedSigterm:
         self._others: list[Any] = []  # the handlers Lightning composed beside its own broadcasting one
         self._received = 0
         self._stopped = False  # every rank raised at a boundary: none after it
+        self.in_validation = False  # validation batches are boundaries now (``start_validation``)
+        self._step: int | None = None  # the global step at the last training boundary
         self._group: Any = None
 
     @property
@@ -71,12 +80,35 @@ class AgreedSigterm:
         composed = list(getattr(handler, "signal_handlers", ()))
         if connector._sigterm_notifier_fn not in composed:
             return  # not Lightning's handler (Windows, or the user replaced it): leave it alone
-        self._trainer, self._received, self._stopped = trainer, 0, False
+        self._trainer, self._received, self._stopped, self._step = trainer, 0, False, None
         self._others = [h for h in composed if h != connector._sigterm_notifier_fn]
         if dist.is_initialized() and dist.get_world_size() > 1:
             self._group = collectives.new_gloo_group()
         trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = _nothing  # its device broadcast and host read
         signal.signal(signal.SIGTERM, self._record)
+
+    def start_validation(self, trainer: Any) -> None:
+        """A validation inside ``fit`` begins: its batches are boundaries too where every rank runs as
+        many of them, which a ``DistributedSampler`` guarantees (Lightning's, by default), and where it
+        does not interrupt an optimizer step's accumulation; otherwise the signal waits for the next
+        optimizer step."""
+        loaders = trainer.val_dataloaders
+        loaders = loaders if isinstance(loaders, (list, tuple)) else [loaders]
+        accumulating = not trainer.sanity_checking and trainer.fit_loop.epoch_loop._should_accumulate()
+        self.in_validation = (
+            self._trainer is not None
+            and not accumulating
+            and all(isinstance(getattr(loader, "sampler", None), DistributedSampler) for loader in loaders)
+        )
+
+    def at_step_start(self, global_step: int, dog: Watchdog | None) -> None:
+        """At a training batch's start: a boundary where it begins an optimizer step (the first batch of
+        the run, or the first after a step); a micro-batch that goes on accumulating is none (a stop
+        there would lose the gradients of the step's earlier micro-batches)."""
+        if global_step == self._step:
+            return
+        self._step = global_step
+        self.at_boundary("before this batch", dog)
 
     def _record(self, signum: int, frame: Any) -> None:
         """The handler: records, passes the signal on; no collective, no lock."""

@@ -40,12 +40,20 @@ class Interrupted(RuntimeError):
 class Indexed(L.LightningModule):
     """A linear model that records the sample ids and the loss of each step."""
 
-    def __init__(self, sleep: float = 0.0, fail_at: int | None = None, sigterm_at: int | None = None) -> None:
+    def __init__(
+        self,
+        sleep: float = 0.0,
+        fail_at: int | None = None,
+        sigterm_at: int | None = None,
+        sigterm_in_validation: int | None = None,
+    ) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.net, self.sleep, self.steps = nn.Linear(5, 1).double(), sleep, []
         self.fail_at = fail_at  # raise inside this step (every rank alike), as a crash would
         self.sigterm_at = sigterm_at  # rank 1 receives a real SIGTERM inside this step (an operator, a drain)
+        self.sigterm_in_validation = sigterm_in_validation  # ... inside the validation after this step
+        self.validated = 0  # validation batches run
 
     def on_train_start(self) -> None:
         self.start = self.trainer.global_step  # where a resumed fit starts
@@ -62,6 +70,9 @@ class Indexed(L.LightningModule):
         return loss
 
     def validation_step(self, batch, batch_idx):
+        if (self.trainer.global_step, batch_idx, self.global_rank) == (self.sigterm_in_validation, 1, 1):
+            os.kill(os.getpid(), signal.SIGTERM)
+        self.validated += 1
         self.log("val_loss", self.net(batch[0]).square().mean(), sync_dist=True)
 
     def configure_optimizers(self):
@@ -82,10 +93,11 @@ def _fit(
     fail_at: int | None = None,
     validate: bool = False,
     sigterm_at: int | None = None,
+    sigterm_in_validation: int | None = None,
     **stop,
 ) -> dict:
     """Fit to ``stop``; per step, the samples of every rank (sorted) and the mean loss."""
-    module = Indexed(sleep, fail_at, sigterm_at)
+    module = Indexed(sleep, fail_at, sigterm_at, sigterm_in_validation)
     trainer = L.Trainer(
         strategy=FSDPCustomStrategy(state_dict_type=state),
         accelerator="cpu",
@@ -102,7 +114,8 @@ def _fit(
     )
     exit_status = None
     try:
-        trainer.fit(module, _data(world), ckpt_path=ckpt)
+        validation = _data(world) if sigterm_in_validation is not None else None
+        trainer.fit(module, _data(world), validation, ckpt_path=ckpt)
     except Interrupted:
         pass
     except SIGTERMException as stop_signal:
@@ -115,7 +128,14 @@ def _fit(
     steps = []
     for at_step in zip(*everyone):
         steps.append((sorted(i for ids, _ in at_step for i in ids), sum(loss for _, loss in at_step) / world))
-    return {"steps": steps, "global_step": trainer.global_step, "start": module.start, "exit_status": exit_status}
+    validated = module.validated
+    return {
+        "steps": steps,
+        "global_step": trainer.global_step,
+        "start": module.start,
+        "exit_status": exit_status,
+        "validated": validated,
+    }
 
 
 STOPS = {  # how the first run stops, and how far the resumed one goes
@@ -124,6 +144,10 @@ STOPS = {  # how the first run stops, and how far the resumed one goes
     "max_time": ({"max_time": {"seconds": 2}, "max_steps": 13}, {"max_steps": 13}),
     "an exception": ({"max_steps": 13, "fail_at": 5}, {"max_steps": 13}),
     "a SIGTERM to one rank": ({"max_steps": 13, "sigterm_at": 4}, {"max_steps": 13}),
+    "a SIGTERM in a validation": (
+        {"max_steps": 13, "sigterm_in_validation": 4, "val_check_interval": 4, "num_sanity_val_steps": 0},
+        {"max_steps": 13},
+    ),
     "a validation after max_steps": ({"max_steps": 6, "validate": True}, {"max_steps": 13}),
 }
 
@@ -167,6 +191,8 @@ def test_a_fit_stopped_off_the_checkpoint_grid_resumes_sample_by_sample(tmp_path
     assert saved["an exception"]["global_step"] == 5 and saved["a validation after max_steps"]["global_step"] == 6
     # both ranks stop before the batch after the one rank 1 was signalled in, with status 143 (128 + SIGTERM)
     assert (saved["a SIGTERM to one rank"]["global_step"], saved["a SIGTERM to one rank"]["exit_status"]) == (5, 143)
+    in_validation = saved["a SIGTERM in a validation"]  # stopped before its next validation batch
+    assert (in_validation["global_step"], in_validation["exit_status"], in_validation["validated"]) == (4, 143, 2)
     assert 1 < saved["max_time"]["global_step"] < 8, saved["max_time"]["global_step"]  # inside the first epoch
     other = run_ranks(_stop_body, 3, tmp_path, str(tmp_path), "resume", env=LIGHTNING_ENV, timeout=300)[0]
     for name in STOPS:
