@@ -254,3 +254,58 @@ class NaNAttribute(torch.optim.SGD):
     def __init__(self, params, lr: float = 1e-2) -> None:
         super().__init__(params, lr=lr)
         self.best_loss = float("nan")
+
+
+class NormAdam(torch.optim.Optimizer):
+    """Adam with its step count kept per parameter; the param group's flag ``normalize`` divides each
+    update by its norm (then it reads whole parameters)."""
+
+    def __init__(self, params, lr: float = 1e-2, normalize: bool = True) -> None:
+        super().__init__(params, {"lr": lr, "normalize": normalize})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if len(state) == 0:
+                    state.update(step=0, m=torch.zeros_like(p), v=torch.zeros_like(p))
+                state["step"] += 1
+                state["m"].mul_(0.9).add_(p.grad, alpha=0.1)
+                state["v"].mul_(0.99).addcmul_(p.grad, p.grad, value=0.01)
+                update = (state["m"] / (1 - 0.9 ** state["step"])) / (
+                    (state["v"] / (1 - 0.99 ** state["step"])).sqrt() + 1e-8
+                )
+                if group["normalize"]:
+                    update = update / (update.norm() + 1e-12)
+                p.add_(update, alpha=-group["lr"])
+
+
+class TensorScaleLater(GlobalScaleLater):
+    """``GlobalScaleLater`` with its scale kept as a 0-dim tensor attribute, written in place."""
+
+    def __init__(self, params, lr: float = 1e-2, switch: int = 12) -> None:
+        super().__init__(params, lr, switch)
+        self.scale = torch.ones((), dtype=torch.float64)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.count += 1
+        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+        if self.count >= self.switch:
+            self.scale.fill_(1.0 / (1e-3 + sum(float(g.square().sum()) for g in grads) ** 0.5))
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad * (-group["lr"] * self.scale))
+
+
+class NaNGroupValue(torch.optim.SGD):
+    """torch's SGD with a param group value holding NaN that nothing reads (a last loss not known yet)."""
+
+    def __init__(self, params, lr: float = 1e-2) -> None:
+        super().__init__(params, lr=lr)
+        for group in self.param_groups:
+            group["last_loss"] = float("nan")

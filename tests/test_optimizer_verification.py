@@ -8,6 +8,7 @@ weight."""
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import galore_torch
@@ -25,9 +26,12 @@ from custom_optimizers import (
     LateState,
     MaxNormSGD,
     NaNAttribute,
+    NaNGroupValue,
+    NormAdam,
     SlowGlobal,
     StacksItsGroup,
     TensorLearningRate,
+    TensorScaleLater,
     ToggleNorm,
 )
 from dist_utils import run_ranks
@@ -38,6 +42,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from fsdp_strategy import FSDPCustomStrategy
 from fsdp_strategy.checkpoint import full_state_dict
 from fsdp_strategy.engine import get_scheduler, shard_model
+from fsdp_strategy.engine.optimizer_kinds import OptimizerKinds
 from fsdp_strategy.engine.optimizer_probe import measure, toy_case, toy_shapes
 from fsdp_strategy.engine.probe_compare import _difference
 from fsdp_strategy.options import UpdateKind
@@ -379,6 +384,25 @@ def _normalize_later(optimizer, step):
         optimizer.param_groups[0]["normalize"] = True
 
 
+def _normalize_off_later(optimizer, step):
+    if step == 4:
+        optimizer.param_groups[0]["normalize"] = False
+
+
+def _tensor_weight_decay_later(optimizer, step):
+    if step == 5:
+        optimizer.param_groups[0]["weight_decay"].fill_(1e-2)
+
+
+def _pre_norm_later(optimizer, step):
+    if step == 4:
+        optimizer.pre_norm = True
+
+
+def _weight_decay_schedule(optimizer, step):
+    optimizer.param_groups[0]["weight_decay"] = 0.05 * (1 + math.cos(math.pi * step / STEPS)) / 2 + 1e-3
+
+
 LATER = {  # name -> (model, loss, build, between steps, what must happen)
     "a branch only the second of two equal shapes takes": (_twins, _twins_loss, MaxNormSGD, None, EXACT),
     "AdaFactor with a used parameter of no rows": (_twins, _twins_loss, po.AdaFactor, None, EXACT),
@@ -390,6 +414,42 @@ LATER = {  # name -> (model, loss, build, between steps, what must happen)
         lambda params: po.AdamS(params, lr=1e-2, weight_decay=0.0),
         _weight_decay_later,
         "measured again before it steps with the changed 'weight_decay'",
+    ),
+    "placed whole, then a flag that makes it elementwise at step 4": (
+        _mlp,
+        _loss,
+        NormAdam,
+        _normalize_off_later,
+        EXACT,
+    ),
+    "a weight decay schedule (measured once)": (
+        _mlp,
+        _loss,
+        lambda params: po.Lion(params, lr=1e-3, weight_decay=0.05),
+        _weight_decay_schedule,
+        EXACT,
+    ),
+    "a param group value holding NaN (measured once)": (_mlp, _loss, NaNGroupValue, None, EXACT),
+    "a tensor weight decay filled from 0 in place at step 5": (
+        _mlp,
+        _loss,
+        lambda params: po.AdamS(params, lr=1e-2, weight_decay=torch.tensor(0.0, dtype=torch.float64)),
+        _tensor_weight_decay_later,
+        "measured again before it steps with the changed 'weight_decay'",
+    ),
+    "an attribute the user sets at step 4": (
+        _mlp,
+        _loss,
+        lambda params: po.Lamb(params, lr=1e-2, max_grad_norm=1e-3),
+        _pre_norm_later,
+        "measured again before it steps with the changed \"attribute 'pre_norm'\"",
+    ),
+    "a 0-dim tensor attribute set from every gradient from step 12": (
+        _mlp,
+        _loss,
+        TensorScaleLater,
+        None,
+        "TensorScaleLater's attributes hold other values on other ranks after its step 12",
     ),
     "a tensor learning rate set from the gradients at step 12": (
         _mlp,
@@ -429,13 +489,21 @@ def _train_later(model, loss, make, between, batches, chunk=None) -> tuple[dict,
 
 def _later_body(rank: int, world: int) -> dict:
     warnings.filterwarnings("ignore")
+    measurements = []
+    measure_kind = OptimizerKinds._measure
+
+    def counted(self, optimizer, when):
+        measurements.append(when)
+        return measure_kind(self, optimizer, when)
+
+    OptimizerKinds._measure = counted
     out = {}
     for wrapping, options in WRAPPINGS.items():
         for name, (build, loss, make, between, _) in LATER.items():
             model = shard_model(build(), **options)
-            out[(wrapping, name)] = _train_later(
-                model, loss, make, between, _batches(world), lambda x: x.chunk(world)[rank]
-            )
+            measurements.clear()
+            trained = _train_later(model, loss, make, between, _batches(world), lambda x: x.chunk(world)[rank])
+            out[(wrapping, name)] = (*trained, len(measurements))
             get_scheduler(model).close()
     return out
 
@@ -457,8 +525,10 @@ def test_what_changes_after_the_first_measurement_is_measured_again_or_an_error(
         }
     finally:
         torch.set_num_threads(threads)
-    for (wrapping, name), (final, before, error) in results.items():
+    for (wrapping, name), (final, before, error, measured) in results.items():
         expected = LATER[name][-1]
+        if "measured once" in name:  # nothing that switches a branch changed: no measurement at every step
+            assert measured == 1, (wrapping, name, measured)
         if expected == EXACT:
             assert not error, (wrapping, name, error)
             assert _relative(final, oracle[name][0]) < 1e-9, (wrapping, name)

@@ -10,12 +10,13 @@ parameters (placed whole: [Note: whole-matrix placement] in whole_matrix.py), so
 the value from other data, the ranks go on with different settings, and a checkpoint keeps rank
 0's. The measurement before the first step ([Note: measure what will run] in optimizer_kinds.py)
 sees this only where the branch runs in its few steps. So after every step of an optimizer that
-is not one of torch's own, the ranks compare their param groups, and its public attributes of
-plain scalar values (a statistic it keeps beside them) as one more group:
+is not one of torch's own (declared ones too), the ranks compare their param groups, and its
+attributes of scalar values and tensors (a statistic it keeps beside them) as one more group:
 - each rank digests every group's values but ``params`` on the host (plain values: numbers,
   strings, None and sequences of them, by value; a tensor by its shape and dtype; anything else by
   its type), one 62-bit number per group, and sums the bits of its small tensors (up to ``SMALL``
-  elements: a learning rate kept as a tensor) where they are, without reading them;
+  elements: a learning rate kept as a tensor, a 0-dim statistic) where they are, without reading
+  them;
 - one all-reduce MAX over the shard group of these two words per group and their negations: they
   agree where the maximum equals the minimum;
 - the verdict goes to the host as a ``HostCopy`` and is read by the rule of ``LostEdits``
@@ -111,20 +112,24 @@ def _raise_for(sent: _Sent, index: int) -> None:
     what = f"param group {index} holds" if index < len(sent.groups) - 1 else "attributes hold"
     raise RuntimeError(
         f"fsdp_custom: {sent.optimizer}'s {what} other values on other ranks after its step "
-        f"{sent.step} (here: {values}). Its step set them from the parameters this rank steps, which are not "
-        "every parameter when they are sharded, so the ranks would go on with different settings and a "
-        "checkpoint would keep rank 0's. The measurement before its first step did not reach that branch. "
-        "sharding_strategy='NO_SHARD' (every rank steps whole parameters, as DDP) works with it"
+        f"{sent.step} (here: {values}). Either its step set them from the parameters this rank steps, which "
+        "are not every parameter when they are sharded (a branch the measurement before its first step did not "
+        "reach), or code between steps set them differently on each rank (a scheduler fed each rank's own "
+        "metric: log it with sync_dist=True). The ranks would go on with different settings and a checkpoint "
+        "would keep rank 0's. "
+        "In the first case sharding_strategy='NO_SHARD' (every rank steps whole parameters, as DDP) works with it"
     )
 
 
 def _scalar_attributes(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The optimizer's public attributes of plain scalar values (a statistic it keeps beside its param
-    groups); containers are left out (a dict keyed by the parameters it steps differs by rank)."""
+    """The optimizer's attributes of plain scalar values and tensors (a statistic it keeps beside its
+    param groups, private or not); containers are left out (a dict keyed by the parameters it steps
+    differs by rank)."""
     return {
         key: value
         for key, value in vars(optimizer).items()
-        if not key.startswith("_") and (value is None or isinstance(value, (bool, int, float, str)))
+        if key not in ("param_groups", "state", "defaults")
+        and (torch.is_tensor(value) or value is None or isinstance(value, (bool, int, float, str)))
     }
 
 

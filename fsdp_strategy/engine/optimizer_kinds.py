@@ -32,15 +32,16 @@ given a vector). So an unknown optimizer is measured at its first step, once its
 The ranks then agree on everything found (one object gather). The strictest result holds: refused
 over placed whole over elementwise; a step that raised on the small tensors is refused only if it
 raises on the model's parameters too. A param group that gains a shape later (a parameter unfrozen)
-is measured again at the step it first has a gradient, and an optimizer whose param group values
-changed since its last step (by the user, or a scheduler other than a learning rate's or momentum's:
-``SCHEDULED``) is measured again at its next step, with the new values. Costs, at that step only: per rank, float64
-CPU copies of the parameters it measures (one of each shape and others up to ``OTHERS_BUDGET``
-elements; ~ 8 bytes x elements x (2 + the optimizer's state per element) x 2 layouts) and the
-optimizer's own steps on them, three
-layouts for up to the steps the hyperparameters announce within ``MODEL_BUDGET`` element-steps
-(optimizer_probe.py); beyond that budget the later steps are measured on the small tensors only,
-and that is said once.
+is measured again at the step it first has a gradient, and an optimizer whose param group values or
+attributes changed regime since its last step (``_regime``: a float's sign, a flag, a tensor written
+in place; not what schedulers write every step, ``SCHEDULED``) is measured again at its next step,
+with the new values. An optimizer once placed whole stays placed whole (its owners hold state the
+other ranks lack; a per-parameter optimizer is exact placed whole, elementwise or not). Costs, at
+that step only: per rank, float64 CPU copies of the parameters it measures (one of each shape and
+others up to ``OTHERS_BUDGET`` elements; ~ 8 bytes x elements x (2 + the optimizer's state per
+element) x 2 layouts) and the optimizer's own steps on them, three layouts for up to the steps the
+hyperparameters announce within ``MODEL_BUDGET`` element-steps (optimizer_probe.py); beyond that
+budget the later steps are measured on the small tensors only, and that is said once.
 """
 
 from __future__ import annotations
@@ -111,6 +112,7 @@ class OptimizerKinds:
         self._said: set[tuple[type, str]] = set()
         self._after_step: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> its settings then
         self._unmeasured = ""  # the last model measurement's parameters left out, if any
+        self._placed_whole: weakref.WeakSet = weakref.WeakSet()  # measured optimizers ever placed whole
 
     def known(self, optimizer: torch.optim.Optimizer) -> UpdateKind | None:
         """The kind of ``optimizer`` if it needs no measurement (declared, torch's own); None if it
@@ -151,6 +153,10 @@ class OptimizerKinds:
         if shapes not in measured:  # once per set of shapes with gradients: a branch that skips some alternates
             when = f"again before it steps with the changed {', '.join(map(repr, changed))}" if changed else ""
             measured[shapes] = self._measure(optimizer, when or "before its first step")
+            if measured[shapes] is UpdateKind.WHOLE_MATRIX:
+                self._placed_whole.add(optimizer)
+        if optimizer in self._placed_whole:  # its owners hold state the others lack: placed whole from then on
+            return UpdateKind.WHOLE_MATRIX
         return measured[shapes]
 
     def stepped(self, optimizer: torch.optim.Optimizer) -> None:
@@ -168,6 +174,12 @@ class OptimizerKinds:
         now = _settings(optimizer)
         if len(now) != len(before):
             return ["param groups"]
+        if now[-1] != before[-1]:  # the optimizer's own attributes
+            return sorted(
+                f"attribute {key!r}"
+                for key in set(now[-1]) | set(before[-1])
+                if now[-1].get(key) != before[-1].get(key)
+            )
         return sorted(
             {
                 key
@@ -367,15 +379,33 @@ SCHEDULED = frozenset(
 
 
 def _settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    """Per param group, its values but ``params`` and ``SCHEDULED`` (tensors by identity: not read)."""
-    return [
-        {
-            key: ("tensor", id(value)) if torch.is_tensor(value) else _frozen(value)
-            for key, value in group.items()
-            if key != "params" and key not in SCHEDULED
-        }
+    """Per param group, its values but ``params`` and ``SCHEDULED``, then the optimizer's own scalar
+    and tensor attributes, each by its regime (``_regime``): what may switch a branch."""
+    groups = [
+        {key: _regime(value) for key, value in group.items() if key != "params" and key not in SCHEDULED}
         for group in optimizer.param_groups
     ]
+    attributes = {
+        key: _regime(value)
+        for key, value in vars(optimizer).items()
+        if key not in ("param_groups", "state", "defaults")
+        and (torch.is_tensor(value) or value is None or isinstance(value, (bool, int, float, str)))
+    }
+    return [*groups, attributes]
+
+
+def _regime(value: Any) -> Any:
+    """What a change of ``value`` between steps must be measured again for: a float by its sign (a
+    weight decay raised from 0 switches AdamS's branch; a decay schedule from 0.05 to 0.04 does not,
+    nor does NaN, equal to itself here); a tensor by identity and version (an in-place ``fill_``
+    counts, and nothing is read); anything else by value."""
+    if isinstance(value, float):
+        return "nan" if value != value else (value > 0) - (value < 0)
+    if torch.is_tensor(value):
+        return ("tensor", id(value), value._version)
+    if isinstance(value, (list, tuple)):
+        return tuple(_regime(item) for item in value)
+    return _frozen(value)
 
 
 def _frozen(value: Any) -> Any:
