@@ -417,16 +417,17 @@ class FSDPCustomStrategy(StrategyArguments, CheckpointHooks, LightningFSDPStrate
             return self._redirect("training_step", *args, **kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._sigterm.in_validation:  # fit's validation, on equal batches: [Note: preemption at an agreed step]
-            self._sigterm.at_boundary("before this validation batch", self._watch.dog)
+        self._evaluation_boundary()
         with self.precision_plugin.val_step_context():
             return self._redirect("validation_step", *args, **kwargs)
 
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._evaluation_boundary()
         with self.precision_plugin.test_step_context():
             return self._redirect("test_step", *args, **kwargs)
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._evaluation_boundary()
         with self.precision_plugin.predict_step_context():
             return self._redirect("predict_step", *args, **kwargs)
 
@@ -460,19 +461,50 @@ class FSDPCustomStrategy(StrategyArguments, CheckpointHooks, LightningFSDPStrate
         super().on_exception(exception)
 
     def on_validation_start(self) -> None:
-        """In ``fit`` (its sanity check first): hold SIGTERM back to an agreed batch boundary, also
-        between validation batches where every rank runs as many ([Note: preemption at an agreed
-        step] in strategy_preemption.py)."""
-        trainer = self.lightning_module.trainer
-        if trainer.state.fn == TrainerFn.FITTING:
-            self._sigterm.install(trainer)
-            self._sigterm.start_validation(trainer)
+        """Hold SIGTERM back to agreed batch boundaries, from ``fit``'s sanity check on, and between
+        validation batches where every rank runs as many ([Note: preemption at an agreed step] in
+        strategy_preemption.py)."""
+        self._start_evaluation(self.lightning_module.trainer.val_dataloaders)
         super().on_validation_start()
 
     def on_validation_end(self) -> None:
-        """Back to training's boundaries."""
-        self._sigterm.in_validation = False
+        """Back to training's boundaries; at the end of ``validate``, a boundary."""
+        self._end_evaluation()
         super().on_validation_end()
+
+    def on_test_start(self) -> None:
+        """As ``on_validation_start``."""
+        self._start_evaluation(self.lightning_module.trainer.test_dataloaders)
+        super().on_test_start()
+
+    def on_test_end(self) -> None:
+        """As ``on_validation_end``."""
+        self._end_evaluation()
+        super().on_test_end()
+
+    def on_predict_start(self) -> None:
+        """As ``on_validation_start`` (Lightning's predict sampler pads nothing: no batch is a boundary)."""
+        self._start_evaluation(self.lightning_module.trainer.predict_dataloaders)
+        super().on_predict_start()
+
+    def on_predict_end(self) -> None:
+        """As ``on_validation_end``."""
+        self._end_evaluation()
+        super().on_predict_end()
+
+    def _start_evaluation(self, loaders: Any) -> None:
+        trainer = self.lightning_module.trainer
+        self._sigterm.install(trainer)
+        self._sigterm.start_evaluation(trainer, loaders)
+
+    def _end_evaluation(self) -> None:
+        self._sigterm.in_evaluation = False
+        if self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
+            self._sigterm.at_boundary("at the end of this evaluation", self._watch.dog)
+
+    def _evaluation_boundary(self) -> None:
+        if self._sigterm.in_evaluation:  # [Note: preemption at an agreed step]
+            self._sigterm.at_boundary("before this evaluation batch", self._watch.dog)
 
     def on_train_start(self) -> None:
         """Hold SIGTERM and Lightning's SLURM requeue handler back to steps all ranks agree on

@@ -40,6 +40,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.overrides.distributed import UnrepeatedDistributedSampler
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.utils.data import DistributedSampler
 
@@ -61,7 +63,7 @@ class AgreedSigterm:
         self._others: list[Any] = []  # the handlers Lightning composed beside its own broadcasting one
         self._received = 0
         self._stopped = False  # every rank raised at a boundary: none after it
-        self.in_validation = False  # validation batches are boundaries now (``start_validation``)
+        self.in_evaluation = False  # evaluation batches are boundaries now (``start_evaluation``)
         self._step: int | None = None  # the global step at the last training boundary
         self._group: Any = None
 
@@ -71,8 +73,8 @@ class AgreedSigterm:
         return self._trainer is not None
 
     def install(self, trainer: Any) -> None:
-        """Take SIGTERM over while ``fit`` runs (idempotent; a collective on the first call where
-        there are several ranks: every rank reaches it alike)."""
+        """Take SIGTERM over while ``fit``, ``validate``, ``test`` or ``predict`` runs (idempotent; a
+        collective on the first call where there are several ranks: every rank reaches it alike)."""
         if self._trainer is not None:
             return
         connector = trainer._signal_connector
@@ -87,18 +89,19 @@ class AgreedSigterm:
         trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = _nothing  # its device broadcast and host read
         signal.signal(signal.SIGTERM, self._record)
 
-    def start_validation(self, trainer: Any) -> None:
-        """A validation inside ``fit`` begins: its batches are boundaries too where every rank runs as
-        many of them, which a ``DistributedSampler`` guarantees (Lightning's, by default), and where it
-        does not interrupt an optimizer step's accumulation; otherwise the signal waits for the next
-        optimizer step."""
-        loaders = trainer.val_dataloaders
+    def start_evaluation(self, trainer: Any, loaders: Any) -> None:
+        """An evaluation begins (a validation inside ``fit``, or ``validate``, ``test``, ``predict``): its
+        batches are boundaries too where every rank runs as many of them, which a padded
+        ``DistributedSampler`` guarantees (Lightning's for validation and test, by default; not its
+        predict sampler, which does not pad), and where it does not interrupt an optimizer step's
+        accumulation; otherwise the signal waits for the evaluation's end, or the next optimizer step."""
         loaders = loaders if isinstance(loaders, (list, tuple)) else [loaders]
-        accumulating = not trainer.sanity_checking and trainer.fit_loop.epoch_loop._should_accumulate()
-        self.in_validation = (
+        fitting = trainer.state.fn == TrainerFn.FITTING and not trainer.sanity_checking
+        accumulating = fitting and trainer.fit_loop.epoch_loop._should_accumulate()
+        self.in_evaluation = (
             self._trainer is not None
             and not accumulating
-            and all(isinstance(getattr(loader, "sampler", None), DistributedSampler) for loader in loaders)
+            and all(_padded(getattr(loader, "sampler", None)) for loader in loaders)
         )
 
     def at_step_start(self, global_step: int, dog: Watchdog | None) -> None:
@@ -163,6 +166,11 @@ class AgreedSigterm:
             trainer._signal_connector._original_handlers[signal.SIGTERM] = self._record
         collectives.destroy_group(self._group)
         self._group = None
+
+
+def _padded(sampler: Any) -> bool:
+    """Whether ``sampler`` gives every rank as many samples (torch's ``DistributedSampler`` pads)."""
+    return isinstance(sampler, DistributedSampler) and not isinstance(sampler, UnrepeatedDistributedSampler)
 
 
 def _nothing() -> None:

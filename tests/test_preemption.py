@@ -2,16 +2,28 @@
 torchrun's agent and its workers), at a random moment inside a training step, a validation batch
 and a background checkpoint write. Every rank stops at one boundary within seconds of the phase
 in flight, saves the last step and exits 143 ([Note: preemption at an agreed step]), with no
-collective error, no watchdog report and no half checkpoint. Resumed exactly: test_resume_stops.py;
+collective error, no watchdog report and no half checkpoint; ``validate``, ``test`` and ``predict``
+stop every rank together too. Resumed exactly: test_resume_stops.py;
 every phase, 5 trials each, timed: benchmarks/preemption.py."""
 
 from __future__ import annotations
 
+import os
 import random
+import signal
+import warnings
 
+import lightning as L
 import pytest
-from dist_utils import free_port
+import torch
+from dist_utils import free_port, run_ranks
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from preempt_job import preempt
+from test_strategy import LIGHTNING_ENV, quiet_trainer
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from fsdp_strategy import FSDPCustomStrategy
 
 PHASE_SECONDS = 1.5
 CASES = [("lightning", "step"), ("torchrun", "validation"), ("lightning", "async_save")]
@@ -31,3 +43,41 @@ def test_sigterm_to_every_process_stops_every_rank_at_one_boundary_and_saves(tmp
         assert failure not in ended.output, (failure, where)
     saved = sorted(path.name for path in checkpoints.iterdir())
     assert "last.ckpt" in saved and all(name.endswith(".ckpt") for name in saved), (saved, where)  # none half-written
+
+
+class _Evaluated(L.LightningModule):
+    """Rank 1 receives a real SIGTERM in its second batch of ``validate``, ``test`` or ``predict``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net, self.batches = nn.Linear(4, 1), 0
+
+    def _step(self, batch, batch_idx):
+        if batch_idx == 1 and self.global_rank == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        self.batches += 1
+        return self.net(batch[0]).sum()
+
+    validation_step = test_step = predict_step = _step
+
+
+def _evaluations(rank: int, world: int) -> dict:
+    warnings.filterwarnings("ignore")
+    data = DataLoader(TensorDataset(torch.randn(48, 4)), batch_size=4)  # 6 batches per rank
+    out = {}
+    for stage in ("validate", "test", "predict"):
+        module = _Evaluated()
+        trainer = quiet_trainer(strategy=FSDPCustomStrategy(), devices=world)
+        try:
+            getattr(trainer, stage)(module, data)
+            out[stage] = ("ran to the end", module.batches)
+        except SIGTERMException as stop:
+            out[stage] = (stop.code, module.batches)
+    return out
+
+
+def test_sigterm_in_validate_test_and_predict_stops_every_rank_together(tmp_path):
+    """Between batches where every rank runs as many (validation and test: a padded sampler); at the
+    end of the stage where not (predict: Lightning's sampler does not pad), never running on."""
+    for rank, out in enumerate(run_ranks(_evaluations, 2, tmp_path, env=LIGHTNING_ENV, timeout=300)):
+        assert out == {"validate": (143, 2), "test": (143, 2), "predict": (143, 6)}, (rank, out)
