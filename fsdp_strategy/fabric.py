@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import logging
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from datetime import timedelta
 from typing import Any, Literal
@@ -39,7 +40,10 @@ from fsdp_strategy.engine import get_scheduler, is_sharded, shard_with_options
 from fsdp_strategy.fabric_checkpoints import FabricCheckpoints
 from fsdp_strategy.options import check_fsdp_keywords
 from fsdp_strategy.precision import FSDPCustomFabricPrecision
+from fsdp_strategy.strategy_preemption import FabricSigterm
 from fsdp_strategy.strategy_watchdog import RunWatchdog
+
+log = logging.getLogger(__name__)
 
 
 class FSDPCustomFabricStrategy(StrategyArguments, FabricCheckpoints, LightningFSDPStrategy):
@@ -106,6 +110,7 @@ class FSDPCustomFabricStrategy(StrategyArguments, FabricCheckpoints, LightningFS
         self._take_arguments(locals())
         self._writer = CheckpointWriter()
         self._watch = RunWatchdog(self._writer)  # a watchdog per run: started at setup, closed at teardown
+        self._sigterm, self._said_preempted = FabricSigterm(), False  # ``preempted``
         self._backward_sync_control = _NoSync()
         self._modules: list[nn.Module] = []  # every module this strategy sharded, closed at teardown
 
@@ -311,8 +316,20 @@ class FSDPCustomFabricStrategy(StrategyArguments, FabricCheckpoints, LightningFS
         """Lightning's reduce over ``group``, watched."""
         return self._watch.reduce(tensor, group, reduce_op)
 
+    def preempted(self) -> bool:
+        """Whether any rank received SIGTERM (a preemption, a time limit, an eviction): True on every
+        rank alike. Call it at the same place of every rank's loop, once per step; the first call
+        installs a handler that only records the signal, so a loop that calls it saves and exits
+        itself ([Note: preemption at an agreed step]). Costs: one 8-byte all-reduce on the CPU."""
+        ranks = self._sigterm.agree(self.launcher, self._watch.dog)
+        if ranks and not self._said_preempted and self.global_rank == 0:
+            self._said_preempted = True
+            log.warning("fsdp_custom: SIGTERM received by %d of %d ranks", ranks, self.world_size)
+        return ranks > 0
+
     def teardown(self) -> None:
         """Finish any save in flight, close every sharded module's hooks and the watchdog."""
+        self._sigterm.remove()
         self._writer.teardown()
         self._watch.close(self._modules)
         super().teardown()

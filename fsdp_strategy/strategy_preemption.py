@@ -130,11 +130,7 @@ class AgreedSigterm:
         raise ``SIGTERMException`` on every rank if any rank received SIGTERM."""
         if self._trainer is None or self._stopped:
             return
-        received = torch.tensor([self._received], dtype=torch.int64)
-        if self._group is not None:
-            with watched("all_reduce", "preemption", dog):
-                dist.all_reduce(received, group=self._group)
-        ranks = int(received.item())  # a CPU tensor: no device wait
+        ranks = _ranks_received(self._received, self._group, dog)
         if not ranks:
             return
         trainer = self._trainer
@@ -166,6 +162,52 @@ class AgreedSigterm:
             trainer._signal_connector._original_handlers[signal.SIGTERM] = self._record
         collectives.destroy_group(self._group)
         self._group = None
+
+
+class FabricSigterm:
+    """SIGTERM under Fabric, which installs no handler: from the first ``agree`` on, the handler
+    only records the signal (and passes it to the launcher's child processes); each ``agree`` (every
+    rank at the same place in its loop) says how many ranks received it ([Note: preemption at an
+    agreed step]). Costs: one 8-byte all-reduce on the CPU per call."""
+
+    def __init__(self) -> None:
+        self._received = 0
+        self._group: Any = None
+        self._previous: Any = None  # the handler before the first ``agree``; None while not installed
+        self._launcher: Any = None
+
+    def agree(self, launcher: Any, dog: Watchdog | None) -> int:
+        """How many ranks received SIGTERM (the same number on every rank). The first call installs the
+        handler (a collective where there are several ranks)."""
+        if self._previous is None:
+            self._launcher = launcher
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                self._group = collectives.new_gloo_group()
+            self._previous = signal.signal(signal.SIGTERM, self._record)
+        return _ranks_received(self._received, self._group, dog)
+
+    def _record(self, signum: int, frame: Any) -> None:
+        if not self._received:
+            for process in getattr(self._launcher, "procs", []):
+                process.send_signal(signum)
+        self._received = 1
+
+    def remove(self) -> None:
+        """Give SIGTERM its handler from before and release the group."""
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
+        collectives.destroy_group(self._group)
+        self._group = None
+
+
+def _ranks_received(received: int, group: Any, dog: Watchdog | None) -> int:
+    """The sum of ``received`` over the ranks: one blocking all-reduce of 8 bytes on the CPU (gloo)."""
+    total = torch.tensor([received], dtype=torch.int64)
+    if group is not None:
+        with watched("all_reduce", "preemption", dog):
+            dist.all_reduce(total, group=group)
+    return int(total.item())  # a CPU tensor: no device wait
 
 
 def _padded(sampler: Any) -> bool:

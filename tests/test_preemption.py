@@ -3,7 +3,8 @@ torchrun's agent and its workers), at a random moment inside a training step, a 
 and a background checkpoint write. Every rank stops at one boundary within seconds of the phase
 in flight, saves the last step and exits 143 ([Note: preemption at an agreed step]), with no
 collective error, no watchdog report and no half checkpoint; ``validate``, ``test`` and ``predict``
-stop every rank together too. Resumed exactly: test_resume_stops.py;
+stop every rank together too, and a Fabric loop that asks ``strategy.preempted()`` learns of it on
+every rank at the same step. Resumed exactly: test_resume_stops.py;
 every phase, 5 trials each, timed: benchmarks/preemption.py."""
 
 from __future__ import annotations
@@ -17,13 +18,14 @@ import lightning as L
 import pytest
 import torch
 from dist_utils import free_port, run_ranks
+from lightning.fabric import Fabric
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from preempt_job import preempt
 from test_strategy import LIGHTNING_ENV, quiet_trainer
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from fsdp_strategy import FSDPCustomStrategy
+from fsdp_strategy import FSDPCustomFabricStrategy, FSDPCustomStrategy
 
 PHASE_SECONDS = 1.5
 CASES = [("lightning", "step"), ("torchrun", "validation"), ("lightning", "async_save")]
@@ -81,3 +83,34 @@ def test_sigterm_in_validate_test_and_predict_stops_every_rank_together(tmp_path
     end of the stage where not (predict: Lightning's sampler does not pad), never running on."""
     for rank, out in enumerate(run_ranks(_evaluations, 2, tmp_path, env=LIGHTNING_ENV, timeout=300)):
         assert out == {"validate": (143, 2), "test": (143, 2), "predict": (143, 6)}, (rank, out)
+
+
+def _fabric_loop(rank: int, world: int, root: str) -> dict:
+    """A Fabric loop that asks ``preempted()`` once per step; rank 1 receives SIGTERM in step 3."""
+    warnings.filterwarnings("ignore")
+    fabric = Fabric(strategy=FSDPCustomFabricStrategy(), accelerator="cpu", devices=world)
+    fabric.launch()
+    torch.manual_seed(0)
+    model = fabric.setup_module(nn.Linear(4, 1))
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
+    stopped = None
+    for step in range(8):
+        if fabric.strategy.preempted():
+            fabric.save(f"{root}/preempted.ckpt", {"model": model, "optimizer": optimizer, "step": step})
+            stopped = step
+            break
+        if step == 3 and rank == 1:
+            os.kill(os.getpid(), signal.SIGTERM)  # recorded, not the end of the process
+        loss = model(torch.randn(2, 4, generator=torch.Generator().manual_seed(step * world + rank))).sum()
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+    state = {"model": model, "optimizer": optimizer, "step": -1}
+    fabric.load(f"{root}/preempted.ckpt", state)
+    fabric.strategy.teardown()
+    return {"stopped": stopped, "saved step": state["step"]}
+
+
+def test_fabric_loop_learns_of_a_sigterm_on_any_rank_at_the_same_step(tmp_path):
+    for rank, out in enumerate(run_ranks(_fabric_loop, 2, tmp_path, str(tmp_path), env=LIGHTNING_ENV, timeout=300)):
+        assert out == {"stopped": 4, "saved step": 4}, (rank, out)
