@@ -2,7 +2,8 @@
 exactly as README says (150 steps, about 70 s on 2 CPU cores) and compare every figure README
 quotes from it, to within one unit of its last quoted digit, 0.001 or 0.1 % (the sums of another
 machine's CPU and thread count move the fourth digit of a perplexity: 19.3452 on one machine,
-19.3357 on another). When the example's numbers change, this test names each figure to update."""
+19.3357 on another). When the example's numbers change, this test names each figure to update.
+Then the "train further with" line the example printed resumes where the run stopped."""
 
 from __future__ import annotations
 
@@ -85,6 +86,17 @@ def test_readme_quick_start_figures_are_what_the_example_prints(tmp_path):
         if abs(float(value) - run) > max(10.0 ** -len(value.partition(".")[2]), 1e-3, 1e-3 * abs(run))
     ]
     assert not wrong, f"update README's quick start to the run's figures: {wrong}; the run printed {printed!r}"
+    # the "train further with" line it printed, run as printed (10 steps further instead of 150: time)
+    further = re.search(r"^train further with: (.*)$", done.stdout, re.MULTILINE).group(1).split()
+    assert further[:2] == ["python", "examples/train_gpt.py"] and "trainer.max_steps=300" in further, further
+    further = [sys.executable, *further[1:]]
+    further[further.index("trainer.max_steps=300")] = "trainer.max_steps=160"
+    resumed = subprocess.run(further, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-4000:]
+    output = resumed.stdout + resumed.stderr
+    # 150 steps of 16 samples (2 ranks x 8) into the first epoch: where it stopped, not the next epoch's start
+    assert "resuming epoch 0 after its first 2400 samples, exactly where the checkpoint left it" in output, output
+    assert re.search(r"^done: 160 steps", resumed.stdout, re.MULTILINE), resumed.stdout[-2000:]
 
 
 @pytest.mark.slow
