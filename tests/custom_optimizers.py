@@ -4,6 +4,8 @@ statistic that moves only after a few steps)."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 
@@ -309,3 +311,13 @@ class NaNGroupValue(torch.optim.SGD):
         super().__init__(params, lr=lr)
         for group in self.param_groups:
             group["last_loss"] = float("nan")
+
+
+class TimedSGD(torch.optim.SGD):
+    """torch's SGD that records when its last step ended (bookkeeping its update never reads)."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = super().step(closure)
+        self._last_step_time = time.time()
+        return loss

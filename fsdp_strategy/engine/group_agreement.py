@@ -1,5 +1,5 @@
 """Param group values that differ between the ranks after a step: an error on every rank, never a
-silent divergence.
+silent divergence; attributes that differ: a warning.
 
 [Note: param groups agree]
 An optimizer may set a param group value from the parameters it steps: pytorch-optimizer's SWATS
@@ -10,9 +10,10 @@ parameters (placed whole: [Note: whole-matrix placement] in whole_matrix.py), so
 the value from other data, the ranks go on with different settings, and a checkpoint keeps rank
 0's. The measurement before the first step ([Note: measure what will run] in optimizer_kinds.py)
 sees this only where the branch runs in its few steps. So after every step of an optimizer that
-is not one of torch's own (declared ones too), the ranks compare their param groups, and its
-attributes of scalar values and tensors (a statistic it keeps beside them) as one more group:
-- each rank digests every group's values but ``params`` on the host (plain values: numbers,
+is not one of torch's own (declared ones too), the ranks compare its param groups, and its
+attributes of scalar values and tensors (private ones too) and the entries of ``optimizer.state``
+under keys that are not parameters, in ``BUCKETS`` groups by name (as many on every rank):
+- each rank digests each group's values but ``params`` on the host (plain values: numbers,
   strings, None and sequences of them, by value; a tensor by its shape and dtype; anything else by
   its type), one 62-bit number per group, and sums the bits of its small tensors (up to ``SMALL``
   elements: a learning rate kept as a tensor, a 0-dim statistic) where they are, without reading
@@ -21,20 +22,24 @@ attributes of scalar values and tensors (a statistic it keeps beside them) as on
   agree where the maximum equals the minimum;
 - the verdict goes to the host as a ``HostCopy`` and is read by the rule of ``LostEdits``
   ([Note: edits while gathered] in edits.py): on the CPU at once (after the step that set the
-  value, before any weight used it), on CUDA one step later (a host wait inside a step stalls
-  the device: [Note: host and device] 4 in device.py), and at ``close``. Every rank reads the
-  same agreed verdict at the same place and raises the same error, naming the optimizer, the
-  group, the step and this rank's values.
+  value), on CUDA one step later (a host wait inside a step stalls the device: [Note: host and
+  device] 4 in device.py), and at ``close``. Every rank reads the same agreed verdict at the same
+  place. A param group that differs is an error on every rank, naming the optimizer, the group, the
+  step and this rank's values (a param group holds what the update reads). Attributes that differ
+  are a warning, once, naming the few they may be (a timer or a record of each rank's loss differs
+  harmlessly; a statistic the update reads does not, and the warning says so): ending a healthy job
+  for its bookkeeping would be worse.
 Not seen: a value every rank sets alike from what each holds (the number of elements it steps, equal
 across ranks by the padding) and a container attribute. Costs per step of such an optimizer: a
-digest of its groups' values on the host (microseconds), an all-reduce of 32 bytes per group (and
-one for the attributes) and a copy of one byte per group to the host. torch's own optimizers set
-no group value from data and are not checked.
+digest of its values on the host (microseconds), an all-reduce of 32 bytes per group (and 8 x 32
+for the attributes) and a copy of one byte per group to the host. torch's own optimizers set no
+group value from data and are not checked.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import weakref
 from collections import deque
 from typing import Any, NamedTuple
@@ -46,6 +51,8 @@ from fsdp_strategy.engine.collectives import CommContext, CommGroup
 from fsdp_strategy.engine.device import DeviceLayer, HostCopy
 
 SMALL = 64  # elements of a tensor value compared by value (a hyperparameter); a larger one by its shape
+BUCKETS = 8  # groups of the optimizer's attributes compared apart (to name the ones that differ)
+log = logging.getLogger(__name__)
 
 
 class _Sent(NamedTuple):
@@ -63,13 +70,14 @@ class GroupAgreement:
         self._comm, self._ctx, self._device = comm, ctx, device
         self._steps: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> its steps so far
         self._sent: deque[_Sent] = deque()
+        self._said: set[tuple[str, tuple[str, ...]]] = set()  # attributes found apart, said once
 
     def send(self, optimizer: torch.optim.Optimizer) -> None:
         """Start the comparison of ``optimizer``'s groups after its step (every rank, at the same
         place); reads nothing. Then raises for the comparisons that are due."""
         step = self._steps[optimizer] = self._steps.get(optimizer, 0) + 1
         groups = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
-        groups.append(_scalar_attributes(optimizer))
+        groups += _attribute_buckets(optimizer)
         digests = torch.tensor([_digest(values) for values in groups], dtype=torch.int64).to(self._device)
         words = torch.cat([digests, torch.stack([self._checksum(values) for values in groups])])
         both = torch.cat([words, -words])
@@ -102,35 +110,57 @@ class GroupAgreement:
         for _ in range(due):
             sent = self._sent.popleft()
             differ = sent.copy.wait().tolist()  # host memory, landed: no device wait inside a step
-            if any(differ):
+            groups = len(differ) - BUCKETS
+            if any(differ[:groups]):
                 self._sent.clear()
                 _raise_for(sent, differ.index(True))
+            names = sorted(
+                name for bucket, apart in zip(sent.groups[groups:], differ[groups:]) if apart for name in bucket
+            )
+            if names and (sent.optimizer, tuple(names)) not in self._said:
+                self._said.add((sent.optimizer, tuple(names)))
+                if self._comm.rank == 0:
+                    log.warning(_attributes_apart(sent, names))
 
 
 def _raise_for(sent: _Sent, index: int) -> None:
     values = {k: v for k, v in sent.groups[index].items() if not torch.is_tensor(v) or v.numel() <= SMALL}
-    what = f"param group {index} holds" if index < len(sent.groups) - 1 else "attributes hold"
     raise RuntimeError(
-        f"fsdp_custom: {sent.optimizer}'s {what} other values on other ranks after its step "
+        f"fsdp_custom: {sent.optimizer}'s param group {index} holds other values on other ranks after its step "
         f"{sent.step} (here: {values}). Either its step set them from the parameters this rank steps, which "
         "are not every parameter when they are sharded (a branch the measurement before its first step did not "
         "reach), or code between steps set them differently on each rank (a scheduler fed each rank's own "
         "metric: log it with sync_dist=True). The ranks would go on with different settings and a checkpoint "
-        "would keep rank 0's. "
-        "In the first case sharding_strategy='NO_SHARD' (every rank steps whole parameters, as DDP) works with it"
+        "would keep rank 0's. In the first case sharding_strategy='NO_SHARD' (every rank steps whole "
+        "parameters, as DDP) works with it"
     )
 
 
-def _scalar_attributes(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The optimizer's attributes of plain scalar values and tensors (a statistic it keeps beside its
-    param groups, private or not); containers are left out (a dict keyed by the parameters it steps
-    differs by rank)."""
-    return {
+def _attributes_apart(sent: _Sent, names: list[str]) -> str:
+    return (
+        f"fsdp_custom: {sent.optimizer}'s attributes {names} (or one of them) hold other values on other ranks "
+        f"after its step {sent.step}. Harmless if its updates do not read them (a timer, a log of the loss); "
+        "if they do (a statistic of the gradients it steps, the closure's loss, which is each rank's own), the "
+        "ranks train apart: sharding_strategy='NO_SHARD' (every rank steps whole parameters, as DDP) works "
+        "with such an optimizer. Said once"
+    )
+
+
+def _attribute_buckets(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """The optimizer's attributes of scalar values and tensors (private ones too), and the entries of
+    ``optimizer.state`` under keys that are not parameters, in ``BUCKETS`` groups by a digest of their
+    names: as many on every rank whatever each holds, and naming the few a difference may be in."""
+    buckets: list[dict[str, Any]] = [{} for _ in range(BUCKETS)]
+    values = {
         key: value
         for key, value in vars(optimizer).items()
         if key not in ("param_groups", "state", "defaults")
         and (torch.is_tensor(value) or value is None or isinstance(value, (bool, int, float, str)))
     }
+    values.update({f"state[{key!r}]": value for key, value in optimizer.state.items() if isinstance(key, str)})
+    for name, value in values.items():
+        buckets[_digest({"name": name}) % BUCKETS][name] = value
+    return buckets
 
 
 def _digest(values: dict[str, Any]) -> int:

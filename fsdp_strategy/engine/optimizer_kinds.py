@@ -385,8 +385,8 @@ def _settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
         {key: _regime(value) for key, value in group.items() if key != "params" and key not in SCHEDULED}
         for group in optimizer.param_groups
     ]
-    attributes = {
-        key: _regime(value)
+    attributes = {  # a number by its sign, an integer too (a step count a callback writes on it)
+        key: _regime(float(value) if isinstance(value, int) and not isinstance(value, bool) else value)
         for key, value in vars(optimizer).items()
         if key not in ("param_groups", "state", "defaults")
         and (torch.is_tensor(value) or value is None or isinstance(value, (bool, int, float, str)))
