@@ -8,6 +8,7 @@ string, a dict or omegaconf ``DictConfig``, or torch's own FSDP types) and raise
 
 from __future__ import annotations
 
+import difflib
 import functools
 from collections.abc import Mapping
 from contextlib import AbstractContextManager, contextmanager
@@ -71,9 +72,7 @@ class ShardingStrategy(str, Enum):
         try:
             return cls[name.upper()]
         except KeyError:
-            raise ValueError(
-                f"{argument}={value!r} is not supported; accepted: {[member.value for member in cls]}"
-            ) from None
+            raise ValueError(f"{argument}={value!r} is not supported{_did_you_mean(name, cls)}") from None
 
     @property
     def reshard_after_forward(self) -> bool:
@@ -103,9 +102,14 @@ class BackwardPrefetch(str, Enum):
         try:
             return cls[name.upper()]
         except KeyError:
-            raise ValueError(
-                f"{argument}={value!r} is not supported; accepted: {[member.value for member in cls]} or None"
-            ) from None
+            raise ValueError(f"{argument}={value!r} is not supported{_did_you_mean(name, cls)} or None") from None
+
+
+def _did_you_mean(name: str, cls: type[Enum]) -> str:
+    """ "; did you mean 'X'? accepted: [...]" for a misspelled member name (private members unlisted)."""
+    accepted = [member.value for member in cls if not member.name.startswith("_")]
+    close = difflib.get_close_matches(name.upper(), accepted, n=1)
+    return (f"; did you mean {close[0]!r}?" if close else ".") + f" Accepted: {accepted}"
 
 
 def _mapping_of(value: Any, argument: str, fields: tuple[str, ...]) -> Mapping[str, Any]:
