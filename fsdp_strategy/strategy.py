@@ -375,6 +375,7 @@ class FSDPCustomStrategy(StrategyArguments, CheckpointHooks, LightningFSDPStrate
             f"({', '.join(unit.name for unit in units[:8])}{', ...' if len(units) > 8 else ''}); "
             f"{_count(full_count)} parameters ({_count(trainable)} trainable), {_count(local)} in this rank's "
             "shards (what Lightning's model summary counts)"
+            + ("; shards offloaded to the CPU" if options.cpu_offload.offload_params else "")
         )
 
     def setup_optimizers(self, trainer: pl.Trainer) -> None:

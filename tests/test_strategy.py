@@ -6,6 +6,7 @@ unsharded copy of the model with the global batch of every step.
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from dist_utils import free_port, run_ranks
 from lightning.pytorch.strategies import StrategyRegistry
 from models import Block, TiedLM, lm_loss, make_batches
 from oracle import PrecisionOracle, gathered_and_reduced_dtypes
+from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from fsdp_strategy import FSDPCustomPrecision, FSDPCustomStrategy
@@ -268,6 +270,27 @@ def test_registered_names_and_variants():
     assert isinstance(offload, FSDPCustomStrategy) and offload.cpu_offload.offload_params
     grad_op = L.Trainer(strategy="fsdp_custom_shard_grad_op", accelerator="cpu", devices=2, logger=False).strategy
     assert grad_op.sharding_strategy.value == "SHARD_GRAD_OP"
+
+
+def test_the_setup_line_says_that_shards_are_offloaded(caplog):
+    class Tiny(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Linear(4, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.net(batch[0]).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = DataLoader(TensorDataset(torch.randn(8, 4)), batch_size=4)
+    with caplog.at_level(logging.INFO):
+        quiet_trainer(strategy="fsdp_custom_cpu_offload", devices=1, max_steps=1).fit(Tiny(), data)
+    (line,) = [
+        record.getMessage() for record in caplog.records if "fsdp_custom: FULL_SHARD over" in record.getMessage()
+    ]
+    assert line.endswith("; shards offloaded to the CPU"), line
 
 
 @pytest.mark.parametrize(
