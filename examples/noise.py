@@ -1,7 +1,9 @@
 """Silence messages of the libraries that are known to be harmless for these examples, and only
 those: a deprecation inside Lightning that torch 2.13 reports on every run, Lightning's tip
-advertising another logger, and W&B's warning about the ``anonymous`` setting Lightning's
-``WandbLogger`` always passes (None: no effect). Every other warning still shows."""
+advertising another logger, W&B's warning about the ``anonymous`` setting Lightning's
+``WandbLogger`` always passes (None: no effect), and, on a resume, Lightning's warning that the
+checkpoint directory is not empty (it holds the checkpoint resumed from). Every other warning
+still shows."""
 
 from __future__ import annotations
 
@@ -26,6 +28,11 @@ def quiet_known_noise() -> None:
     tips = logging.getLogger("lightning.pytorch.utilities.rank_zero")
     if not any(isinstance(existing, _DropLoggerTip) for existing in tips.filters):
         tips.addFilter(_DropLoggerTip())
+
+
+def quiet_resume_noise() -> None:
+    """On a resume: the checkpoint directory holds the checkpoint resumed from, as it should."""
+    warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
 
 
 def without_unused_wandb_settings(logger: Any) -> Any:

@@ -104,6 +104,8 @@ def main(argv: list[str]) -> None:
     resume = example_config.resume_or_exit(
         config, checkpoint_dir / "last.ckpt", "global_step", "trainer.max_steps", checkpoint_state, argv
     )
+    if resume is not None:
+        noise.quiet_resume_noise()
     L.seed_everything(config.seed)
     logger = wandb_logger(config, root, resume)
     every = config.monitors.log_every_n_steps

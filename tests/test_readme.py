@@ -97,6 +97,7 @@ def test_readme_quick_start_figures_are_what_the_example_prints(tmp_path):
     # 150 steps of 16 samples (2 ranks x 8) into the first epoch: where it stopped, not the next epoch's start
     assert "resuming epoch 0 after its first 2400 samples, exactly where the checkpoint left it" in output, output
     assert re.search(r"^done: 160 steps", resumed.stdout, re.MULTILINE), resumed.stdout[-2000:]
+    assert "exists and is not empty" not in output  # the directory holds what it resumes from: no warning
 
 
 @pytest.mark.slow
