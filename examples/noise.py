@@ -1,6 +1,6 @@
 """Silence messages of the libraries that are known to be harmless for these examples, and only
-those: a deprecation inside Lightning that torch 2.13 reports on every run, Lightning's tip
-advertising another logger, W&B's warning about the ``anonymous`` setting Lightning's
+those: a deprecation inside Lightning that torch 2.13 reports on every run, Lightning's tips
+advertising another logger and another checkpoint callback, W&B's warning about the ``anonymous`` setting Lightning's
 ``WandbLogger`` always passes (None: no effect), and, on a resume, Lightning's warning that the
 checkpoint directory is not empty (it holds the checkpoint resumed from). Every other warning
 still shows."""
@@ -14,7 +14,7 @@ from typing import Any
 
 class _DropLoggerTip(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        return "try installing [litlogger]" not in record.getMessage()
+        return "try installing [lit" not in record.getMessage()  # litlogger's and litmodels' tips
 
 
 def quiet_known_noise() -> None:

@@ -117,4 +117,4 @@ def test_quiet_console_snippet_hides_lightnings_tips_on_every_rank(tmp_path):
     done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     output = done.stdout + done.stderr
     assert done.returncode == 0 and "FULL_SHARD over 2 ranks" in output, output[-4000:]
-    assert "litlogger" not in output and "LeafSpec" not in output, output
+    assert "litlogger" not in output and "litmodels" not in output and "LeafSpec" not in output, output
