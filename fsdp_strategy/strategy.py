@@ -331,6 +331,7 @@ class FSDPCustomStrategy(StrategyArguments, CheckpointHooks, LightningFSDPStrate
         """Shard the model (once: validate/test after fit reuse it), then set up optimizers and precision."""
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
+        self._sigterm.hold_from_registration(trainer)  # [Note: preemption at an agreed step]
         if not is_sharded(self.model):  # validate/test after fit reuse the sharded model
             if trainer.state.fn == TrainerFn.FITTING and self._layer_sync is not None:
                 self.model = self._sync_layers(self.model)

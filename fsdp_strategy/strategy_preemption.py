@@ -26,8 +26,12 @@ device tensor and reads it on the host at every batch. While ``fit`` runs under 
 So the job ends after the batch in flight (a checkpoint save in flight finishes first), whichever
 ranks got the signal; a stop between validation batches leaves the validation to run again at the
 resume, as Lightning does; after that stop, a further SIGTERM is recorded and
-ignored until the process exits. Outside ``fit`` (``validate``, ``test``,
-``predict``) Lightning's own handler is left in place. With one process the same boundaries apply,
+ignored until the process exits. The same holds in ``validate``, ``test`` and ``predict`` (between
+batches where every rank runs as many, else at the stage's end). The handler is installed right
+after Lightning registers its own, at the start of every stage (``hold_from_registration``): no
+moment of a stage runs Lightning's broadcasting handler; before that (the strategy's setup, the
+model's sharding, a checkpoint's load) SIGTERM ends the process as it would without Lightning, and a
+stop in the sanity check leaves no checkpoint (no step was taken). With one process the same boundaries apply,
 without the all-reduce. Costs: per training batch one all-reduce of 8 bytes on the CPU (it waits
 for the slowest rank's host to reach the batch, not for any device), and the group's connections.
 """
@@ -83,11 +87,26 @@ class AgreedSigterm:
         if connector._sigterm_notifier_fn not in composed:
             return  # not Lightning's handler (Windows, or the user replaced it): leave it alone
         self._trainer, self._received, self._stopped, self._step = trainer, 0, False, None
-        self._others = [h for h in composed if h != connector._sigterm_notifier_fn]
+        self._others = [h for h in composed if h != connector._sigterm_notifier_fn and not _ours(h)]
         if dist.is_initialized() and dist.get_world_size() > 1:
             self._group = collectives.new_gloo_group()
         trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = _nothing  # its device broadcast and host read
         signal.signal(signal.SIGTERM, self._record)
+
+    def hold_from_registration(self, trainer: Any) -> None:
+        """From now on every stage of ``trainer`` takes SIGTERM over right after Lightning registers its
+        handlers (before its sanity check, ``on_train_start`` hooks or first batch). Costs: a wrapper."""
+        connector = trainer._signal_connector
+        if getattr(connector.register_signal_handlers, "_holds_sigterm", False):
+            return
+        register = connector.register_signal_handlers
+
+        def register_then_hold() -> None:
+            register()
+            self.install(trainer)
+
+        register_then_hold._holds_sigterm = True  # type: ignore[attr-defined]
+        connector.register_signal_handlers = register_then_hold
 
     def start_evaluation(self, trainer: Any, loaders: Any) -> None:
         """An evaluation begins (a validation inside ``fit``, or ``validate``, ``test``, ``predict``): its
@@ -208,6 +227,12 @@ def _ranks_received(received: int, group: Any, dog: Watchdog | None) -> int:
         with watched("all_reduce", "preemption", dog):
             dist.all_reduce(total, group=group)
     return int(total.item())  # a CPU tensor: no device wait
+
+
+def _ours(handler: Any) -> bool:
+    """Whether ``handler`` is an ``AgreedSigterm``'s own (left installed after a stop; a later stage's
+    Lightning composes it with its handler as one it found)."""
+    return getattr(handler, "__func__", None) is AgreedSigterm._record
 
 
 def _padded(sampler: Any) -> bool:

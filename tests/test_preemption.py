@@ -114,3 +114,46 @@ def _fabric_loop(rank: int, world: int, root: str) -> dict:
 def test_fabric_loop_learns_of_a_sigterm_on_any_rank_at_the_same_step(tmp_path):
     for rank, out in enumerate(run_ranks(_fabric_loop, 2, tmp_path, str(tmp_path), env=LIGHTNING_ENV, timeout=300)):
         assert out == {"stopped": 4, "saved step": 4}, (rank, out)
+
+
+class _SignalledEarly(_Evaluated):
+    """Rank 1 receives SIGTERM in ``on_train_start``, before the strategy's own hook; then (the same
+    trainer, the same script) in its second batch of a ``validate``."""
+
+    def on_train_start(self) -> None:
+        if self.global_rank == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def training_step(self, batch, batch_idx):
+        return self.net(batch[0]).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _early_then_again(rank: int, world: int) -> dict:
+    warnings.filterwarnings("ignore")
+    data = DataLoader(TensorDataset(torch.randn(48, 4)), batch_size=4)
+    module = _SignalledEarly()
+    trainer = quiet_trainer(strategy=FSDPCustomStrategy(), devices=world, max_steps=5, num_sanity_val_steps=0)
+    out = {}
+    try:
+        trainer.fit(module, data)
+        out["fit"] = "ran to the end"
+    except SIGTERMException as stop:
+        out["fit"] = (stop.code, trainer.global_step)
+    try:
+        trainer.validate(module, data)
+        out["validate"] = "ran to the end"
+    except SIGTERMException as stop:
+        out["validate"] = (stop.code, module.batches)
+    return out
+
+
+def test_a_sigterm_before_the_first_step_and_in_a_later_stage_stops_every_rank(tmp_path):
+    """From Lightning's registration of its handlers on (not from the strategy's first hook): a SIGTERM
+    in a LightningModule's ``on_train_start`` stops every rank before the first step; the same trainer's
+    ``validate`` afterwards holds a new SIGTERM as well (the handler left after the stop is not called
+    from itself)."""
+    for rank, out in enumerate(run_ranks(_early_then_again, 2, tmp_path, env=LIGHTNING_ENV, timeout=300)):
+        assert out == {"fit": (143, 0), "validate": (143, 2)}, (rank, out)
