@@ -106,10 +106,11 @@ class BackwardPrefetch(str, Enum):
 
 
 def _did_you_mean(name: str, cls: type[Enum]) -> str:
-    """ "; did you mean 'X'? accepted: [...]" for a misspelled member name (private members unlisted)."""
+    """What follows "is not supported": the closest accepted value, then every one (private members
+    unlisted)."""
     accepted = [member.value for member in cls if not member.name.startswith("_")]
     close = difflib.get_close_matches(name.upper(), accepted, n=1)
-    return (f"; did you mean {close[0]!r}?" if close else ".") + f" Accepted: {accepted}"
+    return (f" (did you mean {close[0]!r}?)" if close else "") + f"; accepted: {accepted}"
 
 
 def _mapping_of(value: Any, argument: str, fields: tuple[str, ...]) -> Mapping[str, Any]:

@@ -24,7 +24,7 @@ def test_sharding_strategy_errors_name_value_and_choices():
         ShardingStrategy.from_any("ZERO9")
     with pytest.raises(TypeError, match="sharding_strategy must be a string"):
         ShardingStrategy.from_any(3)
-    with pytest.raises(ValueError, match=r"not supported; did you mean 'FULL_SHARD'\? Accepted") as misspelled:
+    with pytest.raises(ValueError, match=r"not supported \(did you mean 'FULL_SHARD'\?\); accepted") as misspelled:
         ShardingStrategy.from_any("FULL_SHRAD")
     assert "_HYBRID_SHARD_ZERO2" not in str(misspelled.value)  # a private member is not offered
 

@@ -139,7 +139,7 @@ def test_example_config_mistakes_are_errors_that_list_what_is_accepted(tmp_path,
     for override, told in {
         "trainer.max_steps=null": "trainer.max_steps=None: this script needs a positive number of steps",
         "strategy.sharding_strategy=FULL_SHRAD": (
-            "strategy: sharding_strategy='FULL_SHRAD' is not supported; did you mean 'FULL_SHARD'?"
+            "strategy: sharding_strategy='FULL_SHRAD' is not supported (did you mean 'FULL_SHARD'?); accepted"
         ),
         "strategy.cpu_offload=maybe": "strategy: cpu_offload must be a bool, a CPUOffload, a dict or None",
         "model.n_heads=3": "model: d_model=128 is not divisible by n_heads=3",

@@ -38,7 +38,7 @@ PYTHON_READS = ("item", "tolist", "__bool__", "__float__", "__int__")
 CPU_ONLY = ("engine/monitoring.py", "check")
 # the SIGTERM agreement's sum: a CPU tensor on a gloo group on every device ([Note: preemption at an
 # agreed step]); Lightning's own is a tensor on the root device, read with ``item()``
-CPU_FLAGS = {CPU_ONLY, ("strategy_preemption.py", "at_boundary")}
+CPU_FLAGS = {CPU_ONLY, ("strategy_preemption.py", "_ranks_received")}
 TRAINER_ROOTS = ("fsdp_strategy/", "lightning/pytorch/loops/")
 
 

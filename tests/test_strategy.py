@@ -272,24 +272,30 @@ def test_registered_names_and_variants():
     assert grad_op.sharding_strategy.value == "SHARD_GRAD_OP"
 
 
-def test_the_setup_line_says_that_shards_are_offloaded(caplog):
-    class Tiny(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = nn.Linear(4, 1)
+class _Tiny(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(4, 1)
 
-        def training_step(self, batch, batch_idx):
-            return self.net(batch[0]).sum()
+    def training_step(self, batch, batch_idx):
+        return self.net(batch[0]).sum()
 
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
 
+
+def _setup_lines(rank: int, world: int) -> list[str]:
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("lightning.pytorch").addHandler(handler)
     data = DataLoader(TensorDataset(torch.randn(8, 4)), batch_size=4)
-    with caplog.at_level(logging.INFO):
-        quiet_trainer(strategy="fsdp_custom_cpu_offload", devices=1, max_steps=1).fit(Tiny(), data)
-    (line,) = [
-        record.getMessage() for record in caplog.records if "fsdp_custom: FULL_SHARD over" in record.getMessage()
-    ]
+    quiet_trainer(strategy="fsdp_custom_cpu_offload", devices=world, max_steps=1).fit(_Tiny(), data)
+    return [line for line in said if "fsdp_custom: FULL_SHARD over" in line]
+
+
+def test_the_setup_line_says_that_shards_are_offloaded(tmp_path):
+    (line,) = run_ranks(_setup_lines, 1, tmp_path, env=LIGHTNING_ENV)[0]  # a process of its own: its group
     assert line.endswith("; shards offloaded to the CPU"), line
 
 
