@@ -495,9 +495,7 @@ class FSDPCustomStrategy(StrategyArguments, CheckpointHooks, LightningFSDPStrate
         super().on_predict_end()
 
     def _start_evaluation(self, loaders: Any) -> None:
-        trainer = self.lightning_module.trainer
-        self._sigterm.install(trainer)
-        self._sigterm.start_evaluation(trainer, loaders)
+        self._sigterm.start_evaluation(self.lightning_module.trainer, loaders)
 
     def _end_evaluation(self) -> None:
         self._sigterm.in_evaluation = False
@@ -509,9 +507,8 @@ class FSDPCustomStrategy(StrategyArguments, CheckpointHooks, LightningFSDPStrate
             self._sigterm.at_boundary("before this evaluation batch", self._watch.dog)
 
     def on_train_start(self) -> None:
-        """Hold SIGTERM and Lightning's SLURM requeue handler back to steps all ranks agree on
-        ([Note: preemption at an agreed step], [Note: requeue at an agreed step])."""
-        self._sigterm.install(self.lightning_module.trainer)
+        """Hold Lightning's SLURM requeue handler back to a step all ranks agree on ([Note: requeue
+        at an agreed step] in strategy_requeue.py; SIGTERM is held from the stage's start)."""
         self._requeue.install(self.lightning_module.trainer)
         super().on_train_start()
 

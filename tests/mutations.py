@@ -334,8 +334,8 @@ MUTATIONS = [
         "tensor_values_by_shape_only",
         "the agreement after a step compares tensor values of a param group by shape only",
         "fsdp_strategy/engine/group_agreement.py",
-        "                total = total + (bits * weights).sum() * (2 * position + 1)\n",
-        "                total = total\n",
+        "                term = (bits * weights).sum() * (2 * position + 1)\n",
+        "                term = torch.zeros((), dtype=torch.int64, device=self._device)\n",
         (
             "tests/test_optimizer_verification.py::"
             "test_what_changes_after_the_first_measurement_is_measured_again_or_an_error[2]",

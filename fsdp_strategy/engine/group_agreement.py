@@ -78,8 +78,12 @@ class GroupAgreement:
         step = self._steps[optimizer] = self._steps.get(optimizer, 0) + 1
         groups = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
         groups += _attribute_buckets(optimizer)
-        digests = torch.tensor([_digest(values) for values in groups], dtype=torch.int64).to(self._device)
-        words = torch.cat([digests, torch.stack([self._checksum(values) for values in groups])])
+        digests = [_digest(values) for values in groups]
+        words = torch.tensor(digests + [0] * len(groups), dtype=torch.int64).to(self._device)
+        for index, values in enumerate(groups):  # only where a group holds small tensors: no launch otherwise
+            checksum = self._checksum(values)
+            if checksum is not None:
+                words[len(groups) + index] = checksum
         both = torch.cat([words, -words])
         collectives.all_reduce(both, self._comm, self._ctx, "param groups", op="max").wait()
         highest, lowest = both.view(2, 2, -1)
@@ -87,17 +91,19 @@ class GroupAgreement:
         self._sent.append(_Sent(DeviceLayer.copy_to_host(differ), type(optimizer).__name__, step, groups))
         self.raise_due()
 
-    def _checksum(self, values: dict[str, Any]) -> torch.Tensor:
+    def _checksum(self, values: dict[str, Any]) -> torch.Tensor | None:
         """A checksum of the small tensors among ``values`` (a learning rate kept as a tensor), computed
         where they are, without reading them: their float64 bits, weighted by position, summed with
-        wrap-around. A tensor of more than ``SMALL`` elements counts by its shape only (the digest)."""
-        total = torch.zeros((), dtype=torch.int64, device=self._device)
+        wrap-around; None where there are none. A tensor of more than ``SMALL`` elements counts by its
+        shape only (the digest)."""
+        total = None
         for position, key in enumerate(sorted(values)):
             value = values[key]
             if torch.is_tensor(value) and 0 < value.numel() <= SMALL and not value.is_complex():
                 bits = value.detach().reshape(-1).to(self._device, torch.float64).view(torch.int64)
                 weights = torch.arange(1, bits.numel() + 1, device=self._device, dtype=torch.int64)
-                total = total + (bits * weights).sum() * (2 * position + 1)
+                term = (bits * weights).sum() * (2 * position + 1)
+                total = term if total is None else total + term
         return total
 
     def raise_due(self, everything: bool = False) -> None:
