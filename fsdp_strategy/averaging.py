@@ -31,7 +31,7 @@ from torch.optim.swa_utils import AveragedModel
 
 from fsdp_strategy.checkpoint.sharded import checkpoint_view, dcp_reader
 from fsdp_strategy.checkpoint.storage import Location
-from fsdp_strategy.engine import SCHEDULER_ATTRIBUTE, collectives, get_scheduler
+from fsdp_strategy.engine import SCHEDULER_ATTRIBUTE, control, get_scheduler
 from fsdp_strategy.engine.view import ShardsView
 
 AVERAGED_KEY = "averaged_model"  # DCP key of the average in a sharded folder
@@ -135,7 +135,7 @@ def full_average(module: nn.Module, callback: WeightAveraging, rank0_only: bool 
     collective: every rank calls it). Costs: one all-gather per unit, one unit at a time."""
     view = ShardsView.of(module)
     own = averaged_tensors(callback)
-    keep = not rank0_only or collectives.process_rank()[0] == 0
+    keep = not rank0_only or control.process_rank()[0] == 0
     gathered: dict[str, torch.Tensor] = {}
     for unit, params in view.unit_params():
         fulls = view.gather(unit, [own[p.fqn].detach() for p in params], keep)

@@ -49,7 +49,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch.utils.data import DistributedSampler
 
-from fsdp_strategy.engine import collectives
+from fsdp_strategy.engine import control
 from fsdp_strategy.engine.monitoring import watched
 from fsdp_strategy.engine.watchdog import Watchdog
 
@@ -89,7 +89,7 @@ class AgreedSigterm:
         self._trainer, self._received, self._stopped, self._step = trainer, 0, False, None
         self._others = [h for h in composed if h != connector._sigterm_notifier_fn and not _ours(h)]
         if dist.is_initialized() and dist.get_world_size() > 1:
-            self._group = collectives.new_gloo_group()
+            self._group = control.new_gloo_group()
         trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = _nothing  # its device broadcast and host read
         signal.signal(signal.SIGTERM, self._record)
 
@@ -179,7 +179,7 @@ class AgreedSigterm:
         trainer.fit_loop.epoch_loop.__dict__.pop("_broadcast_sigterm_tensor", None)
         if self._stopped:
             trainer._signal_connector._original_handlers[signal.SIGTERM] = self._record
-        collectives.destroy_group(self._group)
+        control.destroy_group(self._group)
         self._group = None
 
 
@@ -201,7 +201,7 @@ class FabricSigterm:
         if self._previous is None:
             self._launcher = launcher
             if dist.is_initialized() and dist.get_world_size() > 1:
-                self._group = collectives.new_gloo_group()
+                self._group = control.new_gloo_group()
             self._previous = signal.signal(signal.SIGTERM, self._record)
         return _ranks_received(self._received, self._group, dog)
 
@@ -216,7 +216,7 @@ class FabricSigterm:
         if self._previous is not None:
             signal.signal(signal.SIGTERM, self._previous)
             self._previous = None
-        collectives.destroy_group(self._group)
+        control.destroy_group(self._group)
         self._group = None
 
 

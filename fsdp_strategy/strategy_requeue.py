@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fsdp_strategy.engine import collectives
+from fsdp_strategy.engine import control
 
 WAIT_AT_TEARDOWN = timedelta(seconds=10)
 
@@ -67,7 +67,7 @@ class DeferredRequeue:
             return  # the user's own handler is installed: Lightning did not register its own
         self._handler, self._signal, self._noted, self._done, self._step = handler, requeue_signal, 0, False, None
         if dist.is_initialized() and dist.get_world_size() > 1:
-            self._group = collectives.new_gloo_group()
+            self._group = control.new_gloo_group()
         signal.signal(requeue_signal, self._note)
 
     def _note(self, signum: int, frame: Any) -> None:
@@ -106,5 +106,5 @@ class DeferredRequeue:
                 self._work.wait(WAIT_AT_TEARDOWN)
             except RuntimeError:  # a rank is gone: the run is failing anyway
                 pass
-        collectives.destroy_group(self._group)
+        control.destroy_group(self._group)
         self._handler = self._group = self._work = self._sum = None

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fsdp_strategy.engine import collectives
+from fsdp_strategy.engine import control
 
 
 class _SyncBatchNormFunction(torch.autograd.Function):
@@ -41,7 +41,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         count = torch.tensor([x.numel() // x.shape[1]], dtype=torch.float32, device=x.device)
         mean = work.sum(dims) / count.clamp(min=1)  # a rank with an empty batch adds count 0, not NaN
         m2 = ((work - mean.view(shape)) ** 2).sum(dims)
-        rows = collectives.all_gather_rows(torch.cat([count.expand_as(mean), mean, m2]), group, dog)  # (world, 3C)
+        rows = control.all_gather_rows(torch.cat([count.expand_as(mean), mean, m2]), group, dog)  # (world, 3C)
         counts, means, m2s = rows.view(rows.shape[0], 3, -1).unbind(1)
         total = counts.sum(0)
         global_mean = (counts * means).sum(0) / total
@@ -68,7 +68,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         sum_dy_xhat = (grad * xhat).sum(dims)
         grad_weight = sum_dy_xhat.to(weight.dtype) if weight is not None else None
         grad_bias = sum_dy.to(weight.dtype) if weight is not None else None
-        sums = collectives.all_reduce_sum_(torch.cat([sum_dy, sum_dy_xhat]), ctx.group, ctx.dog)
+        sums = control.all_reduce_sum_(torch.cat([sum_dy, sum_dy_xhat]), ctx.group, ctx.dog)
         global_dy, global_dy_xhat = sums.chunk(2)
         scale = invstd if weight is None else invstd * weight.float()
         grad_x = grad - (global_dy / ctx.total).view(shape) - xhat * (global_dy_xhat / ctx.total).view(shape)
@@ -89,7 +89,7 @@ class SyncBatchNorm(nn.SyncBatchNorm):
         if input.device.type != "cpu":  # torch's accepts it: its fused kernels
             return super().forward(input)
         self._check_input_dim(input)
-        if not self.training or collectives.process_rank(self.process_group)[1] == 1:
+        if not self.training or control.process_rank(self.process_group)[1] == 1:
             return nn.modules.batchnorm._BatchNorm.forward(self, input)
         out, mean, unbiased_var = _SyncBatchNormFunction.apply(
             input, self.weight, self.bias, self.eps, self.process_group, self.watchdog

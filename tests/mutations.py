@@ -175,7 +175,7 @@ MUTATIONS = [
         "a sharded folder's optimizer state is not loaded when it was written at another world size",
         "fsdp_strategy/checkpoint/sharded_load.py",
         "        by_fqn = {p.fqn: p for p in owners.values()}\n",
-        "        if meta is not None and meta['world_size'] != collectives.process_rank(process_group)[1]:\n"
+        "        if meta is not None and meta['world_size'] != control.process_rank(process_group)[1]:\n"
         "            continue\n        by_fqn = {p.fqn: p for p in owners.values()}\n",
         ("tests/test_fabric.py::test_fabric_checkpoints_round_trip_and_resume_at_another_world_size",),
     ),

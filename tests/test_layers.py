@@ -53,3 +53,45 @@ def test_a_layer_imports_only_its_own_and_lower_layers(layer):
             if layer < 2 and name.split(".")[0] in ("lightning", "lightning_utilities", "pytorch_lightning"):
                 wrong.append(f"{path.relative_to(PACKAGE.parent)} imports {name} (no Lightning below the services)")
     assert not wrong, wrong
+
+
+ENGINE = PACKAGE / "engine"
+# The training step's data plane: what moves and holds a unit's bytes. It reports to the observer
+# interface collectives.py defines; the observer's implementation, the watchdog and the blocking
+# control plane sit above it, so no import path leads from here to them.
+DATA_PLANE = ("collectives", "exchange", "unit", "reductions", "param", "flat", "state", "device", "edits")
+ABOVE_DATA_PLANE = ("watchdog", "monitoring", "control")
+
+
+def _engine_imports(module: str) -> set[str]:
+    """The engine modules ``module`` imports (``from fsdp_strategy.engine import x`` included)."""
+    found = set()
+    for name in _imports(ENGINE / f"{module}.py"):
+        parts = name.split(".")
+        if parts[:2] == ["fsdp_strategy", "engine"] and len(parts) > 2 and (ENGINE / f"{parts[2]}.py").exists():
+            found.add(parts[2])
+    return found
+
+
+def _import_path(start: str, targets: tuple[str, ...]) -> list[str] | None:
+    """The first import path from engine module ``start`` to one of ``targets`` (None: none leads there)."""
+    paths, seen = [[start]], {start}
+    while paths:
+        path = paths.pop(0)
+        for module in sorted(_engine_imports(path[-1])):
+            if module in targets:
+                return [*path, module]
+            if module not in seen:
+                seen.add(module)
+                paths.append([*path, module])
+    return None
+
+
+def test_no_import_path_leads_from_the_data_plane_to_the_watchdog():
+    found = {module: _import_path(module, ABOVE_DATA_PLANE) for module in DATA_PLANE}
+    assert {module: " -> ".join(path) for module, path in found.items() if path} == {}
+
+
+def test_the_import_path_check_sees_a_path():
+    assert _import_path("control", ("watchdog",)) == ["control", "watchdog"]
+    assert _import_path("__init__", ("flight",)) is not None

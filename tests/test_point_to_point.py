@@ -17,7 +17,7 @@ from fsdp_strategy.engine import collectives, get_scheduler, shard_model
 from fsdp_strategy.engine.collectives import CommContext, CommGroup
 from fsdp_strategy.engine.exchange import Exchange
 from fsdp_strategy.engine.flight import STAMP_SLOTS
-from fsdp_strategy.engine.monitoring import CollectiveObserver
+from fsdp_strategy.engine.monitoring import CollectiveMonitor
 
 
 def _inputs(rank: int, world: int, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,7 +47,7 @@ def _two_models_in_either_order(rank: int, world: int, comm: CommGroup) -> bool:
 
 def _collectives_body(rank: int, world: int) -> dict:
     comm = CommGroup.of(dist.group.WORLD)
-    ctx = CommContext(CollectiveObserver())
+    ctx = CommContext(CollectiveMonitor())
     ledger = ctx.observer.ledger
     numel = 1000 + STAMP_SLOTS
     shard, full = _inputs(rank, world, numel)

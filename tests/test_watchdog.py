@@ -27,14 +27,14 @@ from fsdp_strategy.engine.channel import StoreChannel, StoreLost
 from fsdp_strategy.engine.collectives import CommContext, CommGroup, all_gather, all_reduce, reduce_scatter
 from fsdp_strategy.engine.diagnosis import Peer, PeerState
 from fsdp_strategy.engine.flight import RING_SIZE, STAMP_SLOTS
-from fsdp_strategy.engine.monitoring import CollectiveObserver
+from fsdp_strategy.engine.monitoring import CollectiveMonitor
 from fsdp_strategy.engine.watchdog import Watchdog
 
 
 def _mismatch_body(rank: int, world: int, kind: str, folder: str) -> str:
     comm, ctx = (
         CommGroup.of(dist.group.WORLD),
-        CommContext(CollectiveObserver(watchdog=Watchdog.start(60.0, dump_dir=folder))),
+        CommContext(CollectiveMonitor(watchdog=Watchdog.start(60.0, dump_dir=folder))),
     )
     unit = "blocks.1" if rank == 1 else "blocks.0"  # rank 1 is on another unit of the same size
     data = torch.full((world * (8 + STAMP_SLOTS),), float(rank))
@@ -159,7 +159,7 @@ def test_the_default_collective_limit_is_the_process_groups_timeout(tmp_path):
 
 def _outside_body(rank: int, world: int) -> dict:
     dog = Watchdog.start()  # the group's 90 s: nothing here may end a process
-    comm, ctx = CommGroup.of(dist.group.WORLD), CommContext(CollectiveObserver(watchdog=dog))
+    comm, ctx = CommGroup.of(dist.group.WORLD), CommContext(CollectiveMonitor(watchdog=dog))
     all_reduce(torch.ones(4), comm, ctx, "warm-up").wait()
     if rank == 1:
         dog.report_exception(ValueError("a failure of rank 1's own"))
@@ -182,7 +182,7 @@ def test_a_rank_outside_collectives_goes_on_and_its_next_collective_raises_at_on
 
 
 def _stopped_peer_body(rank: int, world: int) -> str:
-    comm, ctx = CommGroup.of(dist.group.WORLD), CommContext(CollectiveObserver(watchdog=Watchdog.start(2.0)))
+    comm, ctx = CommGroup.of(dist.group.WORLD), CommContext(CollectiveMonitor(watchdog=Watchdog.start(2.0)))
     pids = [None] * world
     dist.all_gather_object(pids, os.getpid())
     if rank == 1:

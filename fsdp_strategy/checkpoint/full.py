@@ -19,13 +19,13 @@ from torch import nn
 from fsdp_strategy.checkpoint import layout, module_state, names, storage
 from fsdp_strategy.checkpoint.layout import CheckpointError
 from fsdp_strategy.checkpoint.storage import Location
-from fsdp_strategy.engine import collectives
+from fsdp_strategy.engine import control
 from fsdp_strategy.engine.param import ShardedParam
 from fsdp_strategy.engine.view import ShardsView
 
 
 def _is_rank0() -> bool:
-    return collectives.process_rank()[0] == 0
+    return control.process_rank()[0] == 0
 
 
 @torch.no_grad()
@@ -137,9 +137,9 @@ def _gather_held_apart(
     rank 0 (every rank unless ``rank0_only``). A collective; costs one object gather of that state."""
     mine = {position[i]: _copied(entries) for i, entries in view.held_apart(optimizer).items() if i in position}
     parts = (
-        collectives.gather_objects(mine, dog=view.watchdog)
+        control.gather_objects(mine, dog=view.watchdog)
         if rank0_only
-        else collectives.all_gather_objects(mine, dog=view.watchdog)
+        else control.all_gather_objects(mine, dog=view.watchdog)
     )
     for part in parts or []:
         for index, entries in part.items():

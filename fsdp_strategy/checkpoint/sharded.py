@@ -36,7 +36,7 @@ from torch import nn
 from fsdp_strategy.checkpoint import layout, module_state, names, storage
 from fsdp_strategy.checkpoint.layout import CheckpointError
 from fsdp_strategy.checkpoint.storage import Location
-from fsdp_strategy.engine import collectives
+from fsdp_strategy.engine import control
 from fsdp_strategy.engine.diagnosis import plural
 from fsdp_strategy.engine.param import ShardedParam
 from fsdp_strategy.engine.view import ShardsView
@@ -155,11 +155,11 @@ def finish_folder(
 ) -> None:
     """Checksum each rank's files, then rank 0 writes ``meta.pt`` and ``fsdp_meta.json`` (the
     gather of checksums watched by ``dog``)."""
-    rank, _ = collectives.process_rank(process_group)
+    rank, _ = control.process_rank(process_group)
     mine = [n for n in storage.names(folder) if n.startswith(f"__{rank}_") and n.endswith(".distcp")]
     own = {name: storage.crc32(folder.child(name)) for name in mine}
     checksums = {}
-    for part in collectives.all_gather_objects(own, process_group, dog):
+    for part in control.all_gather_objects(own, process_group, dog):
         checksums.update(part)
     if rank == 0:
         checksums[layout.DCP_METADATA] = storage.crc32(folder.child(layout.DCP_METADATA))
@@ -185,7 +185,7 @@ def build_meta(model: nn.Module | ShardsView) -> dict[str, Any]:
         "format_version": layout.FORMAT_VERSION,
         "package_version": _package_version(),
         "torch_version": torch.__version__,
-        "world_size": collectives.process_rank()[1],
+        "world_size": control.process_rank()[1],
         "shard_world_size": view.shard_world,
         "replicate_world_size": view.replicate_world,
         "sharding_strategy": view.sharding_strategy.value,
@@ -225,7 +225,7 @@ def save_folder(
     view = ShardsView.of(module)
     write_dcp(folder, prepare_state(view, optimizers), process_group)
     finish_folder(folder, build_meta(view), lightning_state, process_group, view.watchdog)
-    collectives.barrier(process_group, view.watchdog)
+    control.barrier(process_group, view.watchdog)
 
 
 def describe_resharding(meta: dict[str, Any] | None, model: nn.Module | ShardsView) -> str:

@@ -17,17 +17,17 @@ from fsdp_strategy.checkpoint import layout, module_state, names, storage
 from fsdp_strategy.checkpoint.layout import CheckpointError, shortened
 from fsdp_strategy.checkpoint.sharded import checkpoint_view, dcp_reader, optimizer_keys, stored_tensors
 from fsdp_strategy.checkpoint.storage import Location
-from fsdp_strategy.engine import collectives
+from fsdp_strategy.engine import control
 from fsdp_strategy.engine.view import ShardsView
 
 
 def verify_folder(folder: Location, meta: dict, process_group: Any = None, dog: Any = None) -> None:
     """Each rank checks a share of the files; any problem is raised on every rank (the gather of
     problems watched by ``dog``)."""
-    rank, world = collectives.process_rank(process_group)
+    rank, world = control.process_rank(process_group)
     files = sorted(meta.get("checksums", {}))
     problems = layout.verify_files(folder, meta["checksums"], files[rank::world])
-    found = [p for part in collectives.all_gather_objects(problems, process_group, dog) for p in part]
+    found = [p for part in control.all_gather_objects(problems, process_group, dog) for p in part]
     if found:
         raise CheckpointError("checkpoint is damaged: " + "; ".join(found))
 

@@ -24,7 +24,7 @@ from torch import nn
 
 from fsdp_strategy.checkpoint import layout, sharded, storage
 from fsdp_strategy.checkpoint.storage import Location
-from fsdp_strategy.engine import collectives
+from fsdp_strategy.engine import control
 from fsdp_strategy.engine.view import ShardsView
 
 log = logging.getLogger(__name__)
@@ -32,7 +32,7 @@ Where = str | os.PathLike | Location
 
 
 def _is_rank0() -> bool:
-    return collectives.process_rank()[0] == 0
+    return control.process_rank()[0] == 0
 
 
 class CheckpointWriter:
@@ -49,7 +49,7 @@ class CheckpointWriter:
         """Create the background writer's own process group (a collective: every rank calls it),
         released by ``teardown`` or, for a save after the end of a run, at interpreter exit."""
         if self.async_save and self._group is None:
-            self._group = collectives.new_gloo_group()
+            self._group = control.new_gloo_group()
             atexit.register(self._release)
 
     def _release(self) -> None:
@@ -62,7 +62,7 @@ class CheckpointWriter:
         thread, self._thread = self._thread, None
         if thread is not None:
             thread.join()
-        collectives.destroy_group(self._group)
+        control.destroy_group(self._group)
         self._group = None
 
     @contextmanager
@@ -194,9 +194,9 @@ def _agree(
     """Every rank learns whether any rank failed to write (one all-gather, so no rank is left
     waiting in a barrier); on a failure the partial checkpoint is removed and every rank raises
     ``CheckpointSaveError`` naming the ranks and causes. The previous checkpoint is untouched."""
-    rank, _ = collectives.process_rank(group)
+    rank, _ = control.process_rank(group)
     causes: dict[int, str] = {}
-    for report in collectives.all_gather_objects(None if error is None else _causes(error, rank), group, dog):
+    for report in control.all_gather_objects(None if error is None else _causes(error, rank), group, dog):
         causes.update(report or {})
     if not causes:
         return

@@ -25,7 +25,7 @@ from fsdp_strategy.engine import build
 from fsdp_strategy.engine.collectives import CommContext, CommGroup
 from fsdp_strategy.engine.exchange import agree_on_tag
 from fsdp_strategy.engine.init import ParamInitFn
-from fsdp_strategy.engine.monitoring import CollectiveObserver
+from fsdp_strategy.engine.monitoring import CollectiveMonitor
 from fsdp_strategy.engine.runtime import Scheduler
 from fsdp_strategy.engine.summon import summon_all_units
 from fsdp_strategy.engine.watchdog import CollectiveError, Watchdog
@@ -138,7 +138,7 @@ def shard_with_options(
     compute = build.compute_device(device, module, shard_comm.group)
     storage = torch.device("cpu") if options.cpu_offload.offload_params else compute
     where = build.Where(shard_comm, replicate_comm, compute, storage, device_mesh)
-    comm = CommContext(CollectiveObserver(watchdog=watchdog), tag=agree_on_tag(shard_comm.group))
+    comm = CommContext(CollectiveMonitor(watchdog=watchdog), tag=agree_on_tag(shard_comm.group))
     sharding = build.plan(module, options)
     units = build.build(module, sharding, options, where, comm)
     scheduler = build.schedule(module, units, sharding, options, where, comm)

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_strategy.config import MixedPrecision
-from fsdp_strategy.engine import collectives
+from fsdp_strategy.engine import control
 from fsdp_strategy.engine.accounting import MemoryAccount
 from fsdp_strategy.engine.collectives import CommContext, CommGroup
 from fsdp_strategy.engine.device import device_layer
@@ -104,7 +104,7 @@ def _shard_params(
     firsts = [placement.uses[param_id][0] for param_id in placement.params[index]]
     if options.sync_module_states:
         values = [use.module._parameters[use.name] for use in firsts]
-        collectives.broadcast_from_rank0(values, layout.compute_device, comm.watchdog)
+        control.broadcast_from_rank0(values, layout.compute_device, control.watchdog_of(comm))
     params = []
     for param_id, first in zip(placement.params[index], firsts):
         current = first.module._parameters[first.name]
@@ -125,7 +125,7 @@ def schedule(
     buffer_dtypes = place_buffers(module, where.device, precision.buffer_dtype, ignored.module_ids)
     if options.sync_module_states:  # after placement: the buffers are where the collectives run
         buffers = [b for b in module.buffers() if b is not None]
-        collectives.broadcast_from_rank0([*ignored.params.values(), *buffers], where.device, comm.watchdog)
+        control.broadcast_from_rank0([*ignored.params.values(), *buffers], where.device, control.watchdog_of(comm))
     prefetch = Prefetch(options.forward_prefetch, options.backward_prefetch)
     return Scheduler(
         units,

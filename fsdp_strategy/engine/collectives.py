@@ -1,12 +1,13 @@
-"""The engine's only ``torch.distributed`` calls: stateless functions over a ``CommContext``.
+"""The engine's data-plane ``torch.distributed`` calls: stateless functions over a ``CommContext``.
 
-They only move bytes. The data-plane collectives (all-gather, reduce-scatter, all-reduce and
-all-to-all of tensors) are async; a few blocking control-plane ones (object gathers, barriers,
-groups) serve checkpoints. How a collective moves is chosen once per context and group: torch's
+They only move bytes: the data-plane collectives (all-gather, reduce-scatter, all-reduce and
+all-to-all of tensors), all async. The blocking control-plane calls (object gathers, barriers,
+groups) live in control.py. How a collective moves is chosen once per context and group: torch's
 collectives, or for CPU tensors on gloo the context's exchange thread ([Note: point to point on
-gloo] in exchange.py). What watches them (ledger, flight recorder, order stamps, watchdog) is the
-context's ``CollectiveObserver`` (monitoring.py), which each collective reports to; a context
-without one moves the same bytes and watches nothing.
+gloo] in exchange.py). What watches them is the context's observer: this module defines the
+interface it reports to (``CollectiveObserver``, ``CollectiveWatch``) and monitoring.py implements
+it (ledger, flight recorder, order stamps, watchdog), so no import leads from here to the
+watchdog; a context without an observer moves the same bytes and watches nothing.
 
 Every collective is issued with ``async_op=True`` and returned as a :class:`Pending` handle.
 On gloo the process group's worker threads run it while Python goes on; ``wait()`` blocks the
@@ -20,7 +21,7 @@ SUM followed by an explicit divide by the caller (see [Note: SUM then divide]).
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
@@ -28,10 +29,6 @@ import torch.distributed as dist
 from fsdp_strategy.engine import exchange
 from fsdp_strategy.engine.flight import STAMP_SLOTS
 from fsdp_strategy.engine.ledger import CollectiveKind
-from fsdp_strategy.engine.monitoring import CollectiveObserver, Watch, watched
-
-if TYPE_CHECKING:  # the control-plane calls take a watchdog to report to; nothing here uses it
-    from fsdp_strategy.engine.watchdog import Watchdog
 
 # [Note: SUM then divide]
 # Gradients are reduced with ReduceOp.SUM and divided by the data-parallel size afterwards.
@@ -66,6 +63,32 @@ def divide_factors(data_parallel_size: int, reduce_dtype: torch.dtype) -> tuple[
     while size % before == 0 and size / before > before:
         before *= 2
     return float(before), size / before
+
+
+class CollectiveWatch(Protocol):
+    """One issued collective as its observer follows it (monitoring.py's ``Watch``)."""
+
+    def stamp_rows(self, shard: torch.Tensor, output: torch.Tensor, size: int, group: Any) -> None:
+        """All-gather: stamp ``shard``'s free tail; every row of ``output`` must hold it after the wait."""
+
+    def stamp_sum(self, sent: torch.Tensor, summed: torch.Tensor, size: int, group: Any) -> None:
+        """A SUM: stamp ``sent``; ``summed`` must hold ``size`` times it after the wait."""
+
+    def wait(self, work: Any) -> None:
+        """Wait for ``work`` (torch's or the exchange thread's handle) and check what was stamped."""
+
+
+class CollectiveObserver(Protocol):
+    """What the collectives report to: each one is announced by ``issue`` before it moves a byte and
+    waited for through the returned watch. monitoring.py's ``CollectiveMonitor`` implements it."""
+
+    def issue(
+        self, kind: CollectiveKind, unit: str, dtype: torch.dtype, payload: int, wire: int, host_blocking: bool
+    ) -> CollectiveWatch:
+        """Record a collective about to be issued (raise if the job was stopped)."""
+
+    def close(self) -> None:
+        """Forget what was kept for this context's units."""
 
 
 class CommGroup(NamedTuple):
@@ -113,12 +136,9 @@ class CommContext:
             self._peers[key] = exchange.peers_of(comm.group, comm.rank, comm.size)
         return self._peers[key]
 
-    @property
-    def watchdog(self) -> Watchdog | None:
-        """The observer's watchdog, which the blocking control-plane calls report to (None: unwatched)."""
-        return self.observer.watchdog if self.observer is not None else None
-
-    def issue(self, kind: CollectiveKind, unit: str, tensor: torch.Tensor, payload: int, wire: int) -> Watch | None:
+    def issue(
+        self, kind: CollectiveKind, unit: str, tensor: torch.Tensor, payload: int, wire: int
+    ) -> CollectiveWatch | None:
         """Report a collective about to be issued to the observer (None without one)."""
         if self.observer is None:
             return None
@@ -142,7 +162,7 @@ class Pending:
     (the watchdog, the order stamps, the ledger's times).
     """
 
-    def __init__(self, work: Any = None, watch: Watch | None = None) -> None:
+    def __init__(self, work: Any = None, watch: CollectiveWatch | None = None) -> None:
         self._work, self._watch = work, watch
 
     def wait(self) -> None:
@@ -249,95 +269,3 @@ def all_to_all(
     watch = ctx.issue(CollectiveKind.ALL_TO_ALL, unit, sent, payload, wire)
     work = dist.all_to_all_single(output, sent, output_sizes, sent_sizes, group=comm.group, async_op=True)
     return Pending(work, watch)
-
-
-# ---- small control-plane collectives (checkpoints): blocking, pickled Python objects ----------
-
-
-def process_rank(group: Any = None) -> tuple[int, int]:
-    """(rank, size) in ``group``, or (0, 1) without a process group."""
-    if not dist.is_initialized():
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
-
-
-def all_gather_objects(value: Any, group: Any = None, dog: Watchdog | None = None) -> list[Any]:
-    """Every rank's ``value`` (pickled), in rank order; blocking (watched by ``dog``)."""
-    _, size = process_rank(group)
-    if size == 1:
-        return [value]
-    out: list[Any] = [None] * size
-    with watched("all_gather_object", "checkpoint", dog):
-        dist.all_gather_object(out, value, group=group)
-    return out
-
-
-def gather_objects(value: Any, group: Any = None, dog: Watchdog | None = None) -> list[Any] | None:
-    """Every rank's ``value`` (pickled) on the group's first rank, in rank order (None elsewhere); blocking."""
-    rank, size = process_rank(group)
-    if size == 1:
-        return [value]
-    out: list[Any] | None = [None] * size if rank == 0 else None
-    with watched("gather_object", "checkpoint", dog):
-        dist.gather_object(value, out, dst=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-    return out
-
-
-def all_gather_rows(
-    tensor: torch.Tensor, group: Any = None, dog: Watchdog | None = None, what: str = "sync_batchnorm"
-) -> torch.Tensor:
-    """Every rank's ``tensor`` stacked in rank order, shape ``(world, *tensor.shape)``; blocking
-    (``what`` names it in a watchdog's report)."""
-    _, size = process_rank(group)
-    if size == 1:
-        return tensor.unsqueeze(0).clone()
-    out = tensor.new_empty(size * tensor.numel())
-    with watched("all_gather", what, dog):
-        dist.all_gather_into_tensor(out, tensor.reshape(-1).contiguous(), group=group)
-    return out.view(size, *tensor.shape)
-
-
-def all_reduce_sum_(tensor: torch.Tensor, group: Any = None, dog: Watchdog | None = None) -> torch.Tensor:
-    """Sum ``tensor`` over the ranks in place; blocking (no-op for one rank)."""
-    if process_rank(group)[1] > 1:
-        with watched("all_reduce", "sync_batchnorm", dog):
-            dist.all_reduce(tensor, group=group)
-    return tensor
-
-
-@torch.no_grad()
-def broadcast_from_rank0(tensors: list[torch.Tensor], device: torch.device, dog: Watchdog | None = None) -> None:
-    """Overwrite ``tensors`` in place with global rank 0's values (``sync_module_states``); blocking.
-    The broadcast runs on ``device``, where the collectives live (NCCL takes CUDA tensors only): a
-    tensor elsewhere (a model built on the CPU) goes through a copy there and back.
-
-    Costs: one broadcast per tensor (setup only), plus those copies. No-op without a process group.
-    """
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return
-    with watched("broadcast", "sync_module_states", dog):
-        for tensor in tensors:
-            if tensor.device == device:
-                dist.broadcast(tensor.data, src=0)
-            else:
-                staged = tensor.detach().to(device)
-                dist.broadcast(staged, src=0)
-                tensor.data.copy_(staged)
-
-
-def barrier(group: Any = None, dog: Watchdog | None = None) -> None:
-    """Wait until every rank of ``group`` arrives (no-op without a process group)."""
-    if dist.is_initialized():
-        with watched("barrier", "checkpoint", dog):
-            dist.barrier(group=group)
-
-
-def new_gloo_group() -> Any:
-    """A new gloo group of all ranks (a collective: every rank calls it), or None without one."""
-    return dist.new_group(backend="gloo") if dist.is_initialized() else None
-
-
-def destroy_group(group: Any) -> None:
-    """Release a group made by ``new_gloo_group``."""
-    if group is not None and dist.is_initialized():
-        dist.destroy_process_group(group)

@@ -1,6 +1,7 @@
-"""CollectiveObserver: what the engine watches about its collectives, in one object they report to.
+"""CollectiveMonitor: what the engine watches about its collectives, in one object they report to.
 
-The collectives (collectives.py) only move bytes. Each one they issue is reported here first
+The collectives (collectives.py) only move bytes, and define the interface they report to
+(``CollectiveObserver``), which this module implements. Each one they issue is reported here first
 (``issue``) and waited for through here (``Watch.wait``), and this object keeps, for one engine
 instance: the communication ledger (calls, bytes, times: ledger.py), the flight recorder of
 this process's last collectives ([Note: flight recorder] in flight.py), the order stamps that
@@ -34,7 +35,7 @@ class Watch:
 
     def __init__(
         self,
-        observer: CollectiveObserver,
+        observer: CollectiveMonitor,
         kind: CollectiveKind,
         unit: str,
         record: CollectiveRecord,
@@ -78,7 +79,7 @@ class Watch:
         self.observer.ledger.record_wait(self.kind, self.unit, end - self.issued, end - start)
 
 
-class CollectiveObserver:
+class CollectiveMonitor:
     """The ledger, flight recorder, order stamps and watchdog of one engine instance's collectives.
 
     ``recorder`` is the watchdog's when one is given, so a process has one sequence of records.

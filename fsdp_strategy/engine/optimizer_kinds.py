@@ -53,7 +53,7 @@ from typing import Any
 
 import torch
 
-from fsdp_strategy.engine import collectives
+from fsdp_strategy.engine import control
 from fsdp_strategy.engine.collectives import CommContext, CommGroup
 from fsdp_strategy.engine.muon_with_adamw import MuonWithAdamW
 from fsdp_strategy.engine.optimizer_probe import OTHERS_BUDGET, STEPS, Measured, measure, model_case, toy_shapes
@@ -295,8 +295,8 @@ class OptimizerKinds:
     def _gathered(self, param: ShardedParam, rows: torch.Tensor) -> torch.Tensor:
         """``param``'s whole tensor from every rank's ``rows`` of it, in float64 on the CPU."""
         assert self._comm is not None and self._ctx is not None
-        every = collectives.all_gather_rows(
-            rows.to(self._device), self._comm.group, self._ctx.watchdog, what="optimizer_probe"
+        every = control.all_gather_rows(
+            rows.to(self._device), self._comm.group, control.watchdog_of(self._ctx), what="optimizer_probe"
         )
         whole = param.full_from_rows(every.reshape(self._comm.size, -1))
         return whole.to("cpu", torch.complex128 if whole.is_complex() else torch.float64)
@@ -308,7 +308,7 @@ class OptimizerKinds:
         collectives follow them)."""
         if self._comm is None or self._comm.size == 1 or self._ctx is None:
             return [(toys, models)]
-        everyone = collectives.all_gather_objects((toys, models), self._comm.group, self._ctx.watchdog)
+        everyone = control.all_gather_objects((toys, models), self._comm.group, control.watchdog_of(self._ctx))
         kinds = [[m.kind for m in theirs] for theirs, _ in everyone]
         if any(k != kinds[0] for k in kinds):
             raise RuntimeError(

@@ -39,7 +39,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from fsdp_strategy.engine import collectives
+from fsdp_strategy.engine import collectives, control
 from fsdp_strategy.engine.collectives import CommContext, CommGroup
 from fsdp_strategy.engine.param import ShardedParam
 from fsdp_strategy.engine.state_layout import StateEntry, entry_at_rest, entry_of_whole, later_layout
@@ -281,7 +281,7 @@ class WholeMatrixSteps:
             mine[param.fqn] = layout
         if step.first:
             everyone: dict[str, tuple[StateEntry, ...]] = {}
-            for part in collectives.all_gather_objects(mine, self._comm.group, self._ctx.watchdog):
+            for part in control.all_gather_objects(mine, self._comm.group, control.watchdog_of(self._ctx)):
                 everyone.update(part)
             for param in step.stepped:
                 if param.fqn in everyone:
