@@ -393,6 +393,38 @@ MUTATIONS = [
         "        while due and self._sent[0][0].landed():\n            due -= 1\n",
         ("tests/test_host_reads.py::test_lost_edit_flags_are_read_a_step_later_on_every_rank_alike",),
     ),
+    Mutation(
+        "tp_partial_grad_not_summed",
+        "a tensor-parallel gradient is reduce-scattered in its own placement (a Partial one never summed over TP)",
+        "fsdp_strategy/engine/tensor_parallel.py",
+        "        if tuple(grad.placements) != self.placements:\n",
+        "        if False:\n",
+        ("tests/test_tensor_parallel.py::test_two_dimensional_training_equals_one_process",),
+    ),
+    Mutation(
+        "tp_clip_counts_replicas",
+        "the clipping norm counts a TP-replicated gradient once per tensor-parallel peer",
+        "fsdp_strategy/engine/clipping.py",
+        "    replicas = 1.0 if infinite else float(tensor_comm.size)",
+        "    replicas = 1.0",
+        ("tests/test_tensor_parallel.py::test_two_dimensional_training_equals_one_process",),
+    ),
+    Mutation(
+        "tp_blocks_stepped_whole",
+        "a whole-matrix optimizer steps tensor-parallel blocks as if they were the matrices",
+        "fsdp_strategy/engine/optimizer_steps.py",
+        "        if split and known is not UpdateKind.ELEMENTWISE",
+        "        if False and known is not UpdateKind.ELEMENTWISE",
+        ("tests/test_tensor_parallel.py::test_only_elementwise_optimizers_step_tensor_parallel_blocks",),
+    ),
+    Mutation(
+        "tp_dp_broadcast_global",
+        "sync_module_states broadcasts a tensor-parallel block from global rank 0 (another rank's block)",
+        "fsdp_strategy/engine/build.py",
+        "        control.broadcast_from_rank0(blocks, layout.compute_device, dog, data.group)",
+        "        control.broadcast_from_rank0(blocks, layout.compute_device, dog)",
+        ("tests/test_tensor_parallel.py::test_two_dimensional_training_equals_one_process",),
+    ),
 ]
 
 

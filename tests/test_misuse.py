@@ -139,24 +139,3 @@ def test_an_optimizer_created_before_sharding_is_refused(tmp_path):
         "engine", ""
     ), told
     assert "AdamW holds 4 parameters" in told.get("fabric", "") and "fabric.setup(model, optimizer)" in told["fabric"]
-
-
-def _dtensor_body(rank: int, world: int) -> str:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
-
-    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
-    parallelize_module(model, init_device_mesh("cpu", (world,)), {"0": ColwiseParallel()})
-    before = [p.detach().clone() for p in model[2].parameters()]
-    try:
-        shard_model(model)
-    except TypeError as error:
-        unchanged = all(torch.equal(a, b) for a, b in zip(before, model[2].parameters()))
-        return f"{error} | unchanged={unchanged}"
-    return "sharded"
-
-
-def test_a_model_already_split_into_dtensors_is_refused_naming_its_parameters(tmp_path):
-    for told in run_ranks(_dtensor_body, 2, tmp_path):
-        assert "its parameters 0.weight, 0.bias are already DTensors" in told, told
-        assert "ModelParallelStrategy" in told and told.endswith("unchanged=True"), told

@@ -18,7 +18,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from fsdp_strategy.config import ShardingStrategy, validate_device_mesh
 from fsdp_strategy.engine import build
@@ -28,6 +27,7 @@ from fsdp_strategy.engine.init import ParamInitFn
 from fsdp_strategy.engine.monitoring import CollectiveMonitor
 from fsdp_strategy.engine.runtime import Scheduler
 from fsdp_strategy.engine.summon import summon_all_units
+from fsdp_strategy.engine.tensor_parallel import check_tensor_parallel
 from fsdp_strategy.engine.watchdog import CollectiveError, Watchdog
 from fsdp_strategy.options import ShardingOptions, check_collective_timeout, options_from
 
@@ -133,8 +133,9 @@ def shard_with_options(
     """``shard_model`` with validated options (the strategies' path): plan, build, schedule."""
     if is_sharded(module):
         raise ValueError(f"{type(module).__name__} is already sharded; shard_model is applied once")
-    _refuse_dtensors(module)
     shard_comm, replicate_comm = comm_groups(options.sharding_strategy, process_group, device_mesh)
+    hybrid, synced = options.sharding_strategy.hybrid, options.sync_module_states
+    check_tensor_parallel(module, shard_comm, replicate_comm, hybrid, synced)
     compute = build.compute_device(device, module, shard_comm.group)
     storage = torch.device("cpu") if options.cpu_offload.offload_params else compute
     where = build.Where(shard_comm, replicate_comm, compute, storage, device_mesh)
@@ -144,21 +145,6 @@ def shard_with_options(
     scheduler = build.schedule(module, units, sharding, options, where, comm)
     module.__dict__[SCHEDULER_ATTRIBUTE] = scheduler
     return scheduler
-
-
-def _refuse_dtensors(module: nn.Module) -> None:
-    """A model whose parameters are already DTensors (split by ``parallelize_module``, or by FSDP2's
-    ``fully_shard``) is refused before anything changes, naming them: the engine shards plain tensors
-    over one data-parallel dimension. Costs: a type check per parameter."""
-    split = [name for name, param in module.named_parameters() if isinstance(param, DTensor)]
-    if split:
-        shown = ", ".join(split[:3]) + (f" and {len(split) - 3} more" if len(split) > 3 else "")
-        raise TypeError(
-            f"fsdp_custom cannot shard {type(module).__name__}: its parameters {shown} are already DTensors (split "
-            "by parallelize_module or fully_shard). fsdp_custom shards plain parameters over one data-parallel "
-            "dimension; for tensor parallel + FSDP use Lightning's ModelParallelStrategy, or apply fsdp_custom to "
-            "the model before any parallelization"
-        )
 
 
 def is_sharded(module: nn.Module) -> bool:

@@ -8,6 +8,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from fsdp_strategy.config import MixedPrecision
 from fsdp_strategy.engine import control
@@ -80,7 +81,7 @@ def build(module: nn.Module, sharding: Plan, options: ShardingOptions, where: Wh
     for index, unit_module in enumerate(sharding.unit_modules):
         owned = _owned_modules(sharding.placement, index, names)
         materialize(owned, where.device, options.param_init_fn, initializers, sharding.placement.uses, order)
-        params = _shard_params(sharding.placement, index, layout, options, comm)
+        params = _shard_params(sharding.placement, index, layout, options, comm, where)
         units.append(FSDPUnit(sharding.placement.unit_names[index], unit_module, params, context, index == 0))
     leftover = meta_tensor_names(module)
     if leftover:
@@ -98,13 +99,19 @@ def _owned_modules(placement: Placement, index: int, names: dict[int, str]) -> l
 
 
 def _shard_params(
-    placement: Placement, index: int, layout: ShardLayout, options: ShardingOptions, comm: CommContext
+    placement: Placement, index: int, layout: ShardLayout, options: ShardingOptions, comm: CommContext, where: Where
 ) -> list[ShardedParam]:
-    """Shard unit ``index``'s parameters (rank 0's values first with ``sync_module_states``)."""
+    """Shard unit ``index``'s parameters (rank 0's values first with ``sync_module_states``; a
+    tensor-parallel one's local block from the first rank of its data-parallel group)."""
     firsts = [placement.uses[param_id][0] for param_id in placement.params[index]]
     if options.sync_module_states:
         values = [use.module._parameters[use.name] for use in firsts]
-        control.broadcast_from_rank0(values, layout.compute_device, control.watchdog_of(comm))
+        dog = control.watchdog_of(comm)
+        plain = [value for value in values if not isinstance(value, DTensor)]
+        control.broadcast_from_rank0(plain, layout.compute_device, dog)
+        blocks = [value.to_local() for value in values if isinstance(value, DTensor)]
+        data = where.shard_comm if where.shard_comm.size > 1 else where.replicate_comm
+        control.broadcast_from_rank0(blocks, layout.compute_device, dog, data.group)
     params = []
     for param_id, first in zip(placement.params[index], firsts):
         current = first.module._parameters[first.name]

@@ -76,22 +76,26 @@ def all_reduce_sum_(tensor: torch.Tensor, group: Any = None, dog: Watchdog | Non
 
 
 @torch.no_grad()
-def broadcast_from_rank0(tensors: list[torch.Tensor], device: torch.device, dog: Watchdog | None = None) -> None:
-    """Overwrite ``tensors`` in place with global rank 0's values (``sync_module_states``); blocking.
-    The broadcast runs on ``device``, where the collectives live (NCCL takes CUDA tensors only): a
-    tensor elsewhere (a model built on the CPU) goes through a copy there and back.
+def broadcast_from_rank0(
+    tensors: list[torch.Tensor], device: torch.device, dog: Watchdog | None = None, group: Any = None
+) -> None:
+    """Overwrite ``tensors`` in place with the values of ``group``'s first rank (default: global rank 0)
+    (``sync_module_states``); blocking. The broadcast runs on ``device``, where the collectives live
+    (NCCL takes CUDA tensors only): a tensor elsewhere (a model built on the CPU) goes through a copy
+    there and back.
 
-    Costs: one broadcast per tensor (setup only), plus those copies. No-op without a process group.
+    Costs: one broadcast per tensor (setup only), plus those copies. No-op for a group of one.
     """
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if process_rank(group)[1] == 1:
         return
+    source = dist.get_global_rank(group, 0) if group is not None else 0
     with watched("broadcast", "sync_module_states", dog):
         for tensor in tensors:
             if tensor.device == device:
-                dist.broadcast(tensor.data, src=0)
+                dist.broadcast(tensor.data, src=source, group=group)
             else:
                 staged = tensor.detach().to(device)
-                dist.broadcast(staged, src=0)
+                dist.broadcast(staged, src=source, group=group)
                 tensor.data.copy_(staged)
 
 

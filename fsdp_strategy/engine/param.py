@@ -6,7 +6,9 @@ A parameter of shape ``(d0, *rest)`` is viewed as ``d0`` rows of ``prod(rest)`` 
 of N ranks, rank r keeps rows ``[r*c, (r+1)*c)`` (torch.chunk semantics), zero-padded to c
 rows, so every rank's shard has the same size. The gathered buffer is the rank-major
 concatenation of the N padded shards; the full parameter is its first ``d0`` rows.
-Padding rows stay zero: their gradients are zero, so optimizers leave them at zero.
+Padding rows stay zero: their gradients are zero, so optimizers leave them at zero. A
+tensor-parallel (DTensor) parameter's rows are those of its TP-local tensor ([Note: tensor parallel
+parameters] in tensor_parallel.py).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from torch import nn
 
 from fsdp_strategy.engine.device import DeviceLayer
 from fsdp_strategy.engine.flat import complex_from_real, real_view
+from fsdp_strategy.engine.tensor_parallel import TPSpec, local_of
 
 
 class ShardLayout(NamedTuple):
@@ -65,6 +68,9 @@ class ShardedParam:
         self.fqn = fqn
         self.uses = uses
         self.replaced = weakref.ref(param)  # the model's parameter before sharding (an optimizer may still hold it)
+        self.tp = TPSpec.of(param)  # None: a plain parameter ([Note: tensor parallel parameters])
+        requires_grad = param.requires_grad  # a DTensor's, not its local tensor's
+        param = local_of(param)
         self.shape = param.shape
         self.dim0 = param.shape[0] if param.dim() > 0 else 1
         self.row_numel = math.prod(param.shape[1:])
@@ -84,7 +90,7 @@ class ShardedParam:
         shard[: local.shape[0]].copy_(local)
         if layout.device_layer is not None:
             shard = layout.device_layer.storage_tensor(shard)
-        self.sharded = nn.Parameter(shard.view(self.chunk_rows, *self.row_shape), requires_grad=param.requires_grad)
+        self.sharded = nn.Parameter(shard.view(self.chunk_rows, *self.row_shape), requires_grad=requires_grad)
 
         self.aliased = shard_size == 1 and self.param_dtype == param.dtype and storage_device == compute_device
         if self.aliased:  # [Note: aliased shards]; .data: a version counter of its own
@@ -94,11 +100,23 @@ class ShardedParam:
                 self.world * self.shard_numel, dtype=self.param_dtype, device=compute_device
             )
         self._full = self._padded_full[: self.dim0 * self.row_numel].view(self.shape)
-        self.unsharded = nn.Parameter(self._full, requires_grad=param.requires_grad)
-        self._agreed_requires_grad = param.requires_grad  # [Note: requires_grad on either side]
+        self.unsharded = nn.Parameter(self._wrapped(self._full), requires_grad=requires_grad)
+        self._agreed_requires_grad = requires_grad  # [Note: requires_grad on either side]
         self.stashed_grad: torch.Tensor | None = None  # no_sync: the full gradient so far, in reduce dtype
         self._filled_version = 0  # the full parameter's version counter when it was last filled
         self.free_unsharded()
+
+    def _wrapped(self, local: torch.Tensor) -> torch.Tensor:
+        """The module's view of a full local tensor: itself, or its DTensor for a TP parameter."""
+        return local if self.tp is None else self.tp.wrap(local)
+
+    def _holds_full(self) -> bool:
+        """Whether the full parameter still holds the engine's storage (not new ``.data``)."""
+        return local_of(self.unsharded).is_set_to(self._full)
+
+    def _local_grad(self, grad: torch.Tensor | None) -> torch.Tensor | None:
+        """A gradient of the full parameter as its local tensor (a TP one in its placements)."""
+        return grad if grad is None or self.tp is None else self.tp.local_grad(grad)
 
     @property
     def unsharded_allocated(self) -> bool:
@@ -147,8 +165,8 @@ class ShardedParam:
         Autograd saved the full parameter at its forward version; refilling it for backward
         writes the same values, so fill it under ``_unsafe_preserve_version_counter``.
         """
-        if not self.unsharded.is_set_to(self._full):  # ``.data`` replaced while sharded: ours again
-            self.unsharded.data = self._full
+        if not self._holds_full():  # ``.data`` replaced while sharded: ours again
+            self.unsharded.data = self._wrapped(self._full)
         if not self.unsharded_allocated:
             self._padded_full.untyped_storage().resize_(self.unsharded_nbytes)
         return self._padded_full.view(self.world, self.shard_numel)
@@ -164,14 +182,14 @@ class ShardedParam:
         caller to read when it syncs anyway. Costs: one copy of this rank's rows (1/N of the
         parameter); with a lower ``param_dtype`` a comparison instead.
         """
-        value = self.unsharded.detach()
-        if not self.unsharded.is_set_to(self._full):
+        value = local_of(self.unsharded).detach()
+        if not self._holds_full():
             if value.shape != self.shape:
                 raise RuntimeError(
                     f"fsdp_custom: the full parameter {self.fqn!r} was given data of shape {tuple(value.shape)} "
                     f"while gathered; its shape is {tuple(self.shape)}"
                 )
-            self.unsharded.data = self._full
+            self.unsharded.data = self._wrapped(self._full)
         rows = value.reshape(self.dim0, self.row_numel)[self.shard_rank * self.chunk_rows :][: self.chunk_rows]
         target = self.sharded.detach().view(self.chunk_rows, self.row_numel)[: rows.shape[0]]
         if self.param_dtype == self.sharded.dtype:
@@ -189,7 +207,7 @@ class ShardedParam:
         """Whether the full parameter was changed since it was filled in a way that leaves a trace:
         an in-place operation on it (its version counter) or new ``.data``. Edits through
         ``p.data.<op>_()`` leave none. Costs: two attribute reads."""
-        return self.unsharded._version != self._filled_version or not self.unsharded.is_set_to(self._full)
+        return self.unsharded._version != self._filled_version or not self._holds_full()
 
     def free_unsharded(self) -> None:
         """Release the full parameter's memory (its gradient, if any, is kept); never an aliased shard."""
@@ -213,7 +231,7 @@ class ShardedParam:
 
         Returns the bytes this newly keeps (the first micro-batch's gradient, in ``dtype``).
         """
-        grad = self.unsharded.grad
+        grad = self._local_grad(self.unsharded.grad)
         if grad is None:
             return 0
         self.unsharded.grad = None
@@ -227,7 +245,7 @@ class ShardedParam:
         """Write the full gradient (stashed + current) into ``out`` (this parameter's ``(N, shard_numel)``
         columns of a reduce buffer, twice that for a complex one's real pairs: [Note: flat buffers of
         any dtype] in flat.py; padding rows zero) and clear both; zeros and False without one."""
-        grad, stashed = self.unsharded.grad, self.stashed_grad
+        grad, stashed = self._local_grad(self.unsharded.grad), self.stashed_grad
         self.unsharded.grad = self.stashed_grad = None
         if grad is None and stashed is None:
             out.zero_()

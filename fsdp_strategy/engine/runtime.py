@@ -466,7 +466,8 @@ class Scheduler:
 
         ``parameters``: the sharded parameters to clip together (e.g. one optimizer's); default
         all. Replicas (NO_SHARD, HYBRID_SHARD) hold the same shard, so the norm is reduced over
-        the shard group only. Returns the total norm before clipping, as ``clip_grad_norm_`` does.
+        the shard group only, and over tensor parallel ([Note: clipping across TP]). Returns the
+        total norm before clipping, as ``clip_grad_norm_`` does.
         """
         shard_comm = self.root_unit.shard_comm
         sharded = self.sharded_params()

@@ -31,6 +31,7 @@ class ShardsView:
         self._units: tuple[FSDPUnit, ...] = tuple(scheduler.units)
         self.unit_names: tuple[str, ...] = tuple(unit.name for unit in self._units)
         self.params: tuple[ShardedParam, ...] = tuple(p for unit in self._units for p in unit.params)
+        _refuse_tensor_parallel(self.params)
         self.by_id: dict[int, ShardedParam] = {id(p.sharded): p for p in self.params}
         self.unit_of: dict[str, str] = {p.fqn: unit.name for unit in self._units for p in unit.params}
         self.ignored_params: dict[str, nn.Parameter] = dict(scheduler.ignored_params)
@@ -87,6 +88,19 @@ class ShardsView:
         with ``keep=False`` this rank only contributes. A collective: every rank calls it."""
         unit = self._units[self.unit_names.index(unit_name)]
         return [full.to("cpu") for full in unit.gather_full(shards, keep=keep)]
+
+
+def _refuse_tensor_parallel(params: tuple[ShardedParam, ...]) -> None:
+    """Checkpoints read a parameter's rows as the whole parameter's; a tensor-parallel one's are its
+    TP-local block's ([Note: tensor parallel parameters]), so a checkpoint of one would be wrong. Refused."""
+    split = [p.fqn for p in params if p.tp is not None]
+    if split:
+        shown = ", ".join(split[:3]) + (f" and {len(split) - 3} more" if len(split) > 3 else "")
+        raise NotImplementedError(
+            f"fsdp_custom cannot yet save, load or gather the state of a tensor-parallel model (its parameters "
+            f"{shown} are DTensors): it would write each rank's tensor-parallel block as the whole tensor. To "
+            "checkpoint a tensor-parallel model, use Lightning's ModelParallelStrategy"
+        )
 
 
 def _mesh(root: FSDPUnit, params: tuple[ShardedParam, ...], device_mesh: Any) -> tuple[Any, tuple] | None:

@@ -1,0 +1,196 @@
+"""Tensor parallel inside, this engine's data parallel across: what a DTensor parameter needs.
+
+[Note: tensor parallel parameters]
+A model the user split with ``parallelize_module`` holds DTensor parameters on a 1-D tensor-parallel
+mesh. The engine shards each one as FSDP2 does (``FSDPParam``): its dim-0 rows are those of the
+**TP-local** tensor, chunked over the data-parallel shard group like any parameter ([Note: shard
+layout]); gathered, the module's attribute is an ``nn.Parameter`` wrapping a DTensor built without
+autograd history over the gathered local tensor, with the original mesh, placements and global
+shape, so TP's styles see what ``parallelize_module`` made and TP's collectives stay DTensor's own.
+The gradient is redistributed to the parameter's placements (a ``Partial`` one becomes an
+all-reduce over TP), its local tensor reduce-scattered over data parallel and divided by the
+data-parallel size only: TP peers share a batch. Plain parameters of a 2-D model are TP-replicated:
+every TP peer holds, and computes, the same values. Everything TP is in ``TPSpec`` and
+``ShardedParam``; the unit and its hooks know nothing of it. Costs: none per step but DTensor's
+own collectives, and at setup one all-gather over TP of the replicated parameters' checksums.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from fsdp_strategy.engine.collectives import CommGroup
+
+FULLY_SHARDED_HINT = (
+    "fsdp_custom shards a model once, over data parallel: pass the model before fully_shard or FSDP wrapping, "
+    "and apply only the tensor-parallel plan (parallelize_module) yourself"
+)
+
+
+class TPSpec(NamedTuple):
+    """What a tensor-parallel parameter is besides its local rows: its 1-D mesh, placements and global
+    shape and stride (immutable, taken once from the DTensor ``parallelize_module`` made)."""
+
+    mesh: Any  # a 1-D DeviceMesh, the tensor-parallel one
+    placements: tuple  # one Shard(d) or Replicate()
+    shape: torch.Size  # the global shape
+    stride: tuple[int, ...]  # the global stride
+
+    @classmethod
+    def of(cls, param: torch.Tensor) -> TPSpec | None:
+        """The spec of a DTensor parameter; None for a plain one."""
+        if not isinstance(param, DTensor):
+            return None
+        return cls(param.device_mesh, tuple(param.placements), param.shape, tuple(param.stride()))
+
+    def wrap(self, local: torch.Tensor) -> DTensor:
+        """``local`` (the gathered TP-local tensor) as this parameter's DTensor, without autograd history."""
+        with torch.no_grad():
+            return DTensor.from_local(
+                local, self.mesh, self.placements, run_check=False, shape=self.shape, stride=self.stride
+            )
+
+    def local_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        """The TP-local tensor of a DTensor gradient in this parameter's placements (a ``Partial`` one
+        summed over TP first, as FSDP2's ``_get_grad_inner_tensor``)."""
+        wait = getattr(grad, "wait", None)  # an AsyncCollectiveTensor: the result once its collective is done
+        if wait is not None and not isinstance(grad, DTensor):
+            grad = wait()
+        if not isinstance(grad, DTensor):
+            return grad
+        if tuple(grad.placements) != self.placements:
+            grad = grad.redistribute(grad.device_mesh, self.placements)
+        return grad.to_local()
+
+    @property
+    def size(self) -> int:
+        """Ranks in the tensor-parallel mesh."""
+        return self.mesh.size()
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the parameter is split over TP (not replicated)."""
+        return any(isinstance(p, Shard) for p in self.placements)
+
+
+def local_of(param: torch.Tensor) -> torch.Tensor:
+    """A parameter's TP-local tensor, the one it wraps (the parameter itself when plain)."""
+    return param._local_tensor if isinstance(param, DTensor) else param
+
+
+def check_tensor_parallel(
+    module: nn.Module, shard: CommGroup, replicate: CommGroup, hybrid: bool, synced: bool = False
+) -> Any:
+    """Check a model's DTensor parameters before anything changes; return their TP mesh (None: a plain
+    1-D model). Refused, each naming the parameter and the fix: a module already ``fully_shard``ed or
+    FSDP1-wrapped; a DTensor on a mesh of more than one dimension, with another placement than one
+    ``Shard(d)`` or ``Replicate()``, on a mesh other than the first one's, or one that shares ranks
+    with the data-parallel group; a TP-split dimension not divisible by the TP size; HYBRID_SHARD
+    with TP; TP-replicated parameters that differ across TP ranks (unless ``synced``: global rank 0's
+    values are about to be broadcast, ``sync_module_states``). Costs: a check per parameter, and with
+    TP one all-gather over it of the replicated parameters' checksums."""
+    _refuse_wrapped(module)
+    dtensors = [(name, p) for name, p in module.named_parameters() if isinstance(p, DTensor)]
+    if not dtensors:
+        return None
+    mesh = dtensors[0][1].device_mesh
+    for name, param in dtensors:
+        _check_placement(name, param, mesh)
+    if hybrid and mesh.size() > 1:
+        raise ValueError(
+            "fsdp_custom: sharding_strategy='HYBRID_SHARD' with tensor parallel (tensor_parallel_size > 1) is not "
+            "supported; accepted with tensor parallel: 'FULL_SHARD', 'SHARD_GRAD_OP', 'NO_SHARD'"
+        )
+    _check_orthogonal(mesh, shard if shard.size > 1 else replicate, dtensors[0][0])
+    if not synced:
+        _check_replicated_agree(module, mesh)
+    return mesh
+
+
+def _refuse_wrapped(module: nn.Module) -> None:
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    for name, sub in module.named_modules():
+        if isinstance(sub, (FSDPModule, FullyShardedDataParallel)):
+            kind = "fully_shard" if isinstance(sub, FSDPModule) else "FullyShardedDataParallel"
+            raise TypeError(
+                f"fsdp_custom cannot shard {type(module).__name__}: {name or 'the model'} is already wrapped by "
+                f"{kind}. {FULLY_SHARDED_HINT}"
+            )
+
+
+def _check_placement(name: str, param: DTensor, mesh: Any) -> None:
+    placements = tuple(param.placements)
+    if param.device_mesh.ndim != 1 or len(placements) != 1:
+        raise TypeError(
+            f"fsdp_custom cannot shard the DTensor parameter {name!r}: its mesh has {param.device_mesh.ndim} "
+            f"dimensions {placements}; accepted: a 1-D tensor-parallel mesh (parallelize_module on "
+            f"device_mesh['tensor_parallel']). {FULLY_SHARDED_HINT}"
+        )
+    if not isinstance(placements[0], (Shard, Replicate)):
+        raise TypeError(
+            f"fsdp_custom cannot shard the DTensor parameter {name!r}: its placement is {placements[0]}; "
+            "accepted: Shard(d) or Replicate()"
+        )
+    if dist.get_process_group_ranks(param.device_mesh.get_group()) != dist.get_process_group_ranks(mesh.get_group()):
+        raise ValueError(
+            f"fsdp_custom: the DTensor parameter {name!r} lives on another mesh than the model's other tensor-parallel "
+            "parameters; accepted: one tensor-parallel mesh for the whole model"
+        )
+    if isinstance(placements[0], Shard):
+        dim, size = placements[0].dim, param.device_mesh.size()
+        if param.shape[dim] % size:
+            raise ValueError(
+                f"fsdp_custom: the tensor-parallel parameter {name!r} of shape {tuple(param.shape)} is split on "
+                f"dimension {dim} ({param.shape[dim]}), which {size} tensor-parallel ranks do not divide; accepted: "
+                f"a dimension divisible by tensor_parallel_size={size} (pad the layer, or leave it unsplit)"
+            )
+
+
+def _check_orthogonal(mesh: Any, data: CommGroup, name: str) -> None:
+    tensor_ranks = set(dist.get_process_group_ranks(mesh.get_group()))
+    data_ranks = set(dist.get_process_group_ranks(data.group)) if data.group is not None else {dist.get_rank()}
+    if tensor_ranks & data_ranks != {dist.get_rank()}:
+        raise ValueError(
+            f"fsdp_custom: the tensor-parallel mesh of {name!r} (ranks {sorted(tensor_ranks)}) shares ranks with the "
+            f"data-parallel group (ranks {sorted(data_ranks)}): was the model sharded by fully_shard, or parallelized "
+            "on the data-parallel dimension? Accepted: a tensor-parallel mesh that crosses the data-parallel group, "
+            "device_mesh['tensor_parallel'] of a (data_parallel, tensor_parallel) mesh"
+        )
+
+
+@torch.no_grad()
+def _check_replicated_agree(module: nn.Module, mesh: Any) -> None:
+    replicated = [
+        (name, local_of(p))
+        for name, p in module.named_parameters()
+        if not isinstance(p, DTensor) or not any(isinstance(x, Shard) for x in p.placements)
+    ]
+    if not replicated or mesh.size() == 1 or any(t.is_meta for _, t in replicated):
+        return  # parameters still on the meta device are materialized alike on every rank later
+    sums = torch.stack([_checksum(t) for _, t in replicated]).cpu()
+    rows = [torch.empty_like(sums) for _ in range(mesh.size())]
+    dist.all_gather(rows, sums, group=mesh.get_group())  # setup only, not watched: before any watchdog
+    differ = [name for i, (name, _) in enumerate(replicated) if any(row[i] != sums[i] for row in rows)]
+    if differ:
+        shown = ", ".join(differ[:3]) + (f" and {len(differ) - 3} more" if len(differ) > 3 else "")
+        raise ValueError(
+            f"fsdp_custom: the tensor-parallel-replicated parameters {shown} differ across the tensor-parallel ranks "
+            "at setup; each TP peer would train its own copy. Initialize them the same on every rank (the same seed "
+            "before building the model: seed_everything)"
+        )
+
+
+def _checksum(tensor: torch.Tensor) -> torch.Tensor:
+    flat = tensor.detach().reshape(-1)
+    if flat.is_complex():
+        flat = torch.view_as_real(flat).reshape(-1)
+    if flat.is_floating_point():
+        weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device)
+        return (flat.to(torch.float64) * weights).sum()
+    return flat.to(torch.float64).sum()
