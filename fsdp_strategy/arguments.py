@@ -11,7 +11,14 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from fsdp_strategy.options import FSDP_KEYWORDS, OPTION_NAMES, StrategyOptions, check_auto_choices, options_from
+from fsdp_strategy.options import (
+    FSDP_KEYWORDS,
+    OPTION_NAMES,
+    StrategyOptions,
+    check_auto_choices,
+    check_parallel_sizes,
+    options_from,
+)
 from fsdp_strategy.wrap import already_checkpointed, apply_activation_checkpointing
 
 if TYPE_CHECKING:
@@ -152,6 +159,11 @@ class StrategyArguments:
         self._device_mesh = checked.device_mesh
         self._process_group_backend = checked.process_group_backend
         self._timeout = checked.timeout
+
+    def _parallel_sizes(self, data_parallel_size: Any, tensor_parallel_size: Any) -> tuple | None:
+        """The sizes of a 2-D run as given (None: 1-D), checked against the other arguments."""
+        hybrid, budget = self.sharding_strategy.hybrid, self._budget is not None
+        return check_parallel_sizes(data_parallel_size, tensor_parallel_size, hybrid, self._device_mesh, budget)
 
     def __setattr__(self, name: str, value: Any) -> None:
         if isinstance(vars(StrategyArguments).get(name), property):  # an option: read-only

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
+from collections.abc import Callable
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from datetime import timedelta
 from typing import Any, Literal
@@ -36,6 +37,7 @@ from fsdp_strategy.arguments import STRATEGY_VARIANTS, StrategyArguments, apply_
 from fsdp_strategy.checkpoint.writer import CheckpointWriter
 from fsdp_strategy.config import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from fsdp_strategy.distributed import build_mesh, connect, mesh_shape, set_world_ranks
+from fsdp_strategy.distributed.tensor_parallel import ParallelMesh
 from fsdp_strategy.engine import get_scheduler, is_sharded, shard_with_options
 from fsdp_strategy.fabric_checkpoints import FabricCheckpoints
 from fsdp_strategy.options import check_fsdp_keywords
@@ -62,6 +64,13 @@ class FSDPCustomFabricStrategy(StrategyArguments, FabricCheckpoints, LightningFS
             Trainer's ``precision_plugin`` is.
         state_dict_type: ``"sharded"`` (default, as Fabric's: a folder each rank writes its shards
             into; loads at any world size) or ``"full"`` (one file, gathered to rank 0).
+        parallelize_fn: ``(module, device_mesh) -> module``, as Fabric's ``ModelParallelStrategy``
+            takes it: applies your tensor-parallel plan to each module ``setup`` gets, on the
+            ``("data_parallel", "tensor_parallel")`` mesh, before the engine shards it over
+            "data_parallel" (a 2-D run; the sizes default to "auto"). Or apply the plan yourself on
+            ``fabric.strategy.device_mesh`` before ``setup``.
+        data_parallel_size, tensor_parallel_size: a 2-D run, as the Trainer's (and
+            ``ModelParallelStrategy``'s): "auto" is the number of nodes and the devices per node.
         **fsdp_kwargs: the FSDP keywords Fabric's ``FSDPStrategy`` passes to torch, as the Trainer's.
 
     Every other argument has the name, default and meaning it has on
@@ -94,6 +103,9 @@ class FSDPCustomFabricStrategy(StrategyArguments, FabricCheckpoints, LightningFS
         collective_timeout: float | timedelta | None = None,
         check_collective_order: bool = True,
         optimizer_updates: dict | None = None,
+        parallelize_fn: Callable[[nn.Module, Any], nn.Module] | None = None,
+        data_parallel_size: int | Literal["auto"] | None = None,
+        tensor_parallel_size: int | Literal["auto"] | None = None,
         **fsdp_kwargs: Any,
     ) -> None:
         parameters = list(inspect.signature(FSDPCustomFabricStrategy.__init__).parameters)[1:-1]
@@ -108,6 +120,10 @@ class FSDPCustomFabricStrategy(StrategyArguments, FabricCheckpoints, LightningFS
         self._num_nodes = 1
         self._fsdp_kwargs = {"use_orig_params": True, **fsdp_kwargs}  # Fabric's name: the FSDP keywords honoured
         self._take_arguments(locals())
+        if parallelize_fn is not None and data_parallel_size is None and tensor_parallel_size is None:
+            data_parallel_size = tensor_parallel_size = "auto"  # ModelParallelStrategy(parallelize_fn)'s defaults
+        self._parallel = ParallelMesh(self._parallel_sizes(data_parallel_size, tensor_parallel_size))
+        self._parallelize_fn = parallelize_fn
         self._writer = CheckpointWriter()
         self._watch = RunWatchdog(self._writer)  # a watchdog per run: started at setup, closed at teardown
         self._sigterm, self._said_preempted = FabricSigterm(), False  # ``preempted``
@@ -135,7 +151,14 @@ class FSDPCustomFabricStrategy(StrategyArguments, FabricCheckpoints, LightningFS
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+        """Over every rank; in a 2-D run over "data_parallel" (tensor-parallel peers read the same rows)."""
+        return self._parallel.sampler_kwargs(self.num_nodes * self.num_processes, self.global_rank)
+
+    @property
+    def device_mesh(self) -> Any:
+        """The ``("data_parallel", "tensor_parallel")`` mesh of a 2-D run (after launch), else the
+        hybrid strategies' ``(replicate, shard)`` mesh, else None."""
+        return self._parallel.mesh if self._parallel.active else self._device_mesh
 
     @property
     def process_group_backend(self) -> str | None:
@@ -189,6 +212,8 @@ class FSDPCustomFabricStrategy(StrategyArguments, FabricCheckpoints, LightningFS
         )
         self._watch.start(self.collective_timeout, self.node_rank, None)
         self._device_mesh = build_mesh(self._device_mesh, self.root_device.type)
+        if self._parallel.active:
+            self._parallel.build(self.num_nodes, self.num_processes, self.root_device)
         self.precision.attach(self.root_device.type)
 
     # ---- modules and optimizers -----------------------------------------------------------
@@ -197,11 +222,14 @@ class FSDPCustomFabricStrategy(StrategyArguments, FabricCheckpoints, LightningFS
         """Shard ``module`` (its full parameters are freed unit by unit as they are sharded)."""
         if is_sharded(module):
             raise ValueError("this module is sharded already: set it up once")
+        if self._parallelize_fn is not None:
+            module = self._parallelize_fn(module, self._parallel.mesh)
         if self.activation_checkpointing_policy is not None:
             apply_recomputation(module, self.activation_checkpointing_policy)
         mixed = self.mixed_precision or self.precision.engine_mixed_precision
         options = dataclasses.replace(self._options, mixed_precision=mixed)
-        shard_with_options(module, options, self.root_device, device_mesh=self._device_mesh, watchdog=self._watch.dog)
+        data_group = self._parallel.data_parallel_group
+        shard_with_options(module, options, self.root_device, data_group, self._device_mesh, self._watch.dog)
         _move_torchmetrics_to_device(module, self.root_device)
         self._modules.append(module)
         return module

@@ -51,14 +51,6 @@ def check_fsdp_keywords(kwargs: dict[str, Any], accepted: list[str], owner: str 
     """Raise for an FSDP keyword this strategy cannot honour (saying why) or an unknown one (with
     the closest accepted name; ``accepted``: the argument names of ``owner``, the one named)."""
     everything = sorted({*accepted, *FSDP_KEYWORDS})
-    two_dimensional = sorted(set(kwargs) & {"data_parallel_size", "tensor_parallel_size"})
-    if two_dimensional:
-        raise TypeError(
-            f"{owner} got {', '.join(map(repr, two_dimensional))}: tensor parallelism is not supported by "
-            "fsdp_custom (it shards over one data-parallel dimension); for tensor parallel + FSDP use "
-            "Lightning's ModelParallelStrategy (FSDP2's fully_shard), or device_mesh=(replicate, shard) "
-            "for hybrid sharding"
-        )
     for name in sorted(set(kwargs) - set(FSDP_KEYWORDS)):
         close = difflib.get_close_matches(name, everything, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
@@ -67,6 +59,38 @@ def check_fsdp_keywords(kwargs: dict[str, Any], accepted: list[str], owner: str 
         accepted_value, why = FSDP_KEYWORDS[name]
         if accepted_value is None or value is not accepted_value:  # True only: not 1, not 1.0
             raise ValueError(f"{name}={value!r} has no meaning for fsdp_custom: {why}")
+
+
+def check_parallel_sizes(
+    data_parallel_size: Any, tensor_parallel_size: Any, hybrid: bool, device_mesh: Any, budget: bool
+) -> tuple[int | str, int | str] | None:
+    """The (data_parallel_size, tensor_parallel_size) of a 2-D run, as given (ints or "auto", with
+    ``ModelParallelStrategy``'s meaning: "auto" data parallel is the number of nodes, "auto" tensor
+    parallel the devices per node); None when neither is given (one data-parallel dimension). A bad
+    value, or one given with a hybrid strategy, a ``device_mesh`` or ``auto_wrap_policy="auto"``
+    (``budget``), raises naming it and what is accepted."""
+    sizes = {"data_parallel_size": data_parallel_size, "tensor_parallel_size": tensor_parallel_size}
+    if all(value is None for value in sizes.values()):
+        return None
+    for name, value in sizes.items():
+        if value is not None and value != "auto" and (type(value) is not int or value < 1):
+            raise ValueError(f"{name}={value!r} is not supported; accepted: a positive int or 'auto'")
+    given = ", ".join(f"{name}={value!r}" for name, value in sizes.items() if value is not None)
+    if hybrid or device_mesh is not None:
+        raise ValueError(
+            f"{given} with a hybrid sharding_strategy or a device_mesh is not supported: tensor parallel shards over "
+            "one data-parallel dimension; accepted with it: sharding_strategy 'FULL_SHARD', 'SHARD_GRAD_OP' or "
+            "'NO_SHARD' and no device_mesh"
+        )
+    if budget:
+        raise ValueError(
+            f"{given} with auto_wrap_policy='auto' is not supported: the memory plan does not know tensor parallel "
+            "yet; accepted: an auto_wrap_policy you choose (a set of block classes)"
+        )
+    return (
+        "auto" if data_parallel_size is None else data_parallel_size,
+        "auto" if tensor_parallel_size is None else tensor_parallel_size,
+    )
 
 
 def checkpointing_policy(activation_checkpointing: Any, policy: Any) -> Any:

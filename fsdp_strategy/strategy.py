@@ -43,6 +43,7 @@ from fsdp_strategy.arguments import (
 from fsdp_strategy.checkpoint.writer import CheckpointWriter
 from fsdp_strategy.config import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from fsdp_strategy.distributed import build_mesh, connect, mesh_shape, set_world_ranks
+from fsdp_strategy.distributed.tensor_parallel import ParallelMesh
 from fsdp_strategy.engine import Scheduler, get_scheduler, is_sharded, shard_with_options
 from fsdp_strategy.engine.diagnosis import plural
 from fsdp_strategy.engine.ledger import CommLedger
@@ -167,6 +168,13 @@ class FSDPCustomStrategy(StrategyArguments, CheckpointHooks, LightningFSDPStrate
             shard group per step for Muon); an unknown one warns once; LBFGS is refused.
         memory_budget: bytes per rank for ``auto_wrap_policy="auto"`` (an int or ``"70GiB"``).
         example_batch: one batch as ``training_step`` receives it, for ``"auto"`` (meta tensors work).
+        data_parallel_size: with ``tensor_parallel_size``, a 2-D run as Lightning's
+            ``ModelParallelStrategy``'s (the same names and meaning): the ranks over which the engine
+            shards ("auto": the number of nodes). ``self.device_mesh`` of the LightningModule is the
+            ``("data_parallel", "tensor_parallel")`` mesh in ``configure_model``, where you apply the
+            tensor-parallel plan (``parallelize_module``); batches are sampled over "data_parallel".
+            Both unset (default): one data-parallel dimension. See "Tensor parallel + FSDP".
+        tensor_parallel_size: the ranks of a tensor-parallel group ("auto": the devices per node).
         **fsdp_kwargs: the FSDP keywords Lightning's ``FSDPStrategy`` passes to torch:
             ``use_orig_params=True`` and ``limit_all_gathers=True`` are what the engine always does;
             ``False``, ``process_group``, ``device_id`` and ``ignored_states`` are refused saying why.
@@ -203,6 +211,8 @@ class FSDPCustomStrategy(StrategyArguments, CheckpointHooks, LightningFSDPStrate
         optimizer_updates: dict | None = None,
         memory_budget: int | str | None = None,
         example_batch: Any = None,
+        data_parallel_size: int | Literal["auto"] | None = None,
+        tensor_parallel_size: int | Literal["auto"] | None = None,
         **fsdp_kwargs: Any,
     ) -> None:
         check_fsdp_keywords(fsdp_kwargs, list(inspect.signature(FSDPCustomStrategy.__init__).parameters)[1:-1])
@@ -217,6 +227,7 @@ class FSDPCustomStrategy(StrategyArguments, CheckpointHooks, LightningFSDPStrate
         self.num_nodes = 1
         self.kwargs = {"use_orig_params": True, **fsdp_kwargs}  # Lightning's name: the FSDP keywords honoured
         self._take_arguments(locals(), async_save)
+        self._parallel = ParallelMesh(self._parallel_sizes(data_parallel_size, tensor_parallel_size))
         self._writer = CheckpointWriter(async_save=async_save)
         self._watch = RunWatchdog(self._writer)  # a watchdog per run: started at setup, closed at teardown
         self._ledger_global_step: int | None = None  # the global_step the ledger's count started at
@@ -256,7 +267,14 @@ class FSDPCustomStrategy(StrategyArguments, CheckpointHooks, LightningFSDPStrate
 
     @property
     def distributed_sampler_kwargs(self) -> dict:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+        """Over every rank; in a 2-D run over "data_parallel" (tensor-parallel peers read the same rows)."""
+        return self._parallel.sampler_kwargs(self.num_nodes * self.num_processes, self.global_rank)
+
+    @property
+    def device_mesh(self) -> Any:
+        """The ``("data_parallel", "tensor_parallel")`` mesh of a 2-D run (after setup_environment), else
+        the hybrid strategies' ``(replicate, shard)`` mesh, else None."""
+        return self._parallel.mesh if self._parallel.active else self._device_mesh
 
     @property
     def precision_plugin(self) -> FSDPCustomPrecision:
@@ -306,6 +324,10 @@ class FSDPCustomStrategy(StrategyArguments, CheckpointHooks, LightningFSDPStrate
         self._watch.start(self.collective_timeout, self.node_rank, dump_dir)
         self._writer.setup()
         self._device_mesh = build_mesh(self._device_mesh, self.root_device.type)
+        if self._parallel.active:  # the user's configure_model reads it (ModelParallelStrategy's place)
+            mesh = self._parallel.build(self.num_nodes, self.num_processes, self.root_device)
+            if self.lightning_module is not None:
+                self.lightning_module._device_mesh = mesh
 
     def set_world_ranks(self) -> None:
         set_world_ranks(self)
@@ -332,6 +354,13 @@ class FSDPCustomStrategy(StrategyArguments, CheckpointHooks, LightningFSDPStrate
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         self._sigterm.hold_from_registration(trainer)  # [Note: preemption at an agreed step]
+        if self._parallel.active and trainer.checkpoint_callbacks:
+            raise ValueError(
+                "fsdp_custom cannot yet checkpoint a tensor-parallel model (tensor_parallel_size given), and the "
+                "Trainer has checkpoint callbacks (ModelCheckpoint, on by default): pass "
+                "Trainer(enable_checkpointing=False) and no ModelCheckpoint, or use Lightning's ModelParallelStrategy "
+                "to checkpoint"
+            )
         if not is_sharded(self.model):  # validate/test after fit reuse the sharded model
             if trainer.state.fn == TrainerFn.FITTING and self._layer_sync is not None:
                 self.model = self._sync_layers(self.model)
@@ -363,7 +392,8 @@ class FSDPCustomStrategy(StrategyArguments, CheckpointHooks, LightningFSDPStrate
         if self.activation_checkpointing_policy is not None:
             apply_recomputation(model, self.activation_checkpointing_policy)
         options = dataclasses.replace(self._options, mixed_precision=self._engine_mixed_precision())
-        shard_with_options(model, options, self.root_device, device_mesh=self._device_mesh, watchdog=self._watch.dog)
+        data_group = self._parallel.data_parallel_group
+        shard_with_options(model, options, self.root_device, data_group, self._device_mesh, self._watch.dog)
         _move_torchmetrics_to_device(model, self.root_device)
         units = self.scheduler.units
         params = self.scheduler.sharded_params()
@@ -371,7 +401,8 @@ class FSDPCustomStrategy(StrategyArguments, CheckpointHooks, LightningFSDPStrate
         trainable = sum(math.prod(p.shape) for p in params if p.sharded.requires_grad)
         local = sum(p.sharded.numel() for p in params)
         rank_zero_info(
-            f"fsdp_custom: {self.sharding_strategy.value} over {plural(self.world_size, 'rank')}, "
+            f"fsdp_custom: {self.sharding_strategy.value} over {plural(self.world_size, 'rank')}"
+            f"{self._parallel.describe()}, "
             f"{plural(len(units), 'unit')} "
             f"({', '.join(unit.name for unit in units[:8])}{', ...' if len(units) > 8 else ''}); "
             f"{_count(full_count)} parameters ({_count(trainable)} trainable), {_count(local)} in this rank's "

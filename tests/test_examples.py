@@ -337,3 +337,14 @@ def test_fabric_example_trains_saves_and_resumes_on_another_world_size(tmp_path,
     assert all(row["memory/sharded_params/max"] > 0 for row in rows if "memory/sharded_params/max" in row)
     finished = _main_exits_2(FABRIC_EXAMPLE, ["resume=last", "train.max_steps=6", *args], monkeypatch, capsys)
     assert "is at step 6 and train.max_steps=6: nothing to train" in finished
+
+
+def test_tensor_parallel_example_trains_as_one_process():
+    """Lightning's tensor-parallel example on fsdp_custom, launched as a user launches it (Lightning
+    spawns the second rank): 1 data-parallel x 2 tensor-parallel, the MLPs split and the rest whole,
+    its losses against the same model and batches in one process."""
+    output = _run([sys.executable, str(ROOT / "examples" / "tensor_parallel.py"), "--steps", "3", "--compare"])
+    assert "(1 data-parallel x 2 tensor-parallel)" in output, output[-2000:]
+    assert "mesh {'data_parallel': 1, 'tensor_parallel': 2}" in output, output[-2000:]
+    difference = float(output.split("largest relative difference: ")[1].split()[0])
+    assert difference < 1e-5, output[-2000:]

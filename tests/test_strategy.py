@@ -315,7 +315,13 @@ def test_the_setup_line_says_that_shards_are_offloaded(tmp_path):
             "unexpected argument 'limit_al_gathers'; did you mean 'limit_all_gathers'",
         ),
         ({"colective_timeout": 5}, TypeError, "did you mean 'collective_timeout'.*check_collective_order"),
-        ({"tensor_parallel_size": 2}, TypeError, "'tensor_parallel_size': tensor parallelism is not supported.*Model"),
+        ({"tensor_parallel_size": 0}, ValueError, "tensor_parallel_size=0 is not supported; accepted: a positive int"),
+        ({"data_parallel_size": "all"}, ValueError, "data_parallel_size='all' is not supported; accepted.*'auto'"),
+        (
+            {"tensor_parallel_size": 2, "sharding_strategy": "HYBRID_SHARD"},
+            ValueError,
+            "tensor_parallel_size=2 with a hybrid sharding_strategy.*'FULL_SHARD'",
+        ),
         ({"limit_all_gathers": False}, ValueError, "limit_all_gathers=False has no meaning.*one all-gather ahead"),
         ({"use_orig_params": False}, ValueError, "use_orig_params=False has no meaning.*flat parameters"),
         ({"use_orig_params": 1}, ValueError, "use_orig_params=1 has no meaning"),  # True itself, as FSDP's bool

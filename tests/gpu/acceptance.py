@@ -398,7 +398,24 @@ MULTI_RANK_CHECKS: list[tuple[str, Callable[[], str]]] = [
     ("patterns, FULL_SHARD + CPU offload", lambda: patterns(cpu_offload=True)),
     ("engine fp32", engine_parity),
     ("engine bf16 mixed", lambda: engine_parity(mixed_precision=MixedPrecision(*[torch.bfloat16] * 3))),
+    ("tensor parallel 1 x world, fp32", lambda: tensor_parallel(dtype=torch.float32)),
+    (
+        "tensor parallel 1 x world, bf16 params",
+        lambda: tensor_parallel(dtype=torch.float32, param_dtype=torch.bfloat16),
+    ),
 ]
+
+
+def tensor_parallel(**case) -> str:
+    """Tensor parallel inside, the engine across: Lightning's example's plan on a 1 x world mesh
+    (SequenceParallel, loss_parallel) against the plain model in one process on the global batch."""
+    from test_tensor_parallel import tolerances, train_two_d
+
+    case = {"dp": 1, "tp": dist.get_world_size(), "sequence_parallel": True, "loss_parallel": True, **case}
+    errors, limits = train_two_d(case, DEVICE), tolerances(case)
+    if any(errors[key] > limit for key, limit in limits.items()):
+        raise AssertionError(f"relative errors {errors} above {limits}")
+    return "relative errors " + ", ".join(f"{key} {value:.1e}" for key, value in errors.items())
 
 
 def _run_checks(
