@@ -213,7 +213,9 @@ class FSDPCustomFabricStrategy(StrategyArguments, FabricCheckpoints, LightningFS
         self._watch.start(self.collective_timeout, self.node_rank, None)
         self._device_mesh = build_mesh(self._device_mesh, self.root_device.type)
         if self._parallel.active:
-            self._parallel.build(self.num_nodes, self.num_processes, self.root_device)
+            mesh = self._parallel.build(self.num_nodes, self.num_processes, self.root_device)
+            if self._watch.dog is not None:  # reports name a rank's place: "rank 3 (data 1, tensor 1; ...)"
+                self._watch.dog.name_places(tuple(mesh.shape))
         self.precision.attach(self.root_device.type)
 
     # ---- modules and optimizers -----------------------------------------------------------

@@ -326,6 +326,8 @@ class FSDPCustomStrategy(StrategyArguments, CheckpointHooks, LightningFSDPStrate
         self._device_mesh = build_mesh(self._device_mesh, self.root_device.type)
         if self._parallel.active:  # the user's configure_model reads it (ModelParallelStrategy's place)
             mesh = self._parallel.build(self.num_nodes, self.num_processes, self.root_device)
+            if self._watch.dog is not None:  # reports name a rank's place: "rank 3 (data 1, tensor 1; ...)"
+                self._watch.dog.name_places(tuple(mesh.shape))
             if self.lightning_module is not None:
                 self.lightning_module._device_mesh = mesh
 

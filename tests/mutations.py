@@ -425,6 +425,17 @@ MUTATIONS = [
         "        control.broadcast_from_rank0(blocks, layout.compute_device, dog)",
         ("tests/test_tensor_parallel.py::test_two_dimensional_training_equals_one_process",),
     ),
+    Mutation(
+        "tp_replicas_apart_unseen",
+        "TP-replicated parameters whose gradients differ across the TP ranks train apart silently",
+        "fsdp_strategy/engine/replica_agreement.py",
+        "            if apart:\n",
+        "            if False:\n",
+        (
+            "tests/test_tensor_parallel.py::"
+            "test_replicated_parameters_that_train_apart_across_tensor_parallel_are_named",
+        ),
+    ),
 ]
 
 

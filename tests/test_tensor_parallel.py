@@ -316,6 +316,7 @@ def _lightning_module(sequence_parallel: bool):
         def training_step(self, batch, batch_idx):
             tokens, targets = batch
             self.seen.append((tokens.clone(), targets.clone()))
+            self.places = self.trainer.strategy._watch.dog.reports.layout
             loss = lm_loss(self.model(tokens), targets)
             self.losses.append(loss.item())
             return loss
@@ -378,6 +379,7 @@ def _trainer_body(rank: int, world: int) -> dict:
         "params": params,
         "sampler": (sampler.num_replicas, sampler.rank),
         "mesh": trainer.strategy.device_mesh.mesh_dim_names,
+        "places": module.places,
         "told": told,
     }
 
@@ -418,6 +420,7 @@ def test_the_trainer_trains_modelparallelstrategys_user_code_as_one_process(tmp_
         data_rank = rank // 2  # TP is the inner dimension: ranks 0, 1 are data-parallel rank 0
         assert result["sampler"] == (2, data_rank), result["sampler"]
         assert result["mesh"] == ("data_parallel", "tensor_parallel")
+        assert result["places"] == (2, 2), result["places"]  # the watchdog's reports name (data, tensor)
         assert result["losses"] == pytest.approx(losses[data_rank], rel=1e-9, abs=0), (result["losses"], losses)
         for name, value in params.items():
             assert torch.allclose(result["params"][name], value, rtol=1e-9, atol=1e-9), name
@@ -484,3 +487,26 @@ def test_fabric_trains_a_parallelize_fn_as_one_process(tmp_path):
         assert result["losses"] == pytest.approx(losses[rank // 2], rel=1e-9, abs=0), (result["losses"], losses)
         for name, value in params.items():
             assert torch.allclose(result["params"][name], value, rtol=1e-9, atol=1e-9), name
+
+
+def _forgotten_norms(rank: int, world: int) -> str:
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("data_parallel", "tensor_parallel"))
+    torch.manual_seed(0)
+    model = parallelize(TinyLM(), mesh["tensor_parallel"], sequence_parallel=True, norms_forgotten=True)
+    shard_model(model, auto_wrap_policy={Block}, process_group=mesh["data_parallel"].get_group())
+    ((tokens, targets),) = batches(1, 2)
+    try:
+        lm_loss(model(tokens), targets).backward()
+    except RuntimeError as error:
+        return str(error)
+    return "trained apart silently"
+
+
+def test_replicated_parameters_that_train_apart_across_tensor_parallel_are_named(tmp_path):
+    """A norm on sequence-sharded activations without its SequenceParallel style: each TP rank
+    computes its weight's gradient from its part of the sequence. Every healthy case above runs the
+    same check (no false alarm in fp32, float64, bf16, offload, accumulation)."""
+    for told in run_ranks(_forgotten_norms, 2, tmp_path):
+        assert "layers.0.norm.weight, layers.0.norm.bias" in told, told
+        assert "got different gradients on the ranks of a tensor-parallel group" in told, told
+        assert "SequenceParallel style itself" in told, told

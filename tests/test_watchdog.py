@@ -288,6 +288,16 @@ def test_each_peer_state_has_its_sentence(peer, expected):
     assert expected in diagnosis.peer_line(peer, MINE, silence=5.0)
 
 
+def test_a_two_dimensional_run_names_each_rank_by_its_place():
+    peer = Peer(3, {"node": 0, "host": "b", "pid": 7}, PeerState.GONE)
+    line = diagnosis.peer_line(peer, MINE, silence=5.0, layout=(2, 2))
+    assert line.startswith("rank 3 (data 1, tensor 1; node 0, host b, pid 7): LOST"), line
+    assert diagnosis.peers_message(2, 0, [line], [], (2, 2)).startswith(
+        "fsdp_custom: rank 2 (data 1, tensor 0; node 0)"
+    )
+    assert diagnosis.coordinates(5, (2, 4)) == "data 1, tensor 1; " and diagnosis.coordinates(5, None) == ""
+
+
 def test_a_sigterm_while_a_report_is_written_is_handled_after_it():
     # torchrun's agent sends SIGTERM when a rank dies; Lightning's handler then runs a collective on
     # the failed group, which raised out of the report being written (it was lost)

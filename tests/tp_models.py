@@ -58,9 +58,12 @@ class TinyLM(nn.Module):
         return self.out(self.norm(h))
 
 
-def parallelize(model: TinyLM, mesh, sequence_parallel: bool = False, loss_parallel: bool = False) -> TinyLM:
+def parallelize(
+    model: TinyLM, mesh, sequence_parallel: bool = False, loss_parallel: bool = False, norms_forgotten: bool = False
+) -> TinyLM:
     """Lightning's example's plan: rowwise embedding, colwise w1/w3, rowwise w2, colwise output; with
-    ``sequence_parallel`` the norms run on sequence-sharded activations (SequenceParallel)."""
+    ``sequence_parallel`` the norms run on sequence-sharded activations (SequenceParallel).
+    ``norms_forgotten``: the blocks' norms lack their SequenceParallel style (a plan's mistake)."""
     out_layout = Shard(-1) if loss_parallel else Replicate()
     if sequence_parallel:
         plan = {
@@ -82,8 +85,9 @@ def parallelize(model: TinyLM, mesh, sequence_parallel: bool = False, loss_paral
             "ff.w2": RowwiseParallel(output_layouts=Shard(1) if sequence_parallel else Replicate()),
             "ff.w3": ColwiseParallel(),
         }
-        if sequence_parallel:
+        if sequence_parallel and not norms_forgotten:
             block_plan["norm"] = SequenceParallel()
+        if sequence_parallel:
             block_plan["ff"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
         parallelize_module(block, mesh, block_plan)
     return model

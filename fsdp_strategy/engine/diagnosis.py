@@ -107,10 +107,20 @@ def relation(report: dict[str, Any], mine: dict[str, Any] | None) -> str:
     return text
 
 
-def peer_line(peer: Peer, mine: dict[str, Any] | None, silence: float) -> str:
-    """One line of the message about ``peer``; ``silence``: seconds its heartbeat was watched."""
+def coordinates(rank: int, layout: tuple[int, int] | None) -> str:
+    """Where global ``rank`` is on a ``(data_parallel, tensor_parallel)`` ``layout`` (tensor parallel
+    the inner dimension, as ``init_device_mesh`` lays it out): "data 1, tensor 1; " ("" without one)."""
+    if layout is None:
+        return ""
+    return f"data {rank // layout[1]}, tensor {rank % layout[1]}; "
+
+
+def peer_line(peer: Peer, mine: dict[str, Any] | None, silence: float, layout: tuple[int, int] | None = None) -> str:
+    """One line of the message about ``peer``; ``silence``: seconds its heartbeat was watched;
+    ``layout``: the 2-D run's sizes, to name where the peer is."""
     who = peer.identity or {"node": "?", "host": "?", "pid": "?"}
-    name = f"rank {peer.rank} (node {who['node']}, host {who['host']}, pid {who['pid']})"
+    where = coordinates(peer.rank, layout)
+    name = f"rank {peer.rank} ({where}node {who['node']}, host {who['host']}, pid {who['pid']})"
     if peer.state is PeerState.REPORTED:
         assert peer.report is not None
         return f"{name}: {relation(peer.report, mine)}"
@@ -137,9 +147,12 @@ def store_unreachable_line(error: str) -> str:
     )
 
 
-def peers_message(rank: int, node: int, lines: list[str], dumps: list[str]) -> str:
+def peers_message(
+    rank: int, node: int, lines: list[str], dumps: list[str], layout: tuple[int, int] | None = None
+) -> str:
     """What this rank knows of the others (the message less its headline), logged as soon as known."""
-    return "\n  ".join([f"fsdp_custom: rank {rank} (node {node}) sees the other ranks:", *lines, *dumps])
+    where = coordinates(rank, layout)
+    return "\n  ".join([f"fsdp_custom: rank {rank} ({where}node {node}) sees the other ranks:", *lines, *dumps])
 
 
 def failure_message(headline: str, first: str | None, lines: list[str], dumps: list[str]) -> str:

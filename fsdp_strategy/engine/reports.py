@@ -63,6 +63,7 @@ class Reports:
         self.dump_dir = dump_dir  # where a failing rank writes its ring
         self.dump_path = ""  # this rank's ring, written when it fails
         self.abort_seen: str | None = None  # another rank's first report, as the watchdog's thread read it
+        self.layout: tuple[int, int] | None = None  # (data_parallel, tensor_parallel) of a 2-D run, to name places
 
     def publish(self, reason: str, record: CollectiveRecord | None, kind: str = "failed") -> None:
         """Write this rank's report (``kind``: "failed", "raised" or "outside") and, first wins, the abort key."""
@@ -106,7 +107,8 @@ class Reports:
 
     def _message(self, record: CollectiveRecord | None, reason: str) -> str:
         where = record.describe() if record is not None else "no collective"
-        headline = f"fsdp_custom: rank {self.rank} (node {self.node}) stopped at {where}: {reason}"
+        place = diagnosis.coordinates(self.rank, self.layout)
+        headline = f"fsdp_custom: rank {self.rank} ({place}node {self.node}) stopped at {where}: {reason}"
         self.check_store_host()
         self.publish(headline, record)
         first = self.first(headline)
@@ -116,11 +118,11 @@ class Reports:
         mine = record or self.recorder.latest()
         try:
             peers = self.peers_after_grace()
-            lines = [diagnosis.peer_line(peer, mine.as_dict() if mine else None, GRACE) for peer in peers]
+            lines = [diagnosis.peer_line(peer, mine.as_dict() if mine else None, GRACE, self.layout) for peer in peers]
         except StoreLost as error:  # what this host can still see: which processes have exited
             gone = [Peer(rank, self.identities.get(rank), PeerState.GONE) for rank in sorted(self.gone_locally())]
             lines = [diagnosis.store_unreachable_line(str(error))]
-            lines += [diagnosis.peer_line(peer, None, GRACE) for peer in gone]
+            lines += [diagnosis.peer_line(peer, None, GRACE, self.layout) for peer in gone]
         every = os.path.join(self.dump_dir, "fsdp_custom_flight_rank*.json")
         dumps = [f"Flight recorder rings: {every} (this rank: {self.dump_path})"]
         nccl_dump = _nccl_dump_prefix()
@@ -128,7 +130,7 @@ class Reports:
             dumps.append(f"torch's NCCL flight recorder, dumped on its own timeout: {nccl_dump}<rank>")
         # at once too: the exception's text is printed only after Lightning's teardown, which
         # restores the default SIGTERM action, and torchrun's agent sends SIGTERM when a rank dies
-        log.error("%s", diagnosis.peers_message(self.rank, self.node, lines, dumps))
+        log.error("%s", diagnosis.peers_message(self.rank, self.node, lines, dumps, self.layout))
         return diagnosis.failure_message(headline, first, lines, dumps)
 
     def peers_after_grace(self) -> list[Peer]:

@@ -76,6 +76,7 @@ from fsdp_strategy.engine.optimizer_steps import OptimizerSteps
 from fsdp_strategy.engine.order import ExecutionOrder, Prefetch
 from fsdp_strategy.engine.param import ShardedParam
 from fsdp_strategy.engine.reductions import Reductions, check_no_late_grads
+from fsdp_strategy.engine.replica_agreement import ReplicaAgreement
 from fsdp_strategy.engine.state import AfterPostBackward, Frame, UnitState
 from fsdp_strategy.engine.trace import traced
 from fsdp_strategy.engine.traversal import grad_tensors, replace_grad_tensors
@@ -138,6 +139,7 @@ class Scheduler:
         agreement = GroupAgreement(shard_comm, comm, device) if sharded else None
         kinds = OptimizerKinds(optimizer_updates or {}, shard_comm, comm, params, device)
         self.optimizer_steps = OptimizerSteps(units, self.device_layer, kinds, whole, agreement)
+        self.replicas = ReplicaAgreement.of(params, comm, device)  # [Note: TP replicas agree]; None without TP
         self.hook_handles: list[Any] = list(guards)  # every module hook the engine registered on the model
         self._register_hooks()
 
@@ -283,6 +285,8 @@ class Scheduler:
             self.device_layer.before_host_reads_grads()  # [Note: host and device] 2
             self.device_layer.before_host_writes_shards()  # a closure's step updates next (1)
             check_no_late_grads(self.units)
+            if self.replicas is not None:
+                self.replicas.send()
         finally:
             self._finish_backward(backward)
         self._report_lost_edits()  # after the units it reshards wrote back
@@ -417,6 +421,8 @@ class Scheduler:
         if not unwinding:
             self.lost_edits.raise_due(everything=True)
             self.optimizer_steps.raise_due()
+            if self.replicas is not None:
+                self.replicas.raise_due(everything=True)
 
     def open(self) -> None:
         """Install the optimizer-step hooks again after ``close`` (the strategy, at each setup)."""

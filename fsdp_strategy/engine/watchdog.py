@@ -57,7 +57,7 @@ import torch.distributed as dist
 
 from fsdp_strategy.engine.channel import StoreChannel, StoreLost
 from fsdp_strategy.engine.device import DeviceLayer, HostCopy
-from fsdp_strategy.engine.diagnosis import PeerLiveness, first_line
+from fsdp_strategy.engine.diagnosis import PeerLiveness, coordinates, first_line
 from fsdp_strategy.engine.flight import CollectiveRecord, FlightRecorder
 from fsdp_strategy.engine.reports import Reports, main_thread_place
 
@@ -212,7 +212,14 @@ class Watchdog:
             self.reported_own = True
             self._end_at = None  # alive and unwinding: no deadline from another rank's report stays
         self.reports.check_store_host()
-        self.reports.publish(f"rank {self.rank} raised {first_line(error)}", None, "raised")
+        place = coordinates(self.rank, self.reports.layout).removesuffix("; ")
+        name = f"rank {self.rank} ({place})" if place else f"rank {self.rank}"
+        self.reports.publish(f"{name} raised {first_line(error)}", None, "raised")
+
+    def name_places(self, layout: tuple[int, int]) -> None:
+        """Name each rank in reports by where it is on a 2-D run's ``(data_parallel, tensor_parallel)``
+        ``layout`` as well: "rank 3 (data 1, tensor 1; node 0, ...)"."""
+        self.reports.layout = layout
 
     def fail(self, record: CollectiveRecord | None, reason: str, cause: BaseException | None = None) -> NoReturn:
         """Publish, diagnose, and raise the ``CollectiveError`` of this rank's failure."""
