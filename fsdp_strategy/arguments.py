@@ -84,6 +84,7 @@ class BudgetRequest(NamedTuple):
 
     budget: int
     example_batch: Any
+    reserve: int | None = None  # [Note: memory reserve]; None: the default
 
     @classmethod
     def from_arguments(cls, arguments: Mapping[str, Any]) -> BudgetRequest | None:
@@ -92,9 +93,12 @@ class BudgetRequest(NamedTuple):
 
         auto = isinstance(arguments["auto_wrap_policy"], str) and arguments["auto_wrap_policy"] == "auto"
         budget, batch = arguments.get("memory_budget"), arguments.get("example_batch")
+        reserve = arguments.get("memory_reserve")
         if not auto:
-            if budget is not None or batch is not None:
-                raise ValueError("memory_budget and example_batch are read with auto_wrap_policy='auto' only")
+            if budget is not None or batch is not None or reserve is not None:
+                raise ValueError(
+                    "memory_budget, memory_reserve and example_batch are read with auto_wrap_policy='auto' only"
+                )
             return None
         if "memory_budget" not in arguments:
             raise ValueError(
@@ -108,7 +112,9 @@ class BudgetRequest(NamedTuple):
                 f"batch as training_step receives it; meta tensors work), got memory_budget={budget!r}"
             )
         check_auto_choices(arguments)
-        return cls(parse_bytes(budget), batch)
+        return cls(
+            parse_bytes(budget), batch, None if reserve is None else parse_bytes(reserve, "memory_reserve", True)
+        )
 
     def choose(self, model: Any, world_size: int, num_nodes: int, precision: str, given: dict[str, Any]) -> Any:
         """The MemoryPlan of the fastest settings that fit (every rank computes the same one)."""
@@ -123,6 +129,7 @@ class BudgetRequest(NamedTuple):
             precision=precision,
             auto_wrap_policy="auto",
             memory_budget=self.budget,
+            memory_reserve=self.reserve,
             **kept,
         )
 

@@ -167,6 +167,8 @@ class FSDPCustomStrategy(StrategyArguments, CheckpointHooks, LightningFSDPStrate
             so, your own) step each matrix whole on one rank (about 5x the matrices' bytes over the
             shard group per step for Muon); an unknown one warns once; LBFGS is refused.
         memory_budget: bytes per rank for ``auto_wrap_policy="auto"`` (an int or ``"70GiB"``).
+        memory_reserve: bytes of ``memory_budget`` the plan leaves for what it does not see (the CUDA
+            context, NCCL's buffers, fragmentation; default: 2 GiB plus 5 % of the budget; 0: none).
         example_batch: one batch as ``training_step`` receives it, for ``"auto"`` (meta tensors work).
         data_parallel_size: with ``tensor_parallel_size``, a 2-D run as Lightning's
             ``ModelParallelStrategy``'s (the same names and meaning): the ranks over which the engine
@@ -210,6 +212,7 @@ class FSDPCustomStrategy(StrategyArguments, CheckpointHooks, LightningFSDPStrate
         check_collective_order: bool = True,
         optimizer_updates: dict | None = None,
         memory_budget: int | str | None = None,
+        memory_reserve: int | str | None = None,
         example_batch: Any = None,
         data_parallel_size: int | Literal["auto"] | None = None,
         tensor_parallel_size: int | Literal["auto"] | None = None,
@@ -399,8 +402,8 @@ class FSDPCustomStrategy(StrategyArguments, CheckpointHooks, LightningFSDPStrate
         _move_torchmetrics_to_device(model, self.root_device)
         units = self.scheduler.units
         params = self.scheduler.sharded_params()
-        full_count = sum(math.prod(p.shape) for p in params)
-        trainable = sum(math.prod(p.shape) for p in params if p.sharded.requires_grad)
+        full_count = sum(math.prod(p.global_shape) for p in params)
+        trainable = sum(math.prod(p.global_shape) for p in params if p.sharded.requires_grad)
         local = sum(p.sharded.numel() for p in params)
         rank_zero_info(
             f"fsdp_custom: {self.sharding_strategy.value} over {plural(self.world_size, 'rank')}"

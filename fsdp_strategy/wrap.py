@@ -39,7 +39,22 @@ class ModuleNames(frozenset):
         names = [names] if isinstance(names, str) else list(names)
         if not all(isinstance(name, str) for name in names):
             raise TypeError(f"ModuleNames takes qualified module names (strings), got {names!r}")
-        return super().__new__(cls, names)
+        self = super().__new__(cls, names)
+        self.order = tuple(dict.fromkeys(names))  # as given (model order, from a plan): how it prints
+        return self
+
+    def __repr__(self) -> str:
+        """Python that makes it again, in the order given, a run of numbered names as one range:
+        ``ModuleNames([f"model.layers.{i}" for i in range(20)])``."""
+        names = list(getattr(self, "order", sorted(self)))
+        prefixes = {name.rpartition(".")[0] for name in names}
+        numbers = [name.rpartition(".")[2] for name in names]
+        if len(names) > 2 and len(prefixes) == 1 and all(n.isdigit() for n in numbers):
+            first, prefix = int(numbers[0]), prefixes.pop()
+            if [int(n) for n in numbers] == list(range(first, first + len(names))):
+                span = f"range({len(names)})" if first == 0 else f"range({first}, {first + len(names)})"
+                return f'ModuleNames([f"{prefix}.{{i}}" for i in {span}])'
+        return f"ModuleNames({names!r})"
 
     def policy_for(self, root: nn.Module) -> PolicyFn:
         """The policy function selecting these modules of ``root``."""

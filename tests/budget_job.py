@@ -26,7 +26,9 @@ from fsdp_strategy.plan.run import STEPS  # noqa: E402
 def main() -> None:
     torch.set_num_threads(1)
     module, batch, _ = MODELS["gpt"]()
-    strategy = FSDPCustomStrategy(auto_wrap_policy="auto", memory_budget=int(sys.argv[1]), example_batch=batch)
+    strategy = FSDPCustomStrategy(
+        auto_wrap_policy="auto", memory_budget=int(sys.argv[1]), memory_reserve=0, example_batch=batch
+    )
     peak = PeakOfLastStep()
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=strategy, max_steps=STEPS, logger=False, enable_checkpointing=False,

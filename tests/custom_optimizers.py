@@ -321,3 +321,23 @@ class TimedSGD(torch.optim.SGD):
         loss = super().step(closure)
         self._last_step_time = time.time()
         return loss
+
+
+class RowNormSGD(torch.optim.Optimizer):
+    """SGD with each matrix's gradient divided by its rows' norms (Adam-mini-style statistics per
+    output neuron): an element's update reads its row only. Exact on dim-0 row shards, not on a
+    tensor-parallel block of columns (a RowwiseParallel weight's Shard(1))."""
+
+    def __init__(self, params, lr: float = 0.01) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                grad = p.grad
+                if grad.ndim == 2:
+                    grad = grad / (grad.norm(dim=1, keepdim=True) + 1e-8)
+                p.add_(grad, alpha=-group["lr"])

@@ -256,9 +256,45 @@ def test_a_budget_is_met_where_recomputing_every_block_is_not_the_lightest():
     three = plan(module, batch, world_size=2, activation_checkpointing_policy=ModuleNames(names), **light)
     assert two.peak_bytes < three.peak_bytes
     budget = (two.peak_bytes + three.peak_bytes) // 2
-    chosen = plan(module, batch, world_size=2, auto_wrap_policy="auto", memory_budget=budget)
+    chosen = plan(module, batch, world_size=2, auto_wrap_policy="auto", memory_budget=budget, memory_reserve=0)
     assert chosen.peak_bytes == two.peak_bytes and chosen.strategy_kwargs["cpu_offload"]
     assert chosen.strategy_kwargs["activation_checkpointing_policy"] == ModuleNames(names[:2])
+    # [Note: memory reserve]: by default the same budget is planned less its reserve, and nothing fits it;
+    # one that leaves the reserve above the peak chooses the same, saying so and printing it ready to paste
+    from fsdp_strategy.plan.budget import budget_with, reserve_of
+
+    with pytest.raises(ValueError, match=r"nothing fits .* planned, the rest kept by memory_reserve"):
+        plan(module, batch, world_size=2, auto_wrap_policy="auto", memory_budget=budget)
+    roomy = budget_with(two.peak_bytes, None)
+    chosen = plan(module, batch, world_size=2, auto_wrap_policy="auto", memory_budget=roomy)
+    assert two.peak_bytes == chosen.peak_bytes <= roomy - reserve_of(roomy, None)
+    text = str(chosen)  # one argument per line, lines that fit a terminal, the recomputed blocks in order
+    assert "memory_reserve: the CUDA context, NCCL, fragmentation)" in text, text
+    assert all(len(line) <= 120 for line in text.splitlines()), text
+    assert text.splitlines()[0] == "memory plan (world_size=2, precision=32-true)", text
+    pasted = text.split("as strategy arguments:\n")[1]
+    assert f"activation_checkpointing_policy=ModuleNames({names[:2]!r})" in pasted, pasted
+    namespace = {"FSDPCustomStrategy": dict, "ModuleNames": ModuleNames, **{cls.__name__: cls for cls in blocks}}
+    assert eval(pasted, namespace) == chosen.strategy_kwargs, (pasted, chosen.strategy_kwargs)
+
+
+def test_the_default_reserve_is_the_documented_one():
+    """[Note: memory reserve]: 2 GiB (a tenth under 20 GiB) plus 5 % of the budget; budget_with inverts it."""
+    from fsdp_strategy.plan.budget import budget_with, reserve_of
+
+    gib = 1 << 30
+    assert reserve_of(80 * 10**9, None) == 2 * gib + int(0.05 * 80 * 10**9)  # 5.73 GiB of an 80 GB card
+    assert reserve_of(10 * gib, None) == gib + int(0.05 * 10 * gib)
+    for peak in (3 * gib, 70 * gib, 5 << 20):
+        smallest = budget_with(peak, None)
+        assert smallest - reserve_of(smallest, None) >= peak > (smallest - 64) - reserve_of(smallest - 64, None)
+
+
+def test_module_names_print_in_the_order_given_and_runs_as_ranges():
+    assert repr(ModuleNames([f"m.layers.{i}" for i in range(3)])) == 'ModuleNames([f"m.layers.{i}" for i in range(3)])'
+    assert repr(ModuleNames(["m.9", "m.10", "m.11"])) == 'ModuleNames([f"m.{i}" for i in range(9, 12)])'
+    assert repr(ModuleNames(["b.2", "a"])) == "ModuleNames(['b.2', 'a'])"  # as given, not in hash order
+    assert eval(repr(ModuleNames(["m.9", "m.10", "m.11"])), {"ModuleNames": ModuleNames}) == {"m.9", "m.10", "m.11"}
 
 
 def test_nothing_fits_names_the_smallest_budget_and_world():
@@ -323,6 +359,14 @@ def test_bad_input_is_a_clear_error():
         plan(model, x, world_size=2, ignored_modules=[model.head])
     with pytest.raises(TypeError, match="qualified module names"):
         ModuleNames([1, 2])
+    with pytest.raises(ValueError, match="memory_reserve=1.00 KiB leaves nothing of memory_budget=1.00 KiB"):
+        plan(Stack(), x, world_size=2, auto_wrap_policy="auto", memory_budget="1KiB", memory_reserve="1KiB")
+    with pytest.raises(ValueError, match="memory_reserve='some' is not a size"):
+        plan(Stack(), x, world_size=2, auto_wrap_policy="auto", memory_budget="1GiB", memory_reserve="some")
+    with pytest.raises(ValueError, match="memory_budget and memory_reserve are read with auto_wrap_policy='auto'"):
+        plan(Stack(), x, world_size=2, memory_reserve="1GiB")
+    with pytest.raises(ValueError, match="memory_budget, memory_reserve and example_batch are read"):
+        FSDPCustomStrategy(memory_reserve="1GiB")
     with pytest.raises(ValueError, match="chooses cpu_offload and SHARD_GRAD_OP/FULL_SHARD itself"):
         FSDPCustomStrategy(auto_wrap_policy="auto", memory_budget="1GiB", example_batch=x, cpu_offload=True)
     from fsdp_strategy import FSDPCustomFabricStrategy

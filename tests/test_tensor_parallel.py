@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 
 import pytest
 import torch
@@ -112,6 +113,7 @@ CASES_2 = [
     {"dp": 1, "tp": 2, **SP_LP},
     {"dp": 1, "tp": 2, "per_block": False, **F32},
     {"dp": 1, "tp": 2, "accumulate": True, "offload": True},
+    {"dp": 1, "tp": 2, "sync": True},  # one data-parallel rank: each TP block stays its own
     {"dp": 2, "tp": 1},
 ]
 
@@ -148,7 +150,9 @@ def _attempt(build) -> str:
         shard_model(model, **kwargs)
     except (TypeError, ValueError) as error:
         after = dict(model.named_parameters())
-        unchanged = all(torch.equal(value, _local(after[name])) for name, value in before.items())
+        unchanged = any(value.is_meta for value in before.values()) or all(
+            torch.equal(value, _local(after[name])) for name, value in before.items()
+        )
         return f"{type(error).__name__}: {error} | unchanged={unchanged}"
     return "sharded"
 
@@ -191,7 +195,20 @@ def _refusals(rank: int, world: int) -> dict[str, str]:
         model = parallelize(tiny(), three["tp"])
         return model, {"sharding_strategy": "HYBRID_SHARD", "device_mesh": three["replicate", "shard"]}
 
+    def meta_seeded_apart():  # the plain Linear is initialized at sharding, by each rank's own seed
+        with torch.device("meta"):
+            model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+        parallelize_module(model, tp, {"0": ColwiseParallel()})
+        torch.manual_seed(rank)
+        return model, {"process_group": dp.get_group()}
+
+    def ignored_split():
+        model = parallelize(tiny(), tp)
+        return model, {"process_group": dp.get_group(), "ignored_modules": [model.layers[1]]}
+
     cases = {
+        "meta_seeded_apart": meta_seeded_apart,
+        "ignored_split": ignored_split,
         "split_on_data": split_on_data,
         "fully_sharded": fully_sharded,
         "uneven": uneven,
@@ -205,6 +222,9 @@ def test_what_two_dimensional_training_cannot_do_is_refused_before_anything_chan
     for told in run_ranks(_refusals, 4, tmp_path):
         for name, message in told.items():
             assert message.endswith("unchanged=True"), (name, message)
+        assert "parameters 2.weight, 2.bias differ" in told["meta_seeded_apart"], told
+        assert "after their materialization from the meta device" in told["meta_seeded_apart"], told
+        assert "ignored_modules hold the tensor-parallel parameters layers.1.ff.w1.weight" in told["ignored_split"]
         assert "shares ranks with the data-parallel group" in told["split_on_data"], told
         assert "device_mesh['tensor_parallel']" in told["split_on_data"], told
         assert "already wrapped by fully_shard" in told["fully_sharded"], told
@@ -235,17 +255,19 @@ def _step_with(mesh_shape: tuple[int, int], make_optimizer, declared: dict | Non
 
 
 def _optimizers(rank: int, world: int) -> dict[str, str]:
-    from custom_optimizers import NormAdam
+    from custom_optimizers import NormAdam, RowNormSGD
 
     def matrices(model):
         return [p for p in model.parameters() if p.ndim == 2]
 
     return {
         "muon": _step_with((2, 2), lambda m: torch.optim.Muon(matrices(m), lr=0.01)),
-        "measured": _step_with((2, 2), lambda m: NormAdam(m.parameters())),
+        # measured on the data-parallel shards: none of these is split across its rows
+        "measured": _step_with((2, 2), lambda m: NormAdam([p for n, p in m.named_parameters() if "w2" not in n])),
         "unmeasurable": _step_with((1, 4), lambda m: NormAdam(m.parameters())),
         "declared": _step_with((1, 4), lambda m: NormAdam(m.parameters()), {NormAdam: "elementwise"}),
         "sgd": _step_with((2, 2), lambda m: torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)),
+        "per_row": _step_with((2, 2), lambda m: RowNormSGD(m.parameters())),
     }
 
 
@@ -260,6 +282,10 @@ def test_only_elementwise_optimizers_step_tensor_parallel_blocks(tmp_path):
             and "optimizer_updates={NormAdam: 'elementwise'}" in (told["unmeasurable"])
         ), told
         assert told["declared"] == told["sgd"] == "stepped", told
+        # a statistic per row is exact on the data-parallel row shards the measurement compares, not on a
+        # RowwiseParallel weight's block of columns: refused, naming one
+        assert "RowNormSGD cannot step the tensor-parallel parameters layers.0.ff.w2.weight" in told["per_row"], told
+        assert "split across their rows" in told["per_row"] and told["per_row"].endswith("unchanged=True"), told
 
 
 def _checkpoint_refused(rank: int, world: int, folder: str) -> list[str]:
@@ -269,7 +295,9 @@ def _checkpoint_refused(rank: int, world: int, folder: str) -> list[str]:
     torch.manual_seed(0)
     model = parallelize(TinyLM(), mesh["tensor_parallel"])
     shard_model(model, auto_wrap_policy={Block}, process_group=mesh["data_parallel"].get_group())
-    told = []
+    params = get_scheduler(model).sharded_params()  # the setup line counts the model's, not the blocks'
+    counted = sum(math.prod(p.global_shape) for p in params) == sum(p.numel() for p in TinyLM().parameters())
+    told = [f"counted={counted}"]
     for save in (lambda: full_state_dict(model), lambda: save_folder(folder, model, [], {})):
         try:
             save()
@@ -280,7 +308,8 @@ def _checkpoint_refused(rank: int, world: int, folder: str) -> list[str]:
 
 
 def test_a_checkpoint_of_a_tensor_parallel_model_is_refused_not_written_wrong(tmp_path):
-    for told in run_ranks(_checkpoint_refused, 2, tmp_path, str(tmp_path / "sharded")):
+    for counted, *told in run_ranks(_checkpoint_refused, 2, tmp_path, str(tmp_path / "sharded")):
+        assert counted == "counted=True"
         for message in told:
             assert "cannot yet save, load or gather the state of a tensor-parallel model" in message, told
             assert "tok.weight" in message and "ModelParallelStrategy" in message, told

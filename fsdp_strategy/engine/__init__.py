@@ -27,7 +27,7 @@ from fsdp_strategy.engine.init import ParamInitFn
 from fsdp_strategy.engine.monitoring import CollectiveMonitor
 from fsdp_strategy.engine.runtime import Scheduler
 from fsdp_strategy.engine.summon import summon_all_units
-from fsdp_strategy.engine.tensor_parallel import check_tensor_parallel
+from fsdp_strategy.engine.tensor_parallel import check_replicas_agree, check_tensor_parallel, replicated_locals
 from fsdp_strategy.engine.watchdog import CollectiveError, Watchdog
 from fsdp_strategy.options import ShardingOptions, check_collective_timeout, options_from
 
@@ -135,7 +135,8 @@ def shard_with_options(
         raise ValueError(f"{type(module).__name__} is already sharded; shard_model is applied once")
     shard_comm, replicate_comm = comm_groups(options.sharding_strategy, process_group, device_mesh)
     hybrid, synced = options.sharding_strategy.hybrid, options.sync_module_states
-    check_tensor_parallel(module, shard_comm, replicate_comm, hybrid, synced)
+    tensor_mesh = check_tensor_parallel(module, shard_comm, replicate_comm, hybrid, synced, options.ignored_modules)
+    on_meta = {name for name, local in replicated_locals(module) if local.is_meta} if tensor_mesh and not synced else ()
     compute = build.compute_device(device, module, shard_comm.group)
     storage = torch.device("cpu") if options.cpu_offload.offload_params else compute
     where = build.Where(shard_comm, replicate_comm, compute, storage, device_mesh)
@@ -143,6 +144,13 @@ def shard_with_options(
     sharding = build.plan(module, options)
     units = build.build(module, sharding, options, where, comm)
     scheduler = build.schedule(module, units, sharding, options, where, comm)
+    if on_meta:  # TP peers hold the same rows of a replicated parameter: their shards must agree
+        shards = [(p.fqn, p.sharded) for p in scheduler.sharded_params() if p.fqn in on_meta]
+        try:
+            check_replicas_agree(shards, tensor_mesh, materialized=True)
+        except ValueError:
+            scheduler.close()
+            raise
     module.__dict__[SCHEDULER_ATTRIBUTE] = scheduler
     return scheduler
 

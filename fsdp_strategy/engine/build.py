@@ -111,7 +111,8 @@ def _shard_params(
         control.broadcast_from_rank0(plain, layout.compute_device, dog)
         blocks = [value.to_local() for value in values if isinstance(value, DTensor)]
         data = where.shard_comm if where.shard_comm.size > 1 else where.replicate_comm
-        control.broadcast_from_rank0(blocks, layout.compute_device, dog, data.group)
+        if data.size > 1:  # one data-parallel rank: its block is the one (group None would be every rank)
+            control.broadcast_from_rank0(blocks, layout.compute_device, dog, data.group)
     params = []
     for param_id, first in zip(placement.params[index], firsts):
         current = first.module._parameters[first.name]

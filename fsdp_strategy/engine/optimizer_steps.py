@@ -48,6 +48,10 @@ class OptimizerSteps:
         self._held = {id(p.sharded) for unit in units for p in unit.params}
         # id -> name of the parameters split over tensor parallel: only elementwise optimizers step their blocks
         self._split = {id(p.sharded): p.fqn for unit in units for p in unit.params if p.tp is not None and p.tp.sharded}
+        # ... and of those, the ones split across their rows: a measurement on row shards cannot vouch for them
+        self._across_rows = {
+            id(p.sharded) for unit in units for p in unit.params if p.tp is not None and p.tp.splits_rows
+        }
         # id -> (weak reference, name) of the parameters sharding replaced: stepping one is a mistake
         self._replaced = {
             id(p.replaced()): (p.replaced, p.fqn) for unit in units for p in unit.params if p.replaced() is not None
@@ -106,9 +110,12 @@ class OptimizerSteps:
             return None  # another model's optimizer (or a reference's, or the probe's: optimizer_probe.py)
         # a refused one raises here, before anything changes; with a shard group of one every parameter is whole
         split = [self._split[id(p)] for p in params if id(p) in self._split]
+        across = [self._split[id(p)] for p in params if id(p) in self._across_rows]
         known = self._kinds.known(optimizer) if self._whole_matrix is not None or split else UpdateKind.ELEMENTWISE
-        if split and known is not UpdateKind.ELEMENTWISE and (known is not None or self._whole_matrix is None):
-            raise _refused_on_blocks(optimizer, split, known)
+        unmeasured = self._whole_matrix is None  # a shard group of one: nothing to measure on
+        if split and known is not UpdateKind.ELEMENTWISE and (known is not None or unmeasured or across):
+            rows = bool(across) and known is None and not unmeasured  # measurable, but not across rows
+            raise _refused_on_blocks(optimizer, across if rows else split, known, rows)
         if not self._kinds.torch_own(optimizer):
             self._checked_groups.add(id(optimizer))
         self._refuse_replaced(optimizer)
@@ -199,16 +206,21 @@ class OptimizerSteps:
                 unit.refresh(stepped)
 
 
-def _refused_on_blocks(optimizer: Any, split: list[str], kind: UpdateKind | None) -> TypeError:
+def _refused_on_blocks(optimizer: Any, split: list[str], kind: UpdateKind | None, across: bool = False) -> TypeError:
     """The error for a non-elementwise optimizer (or one that cannot be measured) holding
     tensor-parallel blocks ([Note: tensor parallel parameters]): it would step a block as a matrix."""
     name = type(optimizer).__name__
     shown = ", ".join(split[:3]) + (f" and {len(split) - 3} more" if len(split) > 3 else "")
-    why = (
-        "it reads each parameter whole (a norm, an orthogonalization or a factorization of the matrix)"
-        if kind is UpdateKind.WHOLE_MATRIX
-        else "it is not one of torch's elementwise optimizers, and with one data-parallel rank it cannot be measured"
-    )
+    if kind is UpdateKind.WHOLE_MATRIX:
+        why = "it reads each parameter whole (a norm, an orthogonalization or a factorization of the matrix)"
+    elif across:
+        why = (
+            "it is not one of torch's elementwise optimizers, and these are split across their rows (a "
+            "RowwiseParallel weight's Shard(1)), which its measurement on whole rows cannot vouch for (a statistic "
+            "per row would be taken over half a row)"
+        )
+    else:
+        why = "it is not one of torch's elementwise optimizers, and with one data-parallel rank it cannot be measured"
     return TypeError(
         f"{name} cannot step the tensor-parallel parameters {shown}: {why}, and each rank holds only its "
         "tensor-parallel block of them, so it would step a block as if it were the matrix (block-wise Muon at "

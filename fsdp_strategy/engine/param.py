@@ -106,6 +106,11 @@ class ShardedParam:
         self._filled_version = 0  # the full parameter's version counter when it was last filled
         self.free_unsharded()
 
+    @property
+    def global_shape(self) -> torch.Size:
+        """The parameter's shape in the model: a tensor-parallel one's whole, not its block's."""
+        return self.tp.shape if self.tp is not None else self.shape
+
     def _wrapped(self, local: torch.Tensor) -> torch.Tensor:
         """The module's view of a full local tensor: itself, or its DTensor for a TP parameter."""
         return local if self.tp is None else self.tp.wrap(local)

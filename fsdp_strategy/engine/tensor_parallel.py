@@ -17,6 +17,7 @@ own collectives, and at setup one all-gather over TP of the replicated parameter
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 import torch
@@ -77,6 +78,13 @@ class TPSpec(NamedTuple):
         """Whether the parameter is split over TP (not replicated)."""
         return any(isinstance(p, Shard) for p in self.placements)
 
+    @property
+    def splits_rows(self) -> bool:
+        """Whether TP splits each of its rows (``Shard(d)`` on a dimension past the first, as a
+        RowwiseParallel weight's ``Shard(1)``), which the data-parallel shards never do."""
+        dims = [p.dim % max(len(self.shape), 1) for p in self.placements if isinstance(p, Shard)]
+        return any(dim > 0 for dim in dims)
+
 
 def local_of(param: torch.Tensor) -> torch.Tensor:
     """A parameter's TP-local tensor, the one it wraps (the parameter itself when plain)."""
@@ -84,7 +92,12 @@ def local_of(param: torch.Tensor) -> torch.Tensor:
 
 
 def check_tensor_parallel(
-    module: nn.Module, shard: CommGroup, replicate: CommGroup, hybrid: bool, synced: bool = False
+    module: nn.Module,
+    shard: CommGroup,
+    replicate: CommGroup,
+    hybrid: bool,
+    synced: bool = False,
+    ignored: Iterable[nn.Module] | None = None,
 ) -> Any:
     """Check a model's DTensor parameters before anything changes; return their TP mesh (None: a plain
     1-D model). Refused, each naming the parameter and the fix: a module already ``fully_shard``ed or
@@ -101,14 +114,15 @@ def check_tensor_parallel(
     mesh = dtensors[0][1].device_mesh
     for name, param in dtensors:
         _check_placement(name, param, mesh)
+    _refuse_ignored(module, ignored or ())
     if hybrid and mesh.size() > 1:
         raise ValueError(
             "fsdp_custom: sharding_strategy='HYBRID_SHARD' with tensor parallel (tensor_parallel_size > 1) is not "
             "supported; accepted with tensor parallel: 'FULL_SHARD', 'SHARD_GRAD_OP', 'NO_SHARD'"
         )
     _check_orthogonal(mesh, shard if shard.size > 1 else replicate, dtensors[0][0])
-    if not synced:
-        _check_replicated_agree(module, mesh)
+    if not synced:  # those still on the meta device are checked once materialized (shard_with_options)
+        check_replicas_agree([(n, t) for n, t in replicated_locals(module) if not t.is_meta], mesh)
     return mesh
 
 
@@ -122,6 +136,19 @@ def _refuse_wrapped(module: nn.Module) -> None:
                 f"fsdp_custom cannot shard {type(module).__name__}: {name or 'the model'} is already wrapped by "
                 f"{kind}. {FULLY_SHARDED_HINT}"
             )
+
+
+def _refuse_ignored(module: nn.Module, ignored: Iterable[nn.Module]) -> None:
+    ids = {id(p) for sub in ignored for p in sub.parameters()}
+    split = [name for name, p in module.named_parameters() if id(p) in ids and isinstance(p, DTensor)]
+    if split:
+        shown = ", ".join(split[:3]) + (f" and {len(split) - 3} more" if len(split) > 3 else "")
+        raise TypeError(
+            f"fsdp_custom: ignored_modules hold the tensor-parallel parameters {shown}: an ignored module is left "
+            "whole on each rank, its gradients the rank's own, which a tensor-parallel block cannot be (clipping and "
+            "reductions would mix DTensors and plain tensors). Accepted: tensor-parallel modules outside "
+            "ignored_modules"
+        )
 
 
 def _check_placement(name: str, param: DTensor, mesh: Any) -> None:
@@ -164,25 +191,40 @@ def _check_orthogonal(mesh: Any, data: CommGroup, name: str) -> None:
         )
 
 
-@torch.no_grad()
-def _check_replicated_agree(module: nn.Module, mesh: Any) -> None:
-    replicated = [
+def replicated_locals(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The TP-replicated parameters of a model (plain ones and ``Replicate()`` DTensors), their
+    local tensors by name."""
+    return [
         (name, local_of(p))
         for name, p in module.named_parameters()
         if not isinstance(p, DTensor) or not any(isinstance(x, Shard) for x in p.placements)
     ]
-    if not replicated or mesh.size() == 1 or any(t.is_meta for _, t in replicated):
-        return  # parameters still on the meta device are materialized alike on every rank later
-    sums = torch.stack([_checksum(t) for _, t in replicated]).cpu()
+
+
+@torch.no_grad()
+def check_replicas_agree(named: list[tuple[str, torch.Tensor]], mesh: Any, materialized: bool = False) -> None:
+    """Raise naming the TP-replicated tensors of ``named`` whose values differ across the TP ranks
+    of ``mesh`` (``materialized``: just made from the meta device). Costs: a checksum per tensor and
+    one all-gather of them over TP (on the mesh's device: NCCL takes no CPU tensors)."""
+    if not named or mesh.size() == 1:
+        return
+    device = (
+        torch.device("cpu")
+        if mesh.device_type == "cpu"
+        else torch.device(mesh.device_type, torch.cuda.current_device())
+    )
+    sums = torch.stack([_checksum(t).to(device) for _, t in named])
     rows = [torch.empty_like(sums) for _ in range(mesh.size())]
     dist.all_gather(rows, sums, group=mesh.get_group())  # setup only, not watched: before any watchdog
-    differ = [name for i, (name, _) in enumerate(replicated) if any(row[i] != sums[i] for row in rows)]
+    everyone, mine = torch.stack(rows).cpu(), sums.cpu()
+    differ = [name for i, (name, _) in enumerate(named) if bool((everyone[:, i] != mine[i]).any())]
     if differ:
         shown = ", ".join(differ[:3]) + (f" and {len(differ) - 3} more" if len(differ) > 3 else "")
+        when = "after their materialization from the meta device" if materialized else "at setup"
         raise ValueError(
             f"fsdp_custom: the tensor-parallel-replicated parameters {shown} differ across the tensor-parallel ranks "
-            "at setup; each TP peer would train its own copy. Initialize them the same on every rank (the same seed "
-            "before building the model: seed_everything)"
+            f"{when}; each TP peer would train its own copy. Initialize them the same on every rank (the same seed "
+            "before building the model: seed_everything), or pass sync_module_states=True"
         )
 
 

@@ -32,6 +32,7 @@ def plan(
     precision: str = "32-true",
     optimizer: Any = "adamw",
     memory_budget: Any = None,
+    memory_reserve: Any = None,
     **strategy_kwargs: Any,
 ) -> MemoryPlan:
     """The per-rank memory of training ``model`` with ``FSDPCustomStrategy(**strategy_kwargs)`` on
@@ -44,6 +45,8 @@ def plan(
     ``optimizer``: "adamw", "adam", "sgd", an optimizer class or ``params -> optimizer``.
     ``auto_wrap_policy="auto"`` with ``memory_budget`` (bytes or "70GiB") returns the plan of
     the fastest settings that fit, with ``reasons``; a ValueError says what would fit if nothing does.
+    The budget is planned less ``memory_reserve`` (bytes or "4GiB"; default: 2 GiB plus 5 % of the
+    budget, for the CUDA context, NCCL's buffers and fragmentation, which no plan sees; 0: none).
 
     Costs: one CPU process, no model memory; a few seconds for small models, under a minute
     for a 70B Llama-shaped model (fake tensors: time grows with the number of operators).
@@ -64,7 +67,11 @@ def plan(
         check_auto_choices(strategy_kwargs)
         if memory_budget is None:
             raise ValueError("auto_wrap_policy='auto' needs memory_budget (bytes per rank, e.g. '70GiB')")
-        return choose(model, example_input, planned, parse_bytes(memory_budget))
-    if memory_budget is not None:
-        raise ValueError("memory_budget is read with auto_wrap_policy='auto' only; plan() reports the peak itself")
+        reserve = None if memory_reserve is None else parse_bytes(memory_reserve, "memory_reserve", zero=True)
+        return choose(model, example_input, planned, parse_bytes(memory_budget), reserve)
+    if memory_budget is not None or memory_reserve is not None:
+        raise ValueError(
+            "memory_budget and memory_reserve are read with auto_wrap_policy='auto' only; plan() reports the peak "
+            "itself"
+        )
     return run(model, example_input, planned)

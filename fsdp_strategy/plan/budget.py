@@ -17,6 +17,14 @@ units, FULL_SHARD, offload) are planned first, those over the budget rule out ev
 their k, and candidates are compared only at equal k. When nothing fits, the lightest of them
 gives the smallest budget that would fit, and doubling the world size finds the smallest world
 (up to 64 times larger) at which it fits.
+
+[Note: memory reserve]
+A plan counts the tensors of a training step; a GPU also holds what no plan sees: the CUDA context
+and cuBLAS/cuDNN workspaces (0.5-1 GiB on an H100), NCCL's buffers (a few MiB per channel and peer,
+0.5-1 GiB at scale) and the caching allocator's fragmentation (a few percent of what it holds). So
+a budget is planned less a reserve: by default ``RESERVE_FIXED`` (2 GiB, or a tenth of a budget under
+20 GiB) plus ``RESERVE_FRACTION`` (5 %) of the budget: 5.73 GiB of an 80 GB card's 74.51 GiB.
+``memory_reserve`` (plan(), the strategy; ``--reserve`` on fsdp-plan) sets it in bytes, 0 for none.
 """
 
 from __future__ import annotations
@@ -39,6 +47,8 @@ NETWORK_BYTES_PER_SECOND = 100e9  # what one rank sends per second in a ring col
 HOST_BYTES_PER_SECOND = 25e9  # PCIe, each way
 HOST_ADAM_BYTES_PER_SECOND = 20e9  # a CPU optimizer step streams parameters, gradients and two states
 LATENCY_PER_COLLECTIVE = 30e-6
+RESERVE_FIXED = 2 << 30  # [Note: memory reserve]: CUDA context and workspaces, NCCL's buffers
+RESERVE_FRACTION = 0.05  # [Note: memory reserve]: the caching allocator's fragmentation
 
 
 class Candidate(NamedTuple):
@@ -91,9 +101,32 @@ def _candidates(blocks: int, shardings: list[str]) -> list[Candidate]:
     ]
 
 
-def choose(model: nn.Module, example_input: Any, planned: Planned, budget: int) -> MemoryPlan:
-    """The plan of the fastest candidate whose peak fits ``budget`` bytes per rank, with reasons;
-    a ValueError naming the smallest budget and world size that would fit when none does."""
+def reserve_of(budget: int, reserve: int | None) -> int:
+    """The bytes of ``budget`` left unplanned ([Note: memory reserve]): ``reserve``, or by default a
+    fixed part (a tenth of a budget under 20 GiB) plus ``RESERVE_FRACTION`` of the budget."""
+    if reserve is not None:
+        if reserve >= budget:
+            raise ValueError(f"memory_reserve={_size(reserve)} leaves nothing of memory_budget={_size(budget)}")
+        return reserve
+    return min(RESERVE_FIXED, budget // 10) + int(RESERVE_FRACTION * budget)
+
+
+def budget_with(peak: int, reserve: int | None) -> int:
+    """The smallest budget whose planned part (``reserve_of``) holds ``peak``."""
+    if reserve is not None:
+        return peak + reserve
+    large = int((peak + RESERVE_FIXED) / (1 - RESERVE_FRACTION)) + 1
+    return large if large // 10 >= RESERVE_FIXED else int(peak / (1 - RESERVE_FRACTION - 0.1)) + 1
+
+
+def choose(
+    model: nn.Module, example_input: Any, planned: Planned, budget: int, reserve: int | None = None
+) -> MemoryPlan:
+    """The plan of the fastest candidate whose peak fits ``budget`` bytes per rank less a reserve
+    ([Note: memory reserve]), with reasons; a ValueError naming the smallest budget and world size
+    that would fit when none does."""
+    set_aside = reserve_of(budget, reserve)
+    usable = budget - set_aside
     blocks_of, names = block_class(_meta_copy(model))
     fixed = {key: value for key, value in planned.strategy_kwargs.items() if key not in _CHOSEN}
     given = ShardingStrategy.from_any(planned.strategy_kwargs.get("sharding_strategy", "FULL_SHARD"))
@@ -116,30 +149,31 @@ def choose(model: nn.Module, example_input: Any, planned: Planned, budget: int) 
 
     light = {c: plan_of(c) for c in candidates if c.per_block and c.sharding == shardings[-1] and c.offload}
     lightest = min(light, key=lambda c: light[c].peak_bytes)  # over k: not always every block recomputed
-    if light[lightest].peak_bytes > budget:
+    if light[lightest].peak_bytes > usable:
         described = _describe(lightest, blocks_of, len(names))
         at_world = functools.partial(plan_of, lightest)
-        raise ValueError(_nothing_fits(budget, light[lightest], described, at_world, planned))
+        raise ValueError(_nothing_fits(budget, usable, reserve, light[lightest], described, at_world, planned))
     baseline = light[Candidate(True, len(names), shardings[-1], True)]  # its FLOPs: every block recomputed
     estimate = _Estimate(baseline, planned, len(names))
 
     def line_of(candidate: Candidate, result: MemoryPlan) -> str:
         return f"{_describe(candidate, blocks_of, len(names))}: {_size(result.peak_bytes)}"
 
-    failed = [c for c in light if light[c].peak_bytes > budget]  # everything heavier at their k is skipped
+    failed = [c for c in light if light[c].peak_bytes > usable]  # everything heavier at their k is skipped
     tried = [f"{line_of(c, light[c])} (over)" for c in failed]
     for candidate in sorted(candidates, key=estimate.seconds):
         if any(candidate.heavier_or_equal(other) for other in failed):
             continue
         result = light[candidate] if candidate in light else plan_of(candidate)
         line = line_of(candidate, result)
-        if result.peak_bytes > budget:
+        if result.peak_bytes > usable:
             failed.append(candidate)
             tried.append(f"{line} (over)")
             continue
         reasons = [
-            f"budget {_size(budget)} per rank; the lightest settings at each number of recomputed blocks, then the "
-            "candidates fastest first (estimated step time):"
+            f"budget {_size(budget)} per rank, {_size(usable)} planned ({_size(set_aside)} memory_reserve: the CUDA "
+            "context, NCCL, fragmentation)",
+            "the lightest settings at each number of recomputed blocks, then the fastest first (estimated step time):",
         ]
         reasons += [f"  {entry}" for entry in tried]
         reasons.append(f"  {line}: fits, chosen")
@@ -186,17 +220,19 @@ def _describe(candidate: Candidate, blocks_of: type, blocks: int) -> str:
     return f"{units}, {checkpointing}, {candidate.sharding}, {offload}"
 
 
-def _nothing_fits(budget: int, lightest: MemoryPlan, described: str, plan_at: Any, planned: Planned) -> str:
+def _nothing_fits(
+    budget: int, usable: int, reserve: int | None, lightest: MemoryPlan, described: str, plan_at: Any, planned: Planned
+) -> str:
     world = planned.world_size
     fits_at = None
     for factor in (2, 4, 8, 16, 32, 64):
-        if plan_at(world * factor).peak_bytes <= budget:
+        if plan_at(world * factor).peak_bytes <= usable:
             fits_at = world * factor
             break
     larger = f"it fits at {fits_at} ranks" if fits_at else f"it does not fit at {64 * world} ranks either"
     return (
-        f"nothing fits memory_budget={_size(budget)} per rank at {plural(world, 'rank')}: the lightest settings "
-        f"({described}) "
-        f"peak at {_size(lightest.peak_bytes)} per rank, the smallest budget that would fit; {larger}. A smaller "
-        "batch also lowers the peak"
+        f"nothing fits memory_budget={_size(budget)} per rank at {plural(world, 'rank')} ({_size(usable)} planned, "
+        f"the rest kept by memory_reserve): the lightest settings ({described}) peak at "
+        f"{_size(lightest.peak_bytes)} per rank; the smallest budget that would fit is "
+        f"{_size(budget_with(lightest.peak_bytes, reserve))}; {larger}. A smaller batch also lowers the peak"
     )

@@ -110,6 +110,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--cpu-offload", action="store_true")
     parser.add_argument("--budget", help="bytes per rank (e.g. 70GiB): choose the fastest settings that fit")
+    parser.add_argument(
+        "--reserve",
+        help="bytes of the budget left for the CUDA context, NCCL and fragmentation (default: 2GiB + 5%% of it)",
+    )
     parser.add_argument("--input", action="append", help="module:function models: an input shape, 8x1024:long")
     parser.add_argument("--batch", type=int, default=1, help="presets: sequences per rank")
     parser.add_argument("--seq-len", type=int, default=2048, help="presets: tokens per sequence")
@@ -142,8 +146,10 @@ def _what_to_plan(args: argparse.Namespace) -> tuple[torch.nn.Module, Any, dict[
             raise UsageError(f"{args.model} returned {type(model).__name__}, not an nn.Module")
         batch, blocks = tuple(parse_input(text) for text in args.input or []), set()
     wrap = set(args.wrap) if args.wrap else blocks or None
+    if args.reserve is not None and args.budget is None:
+        raise UsageError("--reserve is the part of --budget left unplanned: give --budget too")
     if args.budget is not None:
-        return model, batch, {"auto_wrap_policy": "auto", "memory_budget": args.budget}
+        return model, batch, {"auto_wrap_policy": "auto", "memory_budget": args.budget, "memory_reserve": args.reserve}
     kwargs: dict[str, Any] = {"sharding_strategy": args.sharding_strategy, "cpu_offload": args.cpu_offload}
     kwargs["auto_wrap_policy"] = wrap
     if args.activation_checkpointing is not None:

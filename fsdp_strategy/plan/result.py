@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+RUN_SETTINGS = ("world_size", "precision")  # the header's; the other settings are strategy arguments
 PARTS = (
     "parameter shards",
     "gradients",
@@ -58,10 +59,18 @@ class MemoryPlan:
         rows.append(("sent per rank per step", _size(self.sent_bytes_per_step), ""))
         rows.append(("compute per rank per step", f"{self.flops_per_step / 1e12:.3g} TFLOP", ""))
         width = max(len(row[0]) for row in rows)
-        settings = ", ".join(f"{key}={value}" for key, value in self.settings.items())
-        lines = [f"memory plan ({settings})"]
+        run = ", ".join(f"{key}={value}" for key, value in self.settings.items() if key in RUN_SETTINGS)
+        arguments = [f"{key}={value}" for key, value in self.settings.items() if key not in RUN_SETTINGS]
+        lines = [f"memory plan ({run})"]
         lines += [f"  {name:<{width}}  {size:>10}  {note}".rstrip() for name, size, note in rows]
         lines += [f"  {reason}" for reason in self.reasons]
+        if arguments:  # one per line, ready to paste (classes by name: your code imports them)
+            lines += [
+                "  as strategy arguments:",
+                "    FSDPCustomStrategy(",
+                *(f"        {a}," for a in arguments),
+                "    )",
+            ]
         return "\n".join(lines)
 
 
@@ -72,8 +81,8 @@ def _size(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
-def parse_bytes(value: Any, argument: str = "memory_budget") -> int:
-    """``70GiB``, ``"512 MB"``, ``8e9`` or an int -> bytes; a clear error otherwise."""
+def parse_bytes(value: Any, argument: str = "memory_budget", zero: bool = False) -> int:
+    """``70GiB``, ``"512 MB"``, ``8e9`` or an int -> bytes (``zero``: 0 allowed); a clear error otherwise."""
     units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
     units.update({"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40})
     if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -84,9 +93,10 @@ def parse_bytes(value: Any, argument: str = "memory_budget") -> int:
         number, unit = (float(digits) if digits else float("nan")), text[len(digits) :]
     else:
         number, unit = float("nan"), ""
-    if unit not in units or not 1 <= number * units.get(unit, 1) < float("inf"):
+    if unit not in units or not (0 if zero else 1) <= number * units.get(unit, 1) < float("inf"):
+        least = 0 if zero else 1
         raise ValueError(
-            f"{argument}={value!r} is not a size; give bytes (at least 1, finite) or a string like '70GiB', "
+            f"{argument}={value!r} is not a size; give bytes (at least {least}, finite) or a string like '70GiB', "
             "'512MiB', '80GB'"
         )
     return int(number * units[unit])

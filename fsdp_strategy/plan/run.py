@@ -40,6 +40,7 @@ from fsdp_strategy.plan.repeats import LayerList, Moment, PlannedRun, find_layer
 from fsdp_strategy.plan.result import PARTS, MemoryPlan
 from fsdp_strategy.plan.tracker import ACTIVATIONS, LiveBytes
 from fsdp_strategy.plan.world import fake_world
+from fsdp_strategy.wrap import ModuleNames
 
 SHARDS, GRADIENTS, OPTIMIZER = "parameter shards", "gradients", "optimizer state"
 OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
@@ -378,8 +379,15 @@ def planned_input(batch: Any, precision: PrecisionRules, device: torch.device) -
 
 
 def _short(value: Any) -> Any:
+    """A strategy argument as Python a user pastes (classes by name, which their code imports)."""
     if isinstance(value, type):
         return value.__name__
-    if isinstance(value, (set, frozenset, list, tuple)):
-        return "{" + ", ".join(str(_short(v)) for v in value) + "}"
+    if isinstance(value, ModuleNames):
+        return repr(value)
+    if isinstance(value, (set, frozenset)):
+        return "{" + ", ".join(sorted(str(_short(v)) for v in value)) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(str(_short(v)) for v in value) + "]"
+    if isinstance(value, str):
+        return repr(value)
     return value
