@@ -157,9 +157,8 @@ MUTATIONS = [
         "clip_norm_local",
         "clipping by norm uses this rank's shards' norm (the all-reduce is left out)",
         "fsdp_strategy/engine/clipping.py",
-        '    collectives.all_reduce(total, shard_comm, ctx, "clip_grad_norm", '
-        'op="max" if infinite else "sum").wait()\n',
-        "",
+        '        collectives.all_reduce(terms, comm, ctx, "clip_grad_norm", op="max" if infinite else "sum").wait()\n',
+        "        pass\n",
         ("tests/test_accumulation_and_clipping.py::test_each_optimizer_is_clipped_by_its_own_norm",),
     ),
     Mutation(
@@ -191,8 +190,10 @@ MUTATIONS = [
         "muon_steps_shards",
         "a whole-matrix optimizer (Muon) steps each rank's rows instead of whole matrices",
         "fsdp_strategy/engine/optimizer_steps.py",
-        "            if self._kinds.of(optimizer) is UpdateKind.WHOLE_MATRIX:\n                placement.before_update",
-        "            if False:\n                placement.before_update",
+        "                    raise _refused_on_blocks(optimizer, split, UpdateKind.WHOLE_MATRIX)\n"
+        "                placement.before_update",
+        "                    raise _refused_on_blocks(optimizer, split, UpdateKind.WHOLE_MATRIX)\n"
+        "                placement.abandon",
         ("tests/test_whole_matrix.py::test_whole_matrix_optimizers_equal_one_process_on_the_global_batch",),
     ),
     Mutation(
