@@ -11,6 +11,7 @@ import io
 import multiprocessing as mp
 import os
 import queue as queue_module
+import re
 import socket
 import subprocess
 import sys
@@ -139,3 +140,23 @@ def run_torchrun_nodes(script: str, args: list[str], port: int, cwd: Path, timeo
         for node in nodes:
             node.kill()
     return [(node.returncode, output) for node, output in zip(nodes, outputs)]
+
+
+FIRST_ERROR = re.compile(r"Traceback \(most recent call last\)|^\S*(Error|Exception)\b.*:", re.MULTILINE)
+
+
+def excerpt(text: str, chars: int = 4000) -> str:
+    """What a failed job printed, for an assertion message: its first error (from the first traceback or
+    error line on) and its end, ``chars`` characters in all. The end alone often holds only a launcher's
+    traceback (torchrun's, after a rank died), not the rank's own first error."""
+    if len(text) <= chars:
+        return text
+    tail = text[-(chars // 2) :]
+    first = FIRST_ERROR.search(text)
+    start = 0 if first is None else max(0, first.start() - 300)
+    if start >= len(text) - len(tail):  # the first error is in the end already
+        return text[-chars:]
+    head = text[start : start + chars // 2]
+    skipped = len(text) - start - len(head) - len(tail)
+    before = f"[{start} characters before the first error]\n" if start else ""
+    return f"{before}{head}\n[... {max(skipped, 0)} characters ...]\n{tail}"

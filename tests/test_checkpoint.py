@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_utils import run_ranks
+from dist_utils import excerpt, run_ranks
 from models import Block, TiedLM, lm_loss, make_batches
 from torch import nn
 
@@ -210,7 +210,7 @@ def _peak(src, dst, **options) -> int:
     done = subprocess.run(
         [sys.executable, str(script), str(src), str(dst), json.dumps(options)], capture_output=True, text=True
     )
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, excerpt(done.stderr, 3000)
     return int(done.stdout.strip().splitlines()[-1])
 
 

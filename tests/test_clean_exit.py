@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from dist_utils import excerpt
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -20,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_a_correct_job_under_each_launcher_exits_0_without_an_abort():
     command = [sys.executable, str(ROOT / "benchmarks" / "clean_exits.py"), "--jobs", "1"]
     job = subprocess.run(command, env=os.environ.copy(), capture_output=True, text=True, timeout=600)
-    assert job.returncode == 0, job.stderr[-3000:]
+    assert job.returncode == 0, excerpt(job.stderr, 3000)
     line = next(line for line in job.stdout.splitlines() if line.startswith("CLEAN_EXITS "))
     summary = json.loads(line.removeprefix("CLEAN_EXITS "))
     for launcher in ("lightning", "torchrun"):

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import tomllib
+from dist_utils import excerpt
 
 from fsdp_strategy import FSDPCustomFabricStrategy, FSDPCustomStrategy
 
@@ -122,7 +123,7 @@ def test_readme_plan_command_prints_the_plan_the_docs_show(tmp_path):
     (command,) = _block_after("README.md", "**Check that it fits.**", "```bash").splitlines()
     assert command.startswith("fsdp-plan "), command
     done = subprocess.run(command, shell=True, cwd=ROOT, capture_output=True, text=True, timeout=300)  # as README
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, excerpt(done.stderr, 3000)
     readme = (ROOT / "README.md").read_text()
     prose = readme[readme.index("**Check that it fits.**") :].split("```")[0]
     assert "pip install '.[plan]'" in prose  # the install line README gives the presets installs what they need

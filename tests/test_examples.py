@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from dist_utils import free_port
+from dist_utils import excerpt, free_port
 
 from fsdp_strategy.callbacks.wandb_history import history
 from fsdp_strategy.callbacks.wandb_history import main as read_history
@@ -40,7 +40,7 @@ def _run(command: list[str], timeout: float = 240, expect: int = 0) -> str:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
     output = done.stdout + done.stderr
-    assert done.returncode == expect, output[-4000:]
+    assert done.returncode == expect, excerpt(output, 4000)
     return output
 
 
@@ -242,7 +242,7 @@ def test_torchrun_restart_resumes(tmp_path):
         while not committed.exists() and agent.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
         rank1 = _rank_pid(agent.pid, 1)
-        assert rank1 is not None, "".join(line for _, line in lines)[-4000:]
+        assert rank1 is not None, excerpt("".join(line for _, line in lines), 4000)
         os.kill(rank1, signal.SIGKILL)
         killed = time.monotonic()
         agent.wait(timeout=240)
@@ -250,9 +250,9 @@ def test_torchrun_restart_resumes(tmp_path):
         agent.kill()
         reader.join(timeout=10)
     output = "".join(line for _, line in lines)
-    assert agent.returncode == 0, output[-4000:]
+    assert agent.returncode == 0, excerpt(output, 4000)
     restored = [at for at, line in lines if "Restored all states from the checkpoint" in line and at > killed]
-    assert restored and restored[0] - killed < 30, output[-4000:]
+    assert restored and restored[0] - killed < 30, excerpt(output, 4000)
     print(f"killed rank 1; restored {restored[0] - killed:.1f} s later")
     assert "done: 40 steps" in output and "over 2 ranks" in output
 
@@ -278,7 +278,7 @@ def test_lightning_cli_example(tmp_path):
     changed = _run([*command, *overrides, "--trainer.strategy.init_args.sharding_strategy=SHARD_GRAD_OP"])
     # the strategy built from the YAML with README's form of an override, which keeps the YAML's wrap policy
     assert "SHARD_GRAD_OP over 2 ranks, 5 units" in changed
-    assert "wandb:" not in changed, changed[-3000:]  # an offline run is quiet, as in train_gpt.py
+    assert "wandb:" not in changed, excerpt(changed, 3000)  # an offline run is quiet, as in train_gpt.py
 
 
 def test_lightning_cli_mistakes_come_first_and_alone(tmp_path):
@@ -344,7 +344,7 @@ def test_tensor_parallel_example_trains_as_one_process():
     spawns the second rank): 1 data-parallel x 2 tensor-parallel, the MLPs split and the rest whole,
     its losses against the same model and batches in one process."""
     output = _run([sys.executable, str(ROOT / "examples" / "tensor_parallel.py"), "--steps", "3", "--compare"])
-    assert "(1 data-parallel x 2 tensor-parallel)" in output, output[-2000:]
-    assert "mesh {'data_parallel': 1, 'tensor_parallel': 2}" in output, output[-2000:]
+    assert "(1 data-parallel x 2 tensor-parallel)" in output, excerpt(output, 2000)
+    assert "mesh {'data_parallel': 1, 'tensor_parallel': 2}" in output, excerpt(output, 2000)
     difference = float(output.split("largest relative difference: ")[1].split()[0])
-    assert difference < 1e-5, output[-2000:]
+    assert difference < 1e-5, excerpt(output, 2000)

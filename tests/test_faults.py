@@ -18,7 +18,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from dist_utils import free_port, run_torchrun_nodes
+from dist_utils import excerpt, free_port, run_torchrun_nodes
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = str(ROOT / "tests" / "faulty_job.py")
@@ -58,27 +58,27 @@ def _run(*args: str, torchrun: tuple[str, ...] | None = None, timeout: float = 1
 def test_a_rank_that_dies_or_raises_ends_the_job_naming_it(fault, words):
     code, output, seconds = _run("--fault", fault, "--rank", "1", "--step", "3")
     assert code != 0 and "FINISHED" not in output
-    assert seconds < DEADLINE, output[-3000:]
-    assert "CollectiveError: fsdp_custom: rank 0 (node 0) stopped at" in output, output[-4000:]
+    assert seconds < DEADLINE, excerpt(output, 3000)
+    assert "CollectiveError: fsdp_custom: rank 0 (node 0) stopped at" in output, excerpt(output, 4000)
     for word in words:
-        assert word in output, (word, output[-4000:])
+        assert word in output, (word, excerpt(output, 4000))
 
 
 def test_a_hang_ends_at_collective_timeout_with_every_ranks_place():
     code, output, seconds = _run("--fault", "hang", "--rank", "1", "--step", "3", "--collective-timeout", "5")
     assert code != 0 and "FINISHED" not in output
-    assert seconds < DEADLINE, output[-3000:]
-    assert "collective_timeout=5 s" in output, output[-4000:]
+    assert seconds < DEADLINE, excerpt(output, 3000)
+    assert "collective_timeout=5 s" in output, excerpt(output, 4000)
     # rank 1 sleeps in training_step: it is behind, outside any collective, and says so
     assert "BEHIND by" in output and "rank 1 was not waiting in a collective of the engine" in output
     # rank 1 logs its own place (the job's sleep) and stack, then is ended, saying why then, once
     place = "rank 1 (node 0) is outside every collective, in training_step (" + JOB
-    assert place in output and "time.sleep(600)" in output.split(place, 1)[1], output[-4000:]
+    assert place in output and "time.sleep(600)" in output.split(place, 1)[1], excerpt(output, 4000)
     ended = re.search(r"fsdp_custom: ending this process \((.*?)\): (.*)", output)
     assert ended and ended.group(1) in (
         "the process that started this rank exited 3 s before",  # the launcher (rank 0) exited first
         "this rank issued no collective for 5 s after it",
-    ), output[-4000:]
+    ), excerpt(output, 4000)
     assert "fsdp_custom:" not in ended.group(2) and "no collective for" not in ended.group(2)
 
 
@@ -110,7 +110,7 @@ def test_a_drift_is_named_at_the_first_mismatched_collective():
     code, output, seconds = _run("--fault", "drift", "--rank", "1", "--step", "3")
     assert code != 0 and "FINISHED" not in output
     assert seconds < DEADLINE
-    assert "issued a different collective here" in output, output[-4000:]
+    assert "issued a different collective here" in output, excerpt(output, 4000)
     assert "all_gather #" in output and "of unit 'net.blocks.0'" in output and "of unit 'net.blocks.1'" in output
     assert "a DIFFERENT collective at the same place" in output
 
@@ -118,8 +118,8 @@ def test_a_drift_is_named_at_the_first_mismatched_collective():
 def test_the_death_of_rank_0_that_hosts_the_store_ends_rank_1():
     code, output, seconds = _run("--fault", "kill", "--rank", "0", "--step", "3")
     assert code != 0 and "FINISHED" not in output
-    assert seconds < DEADLINE, output[-3000:]
-    assert "rank 1 (node 0) stopped at" in output, output[-4000:]
+    assert seconds < DEADLINE, excerpt(output, 3000)
+    assert "rank 1 (node 0) stopped at" in output, excerpt(output, 4000)
     assert "the store is unreachable" in output and "rank 0 (node 0, host" in output
     assert "LOST, its process has exited" in output
     # the report comes first: no C++ trace of torch's store (a call to a dead store) in front of it
@@ -132,10 +132,10 @@ def test_a_dead_rank_under_torchrun_is_named():
         "--fault", "kill", "--rank", "1", torchrun=("--nproc_per_node=2", f"--master_port={free_port()}")
     )
     assert code != 0
-    assert seconds < DEADLINE, output[-3000:]
-    assert "rank 0 (node 0) stopped at all_gather #" in output, output[-4000:]
+    assert seconds < DEADLINE, excerpt(output, 3000)
+    assert "rank 0 (node 0) stopped at all_gather #" in output, excerpt(output, 4000)
     # logged as soon as known: the agent's SIGTERM may end rank 0 before its traceback is printed
-    assert "fsdp_custom: rank 0 (node 0) sees the other ranks:\n  rank 1 (node 0, host" in output, output[-4000:]
+    assert "fsdp_custom: rank 0 (node 0) sees the other ranks:\n  rank 1 (node 0, host" in output, excerpt(output, 4000)
     assert "fsdp_custom_flight_rank0.json)" in output and "(not written" not in output  # its folder is made
     assert "LOST, its process has exited" in output
 
@@ -148,9 +148,11 @@ def test_a_dead_rank_on_another_torchrun_node_is_named(tmp_path):
     outputs = [output for _, output in nodes]
     seconds = _seconds_after_fault("".join(outputs), start)
     assert all(code != 0 for code, _ in nodes)
-    assert seconds < DEADLINE, outputs[0][-3000:]
+    assert seconds < DEADLINE, excerpt(outputs[0], 3000)
     # node 0's ranks name the lost rank 3 of node 1
-    assert "rank 3 (node 1, host" in outputs[0] and "LOST, its process has exited" in outputs[0], outputs[0][-4000:]
+    assert "rank 3 (node 1, host" in outputs[0] and "LOST, its process has exited" in outputs[0], excerpt(
+        outputs[0], 4000
+    )
     assert "rank 0 (node 0) stopped at all_gather #" in outputs[0]
 
 
@@ -159,9 +161,9 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path, fault):
     checkpoints = str(tmp_path / "checkpoints")
     code, output, seconds = _run("--fault", fault, "--rank", "1", "--step", "4", "--checkpoints", checkpoints)
     assert code != 0 and "FINISHED" not in output
-    assert seconds < DEADLINE, output[-3000:]
+    assert seconds < DEADLINE, excerpt(output, 3000)
     if fault == "save_kill":
-        assert "stopped at all_gather_object #" in output and "rank 1 (node 0" in output, output[-4000:]
+        assert "stopped at all_gather_object #" in output and "rank 1 (node 0" in output, excerpt(output, 4000)
         assert "LOST, its process has exited" in output
     left = sorted(os.listdir(checkpoints))
     assert "last.ckpt" in left and any(name.startswith(".last.ckpt.tmp-") for name in left)
@@ -169,7 +171,7 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path, fault):
         return
     # the step-4 save never committed: "last" is step 3's, the partial one is ignored, then removed
     code, output, _ = _run("--fault", "none", "--resume", "--checkpoints", checkpoints)
-    assert code == 0, output[-4000:]
+    assert code == 0, excerpt(output, 4000)
     assert "STARTED rank 0 at step 3" in output and "FINISHED rank 0 at step 8" in output
     assert sorted(os.listdir(checkpoints)) == ["last.ckpt"]
 
@@ -179,15 +181,15 @@ def test_a_rank_failing_before_a_sharded_save_stops_every_rank_at_once(tmp_path)
     args = ["--fault", "save_raise", "--rank", "1", "--step", "4", "--checkpoints", str(tmp_path / "ckpt")]
     code, output, seconds = _run(*args)
     assert code != 0 and "FINISHED" not in output
-    assert seconds < DEADLINE, output[-3000:]
-    assert "rank 1: OSError: injected failure while preparing the save" in output, output[-4000:]
+    assert seconds < DEADLINE, excerpt(output, 3000)
+    assert "rank 1: OSError: injected failure while preparing the save" in output, excerpt(output, 4000)
     assert "CheckpointSaveError" in output
 
 
 def test_a_failure_a_script_caught_is_not_reported_again_by_the_next_run():
     # every rank raises in training_step, the script catches it and fits again (rank 1 slow once there)
     code, output, _ = _run("--fault", "caught", "--step", "2")
-    assert code == 0, output[-4000:]
+    assert code == 0, excerpt(output, 4000)
     assert "FINISHED rank 0 at step 8" in output and "FINISHED rank 1 at step 8" in output
     assert "CollectiveError" not in output and "ending this process" not in output
 
@@ -196,7 +198,7 @@ def test_an_async_save_after_training_completes(tmp_path):
     checkpoints = tmp_path / "ckpt"
     checkpoints.mkdir()
     code, output, _ = _run("--fault", "async_after_fit", "--checkpoints", str(checkpoints))
-    assert code == 0, output[-4000:]
+    assert code == 0, excerpt(output, 4000)
     assert sorted(os.listdir(checkpoints)) == ["after.ckpt", "last.ckpt"]
     assert sorted(os.listdir(checkpoints / "after.ckpt"))[-2:] == ["fsdp_meta.json", "meta.pt"]
     assert "terminate called" not in output and "ending this process" not in output
@@ -207,7 +209,7 @@ def test_every_rank_raising_and_catching_with_one_rank_slower_ends_well():
     # both catch the exception and rank 0 post-processes for 8 s: nobody is ended for the other's
     # report, also past collective_timeout (the group's 10 s here): a caught exception leaves no deadline
     code, output, _ = _run("--fault", "caught_slow", "--step", "3", "--pg-timeout", "10", "--post-seconds", "8")
-    assert code == 0, output[-4000:]
+    assert code == 0, excerpt(output, 4000)
     assert "CAUGHT rank 0 stops here at step 3" in output and "CAUGHT rank 1 stops here at step 3" in output
     assert "ending this process" not in output and "CollectiveError" not in output
 
@@ -218,7 +220,7 @@ def test_a_rank0_save_longer_than_a_short_collective_timeout_is_not_a_failure(tm
     checkpoints = tmp_path / "checkpoints"
     args = ["--fault", "slow_save", "--step", "3", "--save-seconds", "8", "--collective-timeout", "3"]
     code, output, _ = _run(*args, "--pg-timeout", "20", "--checkpoints", str(checkpoints))
-    assert code == 0, output[-4000:]
+    assert code == 0, excerpt(output, 4000)
     assert "LIMITS rank 0: collective 3 s, blocking calls 50 s" in output
     assert "FINISHED rank 0 at step 8" in output and os.listdir(checkpoints) == ["last.ckpt"]
 
@@ -253,14 +255,14 @@ def test_sigterm_to_every_rank_ends_as_lightning_does(tmp_path):
     # where DDP's 0 reads as a finished job), which torchrun reports as the workers' exit code
     reference = _sigterm_every_rank("ddp_find_unused_parameters_true", tmp_path / "ddp")
     code, output = _sigterm_every_rank("fsdp_custom", tmp_path / "fsdp")
-    assert reference[0] == 0 and code != 0, output[-4000:]
+    assert reference[0] == 0 and code != 0, excerpt(output, 4000)
     # ended by SIGTERM: 143, or -15 where the agent's own SIGTERM (sent to the workers still running when
     # one exits) lands in the interpreter's last moments, after every handler ran (Python restores the
     # default action there); before that, a SIGTERM after the stop is recorded and ignored
-    assert output.count("exitcode  : 143") + output.count("exitcode  : -15") == 2, output[-4000:]
+    assert output.count("exitcode  : 143") + output.count("exitcode  : -15") == 2, excerpt(output, 4000)
     assert "fsdp_custom: SIGTERM received by 2 of 2 ranks; every rank stops before this batch" in output
     for rank in (0, 1):
-        assert f"ON_EXCEPTION rank {rank}: SIGTERMException" in output, output[-4000:]
+        assert f"ON_EXCEPTION rank {rank}: SIGTERMException" in output, excerpt(output, 4000)
     assert os.listdir(tmp_path / "fsdp") == os.listdir(tmp_path / "ddp") == ["on_exception.ckpt"]
     assert "fsdp_custom: rank" not in output and "ending this process" not in output
 
@@ -269,7 +271,7 @@ def test_a_rank_waiting_in_a_barrier_when_another_raises_fails_there_and_runs_it
     # rank 1 raises instead of joining rank 0's barrier: rank 0 is not ended from the watchdog's
     # thread; its barrier fails once rank 1 is gone, and its on_exception runs (as under DDP)
     code, output, seconds = _run("--fault", "barrier_raise", "--rank", "1", "--step", "3")
-    assert code != 0 and seconds < DEADLINE, output[-4000:]
+    assert code != 0 and seconds < DEADLINE, excerpt(output, 4000)
     assert "ON_EXCEPTION rank 0: CollectiveError" in output and "ON_EXCEPTION rank 1: ValueError" in output
     assert "rank 0 (node 0) stopped at barrier #" in output and "rank 1 raised ValueError" in output
     assert "ending this process" not in output
@@ -280,5 +282,18 @@ def test_a_rank_that_raises_is_reported_before_its_checkpoint_on_exception(tmp_p
     # (under DDP, and before the step reported by itself, both waited for the group's timeout)
     args = ["--fault", "raise", "--rank", "1", "--step", "3", "--checkpoints", str(tmp_path / "ckpt")]
     code, output, seconds = _run(*args, "--on-exception-seconds", "0")
-    assert code != 0 and seconds < DEADLINE, output[-4000:]
-    assert "First report: rank 1 raised ValueError: injected failure in training_step" in output, output[-4000:]
+    assert code != 0 and seconds < DEADLINE, excerpt(output, 4000)
+    assert "First report: rank 1 raised ValueError: injected failure in training_step" in output, excerpt(output, 4000)
+
+
+def test_a_failed_jobs_excerpt_keeps_its_first_error_and_its_end():
+    """Assertion messages show the first error of a job's output, not only its last 3000 characters
+    (torchrun's traceback after a rank died filled them, and the rank's own error was lost)."""
+    from dist_utils import excerpt
+
+    output = "starting\n" * 500 + "Traceback (most recent call last):\nValueError: the cause\n" + "agent noise\n" * 800
+    shown = excerpt(output, 3000)
+    assert "ValueError: the cause" in shown and shown.endswith("agent noise\n") and len(shown) < 3200, shown
+    assert excerpt("short", 3000) == "short"
+    late = "x\n" * 3000 + "RuntimeError: at the end\n"
+    assert excerpt(late, 3000) == late[-3000:]

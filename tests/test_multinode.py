@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from dist_utils import free_port, run_torchrun_nodes
+from dist_utils import excerpt, free_port, run_torchrun_nodes
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_hybrid_strategies_on_two_torchrun_nodes(tmp_path):
     nodes = run_torchrun_nodes(str(ROOT / "tests" / "multinode_hybrid.py"), [], free_port(), tmp_path)
     outputs = [output for _, output in nodes]
-    assert all(code == 0 for code, _ in nodes), "\n".join(out[-3000:] for out in outputs)
+    assert all(code == 0 for code, _ in nodes), "\n".join(excerpt(out, 3000) for out in outputs)
     report = json.loads(next(line for line in outputs[0].splitlines() if line.startswith("REPORT "))[7:])
     for name, reshards in (("HYBRID_SHARD", True), ("_HYBRID_SHARD_ZERO2", False)):
         result = report[name]

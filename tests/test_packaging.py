@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from dist_utils import excerpt
 
 ROOT = Path(__file__).resolve().parents[1]
 LEFT_OUT = shutil.ignore_patterns(".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".*_cache")
@@ -24,7 +25,7 @@ IMPORTS = (
 
 def _run(command: list[str], cwd: Path, env: dict | None = None) -> str:
     done = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, f"{command} failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
+    assert done.returncode == 0, f"{command} failed:\n{excerpt(done.stdout, 2000)}\n{excerpt(done.stderr, 2000)}"
     return done.stdout
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from dist_utils import excerpt
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -239,7 +240,7 @@ def test_a_budget_between_two_configurations_chooses_one_that_fits_and_is_not_ex
         cwd=tmp_path, capture_output=True, text=True, timeout=600,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
-    assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
+    assert job.returncode == 0, excerpt(job.stdout, 3000) + excerpt(job.stderr, 3000)
     chosen = json.loads(job.stdout.split("CHOSEN ")[1].splitlines()[0])
     assert chosen["measured"] <= budget, (chosen, budget)
     assert chosen["per_block"] and chosen["units"] == 5  # the whole model as one unit does not fit

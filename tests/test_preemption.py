@@ -17,7 +17,7 @@ import warnings
 import lightning as L
 import pytest
 import torch
-from dist_utils import free_port, run_ranks
+from dist_utils import excerpt, free_port, run_ranks
 from lightning.fabric import Fabric
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from preempt_job import preempt
@@ -36,7 +36,7 @@ def test_sigterm_to_every_process_stops_every_rank_at_one_boundary_and_saves(tmp
     delay = random.uniform(0.0, PHASE_SECONDS - 0.3)
     checkpoints = tmp_path / "checkpoints"
     ended = preempt(launcher, phase, delay, checkpoints, free_port())
-    where = f"{launcher}, {phase}, SIGTERM {delay:.2f} s into it:\n{ended.output[-3000:]}"
+    where = f"{launcher}, {phase}, SIGTERM {delay:.2f} s into it:\n{excerpt(ended.output, 3000)}"
     assert ended.seconds < PHASE_SECONDS + 10, (ended.seconds, where)
     # torchrun's agent, signalled too, exits 1 with its own SignalException; Lightning's rank 0 exits 143
     assert ended.codes[0] == (1 if launcher == "torchrun" else 143), (ended.codes, where)

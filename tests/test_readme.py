@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from dist_utils import excerpt
 
 from fsdp_strategy.callbacks.wandb_history import history
 
@@ -41,7 +42,7 @@ def test_readme_quick_start_figures_are_what_the_example_prints(tmp_path):
     _python, script, *args = line.split()  # README.md's command, run from the checkout's root
     command = [sys.executable, str(ROOT / script), *args, f"trainer.default_root_dir={tmp_path}"]
     done = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)  # as README
-    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert done.returncode == 0, excerpt(done.stdout + done.stderr, 4000)
     assert "wandb:" not in done.stdout + done.stderr  # nothing from W&B the user did not ask for
     # README's reader of the run, from the checkout's root (where the source tree's fsdp_strategy is imported)
     (reader,) = [line for line in text.splitlines() if line.startswith("python -m fsdp_strategy.callbacks")]
@@ -93,11 +94,11 @@ def test_readme_quick_start_figures_are_what_the_example_prints(tmp_path):
     further = [sys.executable, *further[1:]]
     further[further.index("trainer.max_steps=300")] = "trainer.max_steps=160"
     resumed = subprocess.run(further, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-4000:]
+    assert resumed.returncode == 0, excerpt(resumed.stdout + resumed.stderr, 4000)
     output = resumed.stdout + resumed.stderr
     # 150 steps of 16 samples (2 ranks x 8) into the first epoch: where it stopped, not the next epoch's start
     assert "resuming epoch 0 after its first 2400 samples, exactly where the checkpoint left it" in output, output
-    assert re.search(r"^done: 160 steps", resumed.stdout, re.MULTILINE), resumed.stdout[-2000:]
+    assert re.search(r"^done: 160 steps", resumed.stdout, re.MULTILINE), excerpt(resumed.stdout, 2000)
     assert "exists and is not empty" not in output  # the directory holds what it resumes from: no warning
 
 
@@ -117,5 +118,5 @@ def test_quiet_console_snippet_hides_lightnings_tips_on_every_rank(tmp_path):
     )
     done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     output = done.stdout + done.stderr
-    assert done.returncode == 0 and "FULL_SHARD over 2 ranks" in output, output[-4000:]
+    assert done.returncode == 0 and "FULL_SHARD over 2 ranks" in output, excerpt(output, 4000)
     assert "litlogger" not in output and "litmodels" not in output and "LeafSpec" not in output, output

@@ -19,7 +19,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
-from dist_utils import free_port
+from dist_utils import excerpt, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = str(ROOT / "tests" / "restart_job.py")
@@ -34,7 +34,7 @@ def _env(**extra: str) -> dict[str, str]:
 def _run(command: list[str], cwd: Path, timeout: float = 240, **env: str) -> str:
     done = subprocess.run(command, cwd=cwd, env=_env(**env), capture_output=True, text=True, timeout=timeout)
     output = done.stdout + done.stderr
-    assert done.returncode == 0, output[-6000:]
+    assert done.returncode == 0, excerpt(output, 6000)
     return output
 
 
@@ -105,7 +105,7 @@ def test_torchrun_restarts_of_two_nodes_on_the_agents_store(tmp_path, uninterrup
         for _ in range(2)
     ]
     outputs = [agent.communicate(timeout=300)[0].decode() for agent in agents]
-    assert [agent.returncode for agent in agents] == [0, 0], "\n".join(o[-4000:] for o in outputs)
+    assert [agent.returncode for agent in agents] == [0, 0], "\n".join(excerpt(o, 4000) for o in outputs)
     _assert_same_steps(tmp_path, uninterrupted, range(12), world=2)
     _assert_quick_restarts(tmp_path, resumed_at=[2, 6])
 
@@ -129,7 +129,7 @@ def test_a_lost_node_leaves_the_job_to_the_other(tmp_path):
         _wait_for(lambda: _listening(port), f"the rendezvous at port {port}", timeout=60)
     survivor = agents[0].communicate(timeout=300)[0].decode()
     agents[1].wait(timeout=60)
-    assert agents[0].returncode == 0, survivor[-6000:]
+    assert agents[0].returncode == 0, excerpt(survivor, 6000)
     assert agents[1].returncode == -signal.SIGKILL
     resumed = tmp_path / "resumed"
     step6 = tmp_path / "job" / "checkpoints" / "step=6.ckpt"

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from dist_utils import excerpt
 
 from fsdp_strategy.engine.flight import RING_SIZE
 
@@ -26,7 +27,7 @@ def test_200_steps_of_the_gpt_example_leak_nothing_and_repeat_bitwise(tmp_path):
     with log.open("w") as output:  # a file, not a pipe: W&B's service process outlives the job holding it
         job = subprocess.run(command, env=env, stdout=output, stderr=subprocess.STDOUT, timeout=600)
     text = log.read_text()
-    assert job.returncode == 0, text[-4000:]
+    assert job.returncode == 0, excerpt(text, 4000)
     report = json.loads(next(line for line in text.splitlines() if line.startswith("SOAK "))[5:])
     assert report["repeat_steps"] == 40 and report["hash_first"]
     assert report["hash_first"] == report["hash_again"] == report["hash_resumed"]

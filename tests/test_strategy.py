@@ -17,7 +17,7 @@ import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import free_port, run_ranks
+from dist_utils import excerpt, free_port, run_ranks
 from lightning.pytorch.strategies import StrategyRegistry
 from models import Block, TiedLM, lm_loss, make_batches
 from oracle import PrecisionOracle, gathered_and_reduced_dtypes
@@ -406,7 +406,7 @@ def test_gloo_group_created_by_the_strategy_is_destroyed_at_exit():
     env = {**os.environ, "MASTER_PORT": str(free_port())}
     script = _EXIT_SCRIPT.format(tests=str(ROOT / "tests"))
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, excerpt(done.stderr, 3000)
     assert "group alive after fit: True" in done.stdout and "group alive at exit: False" in done.stdout
 
 
