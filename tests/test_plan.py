@@ -304,6 +304,9 @@ def test_nothing_fits_names_the_smallest_budget_and_world():
 
 
 def test_fsdp_plan_command_prints_a_plan_and_refuses_bad_input(capsys):
+    with pytest.raises(SystemExit):
+        fsdp_plan(["--help"])
+    assert "fsdp-plan: will it fit?" in capsys.readouterr().out  # plain text: no RST double backticks
     assert fsdp_plan(["gpt2", "--world-size", "8", "--seq-len", "64", "--precision", "bf16-mixed"]) == 0
     out = capsys.readouterr().out
     assert "peak per rank" in out and "world_size=8" in out and "GPT2Block" in out
@@ -311,6 +314,7 @@ def test_fsdp_plan_command_prints_a_plan_and_refuses_bad_input(capsys):
         (["gpt2", "--world-size", "0"], "world_size=0"),
         (["nonsense", "--world-size", "2"], "neither a preset"),
         (["gpt2", "--world-size", "2", "--batch", "0"], "--batch=0 must be at least 1"),
+        (["gpt2", "--world-size", "2", "--reserve", "2GiB"], "give --budget too"),
         (["test_plan:Stack", "--world-size", "2", "--input", "8x-4"], "positive sizes"),
         (
             ["test_plan:Stack", "--world-size", "2", "--input", "8x48", "--activation-checkpointing"],

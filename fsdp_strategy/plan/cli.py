@@ -96,7 +96,7 @@ def parse_input(text: str) -> torch.Tensor:
 def main(argv: list[str] | None = None) -> int:
     """Parse the command line, plan, print; returns the exit status."""
     parser = argparse.ArgumentParser(
-        prog="fsdp-plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="fsdp-plan", description=__doc__.replace("``", ""), formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("model", help=f"a preset ({', '.join(PRESETS)}) or module:function returning the model")
     parser.add_argument("--world-size", type=int, required=True, help="ranks (all nodes together)")
