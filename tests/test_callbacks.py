@@ -156,3 +156,22 @@ def test_wandb_history_reads_a_resumed_run_as_one(tmp_path):
     assert len(list((tmp_path / "wandb").glob("offline-run-*"))) == 2
     rows = [(row["trainer/global_step"], row["loss"]) for row in history(tmp_path / "wandb")]
     assert rows == [(0, 5.0), (1, 15.0), (2, 22.0), (3, 32.0)], rows
+
+
+def test_the_history_reader_prints_one_row_per_step():
+    """Each logging call of a step is a W&B row of its own (the monitors', the loss's, validation's): the
+    CSV merges a step's rows, so a step is one line with every key it logged."""
+    from fsdp_strategy.callbacks.wandb_history import one_row_per_step
+
+    rows = [
+        {"trainer/global_step": 0, "train_loss": 4.0},
+        {"trainer/global_step": 0, "memory/gathered_peak/max": 3.2},
+        {"trainer/global_step": 1, "train_loss": 3.5},
+        {"trainer/global_step": 1, "val_loss": 3.9},
+        {"epoch": 0},
+    ]
+    assert one_row_per_step(rows) == [
+        {"trainer/global_step": 0, "train_loss": 4.0, "memory/gathered_peak/max": 3.2},
+        {"trainer/global_step": 1, "train_loss": 3.5, "val_loss": 3.9},
+        {"epoch": 0},
+    ]

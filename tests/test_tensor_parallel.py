@@ -190,6 +190,12 @@ def _refusals(rank: int, world: int) -> dict[str, str]:
         parallelize(model, tp)
         return model, {"process_group": dp.get_group()}
 
+    def differing_buffer():  # a statistic kept per TP rank apart
+        model = tiny()
+        model.layers[0].register_buffer("scale", torch.full((2,), float(tp.get_local_rank())))
+        parallelize(model, tp)
+        return model, {"process_group": dp.get_group()}
+
     def hybrid():
         three = init_device_mesh("cpu", (world // 2, 1, 2), mesh_dim_names=("replicate", "shard", "tp"))
         model = parallelize(tiny(), three["tp"])
@@ -213,6 +219,7 @@ def _refusals(rank: int, world: int) -> dict[str, str]:
         "fully_sharded": fully_sharded,
         "uneven": uneven,
         "differing": differing,
+        "differing_buffer": differing_buffer,
         "hybrid": hybrid,
     }
     return {name: _attempt(build) for name, build in cases.items()}
@@ -222,7 +229,7 @@ def test_what_two_dimensional_training_cannot_do_is_refused_before_anything_chan
     for told in run_ranks(_refusals, 4, tmp_path):
         for name, message in told.items():
             assert message.endswith("unchanged=True"), (name, message)
-        assert "parameters 2.weight, 2.bias differ" in told["meta_seeded_apart"], told
+        assert "parameters or buffers 2.weight, 2.bias differ" in told["meta_seeded_apart"], told
         assert "after their materialization from the meta device" in told["meta_seeded_apart"], told
         assert "ignored_modules hold the tensor-parallel parameters layers.1.ff.w1.weight" in told["ignored_split"]
         assert "shares ranks with the data-parallel group" in told["split_on_data"], told
@@ -231,6 +238,7 @@ def test_what_two_dimensional_training_cannot_do_is_refused_before_anything_chan
         assert "'0.weight' of shape (7, 4) is split on dimension 0 (7)" in told["uneven"], told
         assert "tensor_parallel_size=2" in told["uneven"], told
         assert "norm.weight" in told["differing"] and "differ across the tensor-parallel ranks" in told["differing"]
+        assert "buffers layers.0.scale differ across the tensor-parallel ranks" in told["differing_buffer"], told
         assert "'HYBRID_SHARD' with tensor parallel" in told["hybrid"] and "accepted" in told["hybrid"], told
 
 

@@ -91,6 +91,19 @@ def history(run_dir: str | Path) -> list[dict]:
     return rows
 
 
+def one_row_per_step(rows: list[dict]) -> list[dict]:
+    """``rows`` with the consecutive ones of one ``trainer/global_step`` merged (each logging call of a
+    step is a row of its own in W&B: the monitors', the loss's, validation's), later values winning."""
+    merged: list[dict] = []
+    for row in rows:
+        step = row.get("trainer/global_step")
+        if merged and step is not None and merged[-1].get("trainer/global_step") == step:
+            merged[-1] = {**merged[-1], **row}
+        else:
+            merged.append(dict(row))
+    return merged
+
+
 def main(argv: list[str] | None = None) -> int:
     """Print the history of an offline run as CSV; returns the exit status."""
     parser = argparse.ArgumentParser(
@@ -119,9 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     writer = csv.writer(sys.stdout)
     try:
         writer.writerow(["trainer/global_step", *keys])
-        for row in rows:
-            if any(key in row for key in keys):
-                writer.writerow([row.get("trainer/global_step", ""), *(row.get(key, "") for key in keys)])
+        for row in one_row_per_step([row for row in rows if any(key in row for key in keys)]):
+            writer.writerow([row.get("trainer/global_step", ""), *(row.get(key, "") for key in keys)])
         sys.stdout.flush()
     except BrokenPipeError:  # piped into `head`: the reader stopped reading, which is no error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -104,7 +104,7 @@ def check_tensor_parallel(
     FSDP1-wrapped; a DTensor on a mesh of more than one dimension, with another placement than one
     ``Shard(d)`` or ``Replicate()``, on a mesh other than the first one's, or one that shares ranks
     with the data-parallel group; a TP-split dimension not divisible by the TP size; HYBRID_SHARD
-    with TP; TP-replicated parameters that differ across TP ranks (unless ``synced``: global rank 0's
+    with TP; TP-replicated parameters or buffers that differ across TP ranks (unless ``synced``: global rank 0's
     values are about to be broadcast, ``sync_module_states``). Costs: a check per parameter, and with
     TP one all-gather over it of the replicated parameters' checksums."""
     _refuse_wrapped(module)
@@ -122,7 +122,9 @@ def check_tensor_parallel(
         )
     _check_orthogonal(mesh, shard if shard.size > 1 else replicate, dtensors[0][0])
     if not synced:  # those still on the meta device are checked once materialized (shard_with_options)
-        check_replicas_agree([(n, t) for n, t in replicated_locals(module) if not t.is_meta], mesh)
+        buffers = [(name, b) for name, b in module.named_buffers() if not isinstance(b, DTensor)]
+        named = [(n, t) for n, t in [*replicated_locals(module), *buffers] if not t.is_meta]
+        check_replicas_agree(named, mesh)
     return mesh
 
 
@@ -222,7 +224,8 @@ def check_replicas_agree(named: list[tuple[str, torch.Tensor]], mesh: Any, mater
         shown = ", ".join(differ[:3]) + (f" and {len(differ) - 3} more" if len(differ) > 3 else "")
         when = "after their materialization from the meta device" if materialized else "at setup"
         raise ValueError(
-            f"fsdp_custom: the tensor-parallel-replicated parameters {shown} differ across the tensor-parallel ranks "
+            f"fsdp_custom: the tensor-parallel-replicated parameters or buffers {shown} differ across the "
+            "tensor-parallel ranks "
             f"{when}; each TP peer would train its own copy. Initialize them the same on every rank (the same seed "
             "before building the model: seed_everything), or pass sync_module_states=True"
         )
