@@ -122,4 +122,4 @@ def test_gpu_acceptance_script_runs_on_the_cpu():
     assert done.returncode == 0 and "all checks passed" in done.stdout, done.stdout + excerpt(done.stderr, 3000)
     rows = [line for line in done.stdout.splitlines() if line.startswith("| ") and "---" not in line][1:]
     assert len(rows) == 23 and all("| pass |" in row or "| skip | not implemented: needs CUDA |" in row for row in rows)
-    assert sum("world 2 (gloo)" in row and "| pass |" in row for row in rows) == 4, rows  # the multi-rank checks
+    assert sum("world 2 (gloo)" in row and "| pass |" in row for row in rows) == 6, rows  # the multi-rank checks

@@ -162,7 +162,10 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(tmp_path, fault):
     code, output, seconds = _run("--fault", fault, "--rank", "1", "--step", "4", "--checkpoints", checkpoints)
     assert code != 0 and "FINISHED" not in output
     assert seconds < DEADLINE, excerpt(output, 3000)
-    if fault == "save_kill":
+    # Lightning's launcher polls its children and SIGKILLs every process once one has died: under load it
+    # may end rank 0 before rank 0's watchdog reports (a race the files below do not depend on)
+    launcher_first = "Forcefully terminating all other processes" in output and "stopped at" not in output
+    if fault == "save_kill" and not launcher_first:
         assert "stopped at all_gather_object #" in output and "rank 1 (node 0" in output, excerpt(output, 4000)
         assert "LOST, its process has exited" in output
     left = sorted(os.listdir(checkpoints))

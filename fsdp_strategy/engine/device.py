@@ -201,6 +201,8 @@ class StreamCheck(DeviceLayer):
 
     def _check(self, tensors: list[torch.Tensor], access: str, wait: str) -> None:
         pending = self._in_flight.get(wait, {})
+        if not pending:
+            return
         for tensor in tensors:
             what = pending.get(tensor.untyped_storage().data_ptr())
             if what is not None:

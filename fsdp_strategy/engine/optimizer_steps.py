@@ -191,6 +191,9 @@ class OptimizerSteps:
         self._checked[optimizer] = groups
 
     def _after_step(self, optimizer: Any) -> None:
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if not any(id(p) in self._held or self._was_replaced(p) for p in params):
+            return  # another model's optimizer (an FSDP2 one's parameters may hold no storage)
         if self._whole_matrix is not None:
             self._whole_matrix.after_update(optimizer)
         if id(optimizer) in self._checked_groups:
