@@ -57,8 +57,8 @@ MUTATIONS = [
         "stale_optimizer_steps",
         "an optimizer created before sharding steps the model's old parameters (nothing changes) without an error",
         "fsdp_strategy/engine/optimizer_steps.py",
-        "if not any(id(p) in self._held or self._was_replaced(p) for p in params):",
-        "if not any(id(p) in self._held for p in params):",
+        "return any(id(p) in self._held or self._was_replaced(p) for p in params)",
+        "return any(id(p) in self._held for p in params)",
         ("tests/test_misuse.py::test_an_optimizer_created_before_sharding_is_refused",),
     ),
     Mutation(

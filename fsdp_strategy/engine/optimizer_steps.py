@@ -106,7 +106,7 @@ class OptimizerSteps:
 
     def _before_step(self, optimizer: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        if not any(id(p) in self._held or self._was_replaced(p) for p in params):
+        if not self._concerns(params):
             return None  # another model's optimizer (or a reference's, or the probe's: optimizer_probe.py)
         # a refused one raises here, before anything changes; with a shard group of one every parameter is whole
         split = [self._split[id(p)] for p in params if id(p) in self._split]
@@ -161,6 +161,10 @@ class OptimizerSteps:
             return args, {**kwargs, "closure": placed_closure}
         return (args[0], placed_closure, *args[2:]), kwargs
 
+    def _concerns(self, params: list[Any]) -> bool:
+        """Whether an optimizer of ``params`` steps this model: its shards, or parameters sharding replaced."""
+        return any(id(p) in self._held or self._was_replaced(p) for p in params)
+
     def _was_replaced(self, param: Any) -> bool:
         """Whether ``param`` is a parameter sharding replaced (by identity: a new tensor may reuse the
         id of one that is gone)."""
@@ -191,8 +195,7 @@ class OptimizerSteps:
         self._checked[optimizer] = groups
 
     def _after_step(self, optimizer: Any) -> None:
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        if not any(id(p) in self._held or self._was_replaced(p) for p in params):
+        if not self._concerns([p for group in optimizer.param_groups for p in group["params"]]):
             return  # another model's optimizer (an FSDP2 one's parameters may hold no storage)
         if self._whole_matrix is not None:
             self._whole_matrix.after_update(optimizer)
