@@ -59,6 +59,7 @@ class OptimizerSteps:
         self._checked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> its groups then
         self._stepping: dict[int, list[FSDPUnit]] = {}  # optimizer id -> gathered units its step changes
         self._checked_groups: set[int] = set()  # ids of this model's optimizers stepping now, not torch's own
+        self._active: set[int] = set()  # ids of this model's optimizers stepping now
         self._handles: list[Any] = []
         self.open()
 
@@ -108,6 +109,7 @@ class OptimizerSteps:
         params = [p for group in optimizer.param_groups for p in group["params"]]
         if not self._concerns(params):
             return None  # another model's optimizer (or a reference's, or the probe's: optimizer_probe.py)
+        self._active.add(id(optimizer))  # its post-step hook applies (its groups may hold stand-ins by then)
         # a refused one raises here, before anything changes; with a shard group of one every parameter is whole
         split = [self._split[id(p)] for p in params if id(p) in self._split]
         across = [self._split[id(p)] for p in params if id(p) in self._across_rows]
@@ -195,8 +197,9 @@ class OptimizerSteps:
         self._checked[optimizer] = groups
 
     def _after_step(self, optimizer: Any) -> None:
-        if not self._concerns([p for group in optimizer.param_groups for p in group["params"]]):
+        if id(optimizer) not in self._active:
             return  # another model's optimizer (an FSDP2 one's parameters may hold no storage)
+        self._active.discard(id(optimizer))
         if self._whole_matrix is not None:
             self._whole_matrix.after_update(optimizer)
         if id(optimizer) in self._checked_groups:
