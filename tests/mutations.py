@@ -437,6 +437,25 @@ MUTATIONS = [
             "test_replicated_parameters_that_train_apart_across_tensor_parallel_are_named",
         ),
     ),
+    Mutation(
+        "tp_compiled_blocks_run",
+        "a compiled module holding tensor-parallel parameters runs (torch 2.13 trains it to wrong losses)",
+        "fsdp_strategy/engine/tensor_parallel.py",
+        "    if compiled:\n",
+        "    if False:\n",
+        (
+            "tests/test_tensor_parallel.py::"
+            "test_what_two_dimensional_training_cannot_do_is_refused_before_anything_changes",
+        ),
+    ),
+    Mutation(
+        "tp_collectives_summed_across_steps",
+        "tensor parallel's own collectives are reported summed since the start, not per optimizer step",
+        "fsdp_strategy/engine/ledger.py",
+        "        self.tensor_parallel = defaultdict(KindTotals)\n",
+        "        pass\n",
+        ("tests/test_tensor_parallel.py::test_the_trainer_trains_modelparallelstrategys_user_code_as_one_process",),
+    ),
 ]
 
 

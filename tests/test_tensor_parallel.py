@@ -222,7 +222,18 @@ def _refusals(rank: int, world: int) -> dict[str, str]:
         "differing_buffer": differing_buffer,
         "hybrid": hybrid,
     }
-    return {name: _attempt(build) for name, build in cases.items()}
+    told = {name: _attempt(build) for name, build in cases.items()}
+    model = parallelize(tiny(), tp)
+    shard_model(model, auto_wrap_policy={Block}, process_group=dp.get_group())
+    model.layers[1].ff.compile(backend="eager")  # [Note: compiled tensor-parallel blocks]
+    before = [p.sharded.clone() for p in get_scheduler(model).sharded_params()]
+    try:
+        model(batches(1, 2)[0][0])
+        told["compiled"] = "ran"
+    except NotImplementedError as error:
+        unchanged = all(torch.equal(a, p.sharded) for a, p in zip(before, get_scheduler(model).sharded_params()))
+        told["compiled"] = f"{error} | unchanged={unchanged}"
+    return told
 
 
 def test_what_two_dimensional_training_cannot_do_is_refused_before_anything_changes(tmp_path):
@@ -240,6 +251,7 @@ def test_what_two_dimensional_training_cannot_do_is_refused_before_anything_chan
         assert "norm.weight" in told["differing"] and "differ across the tensor-parallel ranks" in told["differing"]
         assert "buffers layers.0.scale differ across the tensor-parallel ranks" in told["differing_buffer"], told
         assert "'HYBRID_SHARD' with tensor parallel" in told["hybrid"] and "accepted" in told["hybrid"], told
+        assert "layers.1.ff was compiled (`module.compile()`) and holds tensor-parallel" in told["compiled"], told
 
 
 def _step_with(mesh_shape: tuple[int, int], make_optimizer, declared: dict | None = None) -> str:
@@ -403,8 +415,68 @@ def _fit_2d(dp: int, tp: int, module_kwargs: dict | None = None, **trainer_kwarg
     return module, trainer, params
 
 
+class _Metrics:
+    """An in-memory Lightning logger: the metrics logged per step, as a W&B run would receive them."""
+
+    def __new__(cls):
+        from lightning.pytorch.loggers import Logger
+
+        class Metrics(Logger):
+            name, version = "memory", 0
+            steps: list[dict[str, float]] = []
+
+            def log_metrics(self, metrics, step=None):
+                self.steps.append(dict(metrics))
+
+            def log_hyperparams(self, params, *args, **kwargs):
+                pass
+
+        return Metrics()
+
+
+def _tensor_parallel_counts(mesh, tokens: torch.Tensor, targets: torch.Tensor) -> dict[str, int]:
+    """torch's own ``CommDebugMode`` on one step of the same plan without FSDP (the oracle of which
+    collectives tensor parallel issues), gradients brought to their parameters' placements as a step does."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    torch.manual_seed(0)
+    plain = parallelize(TinyLM().double(), mesh, sequence_parallel=True)
+    kinds = {
+        "all_reduce": "all_reduce",
+        "all_gather_into_tensor": "all_gather",
+        "reduce_scatter_tensor": "reduce_scatter",
+    }
+    with CommDebugMode() as comm:
+        lm_loss(plain(tokens), targets).backward()
+        for p in plain.parameters():
+            if p.grad.placements != p.placements:
+                p.grad.redistribute(p.device_mesh, p.placements)
+    return {kinds[str(op).rsplit(".", 1)[-1]]: calls for op, calls in comm.get_comm_counts().items()}
+
+
+def _counted_sizes(group) -> dict[str, tuple[int, int, int]]:
+    """(calls, payload, wire bytes) counted for known functional collectives over a group of 2."""
+    import torch.distributed._functional_collectives as funcol
+
+    from fsdp_strategy.engine.ledger import CommLedger
+    from fsdp_strategy.engine.tensor_parallel_count import TensorParallelCount
+
+    ledger = CommLedger()
+    with TensorParallelCount(ledger):
+        funcol.all_reduce(torch.ones(5, dtype=torch.float64), "sum", group)
+        funcol.all_gather_tensor(torch.ones(3), 0, group)
+        funcol.reduce_scatter_tensor(torch.ones(6), "sum", 0, group)
+        dist.all_reduce(torch.ones(7))  # the engine's kind of call: not tensor parallel's
+    return {kind: (t.calls, t.payload_bytes, t.wire_bytes) for kind, t in ledger.tensor_parallel.items()}
+
+
 def _trainer_body(rank: int, world: int) -> dict:
-    module, trainer, params = _fit_2d(2, 2)
+    from fsdp_strategy.callbacks import CommunicationMonitor
+
+    logger = _Metrics()
+    module, trainer, params = _fit_2d(2, 2, callbacks=[CommunicationMonitor(log_every_n_steps=1)], logger=logger)
+    counts = _tensor_parallel_counts(trainer.strategy.device_mesh["tensor_parallel"], *module.seen[0])
+    sizes = _counted_sizes(trainer.strategy.device_mesh["tensor_parallel"].get_group())
     told = {}
     for name, kwargs in {
         "checkpointing": {"enable_checkpointing": True},
@@ -440,6 +512,9 @@ def _trainer_body(rank: int, world: int) -> dict:
         "mesh": trainer.strategy.device_mesh.mesh_dim_names,
         "places": module.places,
         "told": told,
+        "metrics": logger.steps,
+        "counts": counts,
+        "sizes": sizes,
     }
 
 
@@ -490,6 +565,23 @@ def test_the_trainer_trains_modelparallelstrategys_user_code_as_one_process(tmp_
         assert "cannot yet checkpoint a tensor-parallel model" in told["checkpointing"], told
         assert "enable_checkpointing=False" in told["checkpointing"], told
         assert "`data_parallel_size=3` and `tensor_parallel_size=2` multiplied should equal" in told["sizes"], told
+        assert result["sizes"] == {"all_reduce": (1, 40, 40), "all_gather": (1, 24, 12), "reduce_scatter": (1, 24, 12)}
+        # tensor parallel's own collectives, counted apart from the engine's, as torch's CommDebugMode counts them
+        comm = [{k: v for k, v in step.items() if k.startswith("comm/")} for step in result["metrics"]]
+        assert len(comm) == TRAINER_STEPS, comm
+        expected = {f"comm/tensor_parallel/{kind}/calls": float(n) for kind, n in result["counts"].items()}
+        assert set(expected) == {
+            "comm/tensor_parallel/all_reduce/calls",
+            "comm/tensor_parallel/all_gather/calls",
+            "comm/tensor_parallel/reduce_scatter/calls",
+        }, expected
+        for step in comm:
+            assert {k: v for k, v in step.items() if k.endswith("/calls") and "tensor_parallel" in k} == expected
+            assert step["comm/all_gather/calls"] > 0 and step["comm/reduce_scatter/calls"] > 0, step  # the engine's
+            for kind in result["counts"]:
+                payload = step[f"comm/tensor_parallel/{kind}/payload_mib"]
+                wire = step[f"comm/tensor_parallel/{kind}/wire_mib"]  # a ring over 2 TP ranks
+                assert wire == pytest.approx(payload if kind == "all_reduce" else payload / 2, rel=1e-6), (kind, step)
     # ModelParallelStrategy on the same plan with fully_shard equals one process too (the spec's second oracle);
     # in bf16-mixed ours stays as near one fp32 process as it does
     errors = {}
@@ -504,7 +596,12 @@ def test_the_trainer_trains_modelparallelstrategys_user_code_as_one_process(tmp_
 # ---- Fabric: ModelParallelStrategy's parallelize_fn on fsdp_custom ---------------------------------
 
 
-def _fabric_body(rank: int, world: int) -> dict:
+def _fabric_body(rank: int, world: int) -> list[dict]:
+    """Fabric with the plan in a ``parallelize_fn``, then applied by the user before ``setup_module``."""
+    return [_fabric_run(world, plan_before_setup) for plan_before_setup in (False, True)]
+
+
+def _fabric_run(world: int, plan_before_setup: bool) -> dict:
     from lightning.fabric import Fabric
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -514,12 +611,18 @@ def _fabric_body(rank: int, world: int) -> dict:
         return parallelize(model, mesh["tensor_parallel"], sequence_parallel=True, loss_parallel=True)
 
     strategy = FSDPCustomFabricStrategy(
-        parallelize_fn=parallelize_fn, data_parallel_size=2, tensor_parallel_size=2, auto_wrap_policy={Block}
+        parallelize_fn=None if plan_before_setup else parallelize_fn,
+        data_parallel_size=2,
+        tensor_parallel_size=2,
+        auto_wrap_policy={Block},
     )
     fabric = Fabric(strategy=strategy, accelerator="cpu", devices=world)
     fabric.launch()
     torch.manual_seed(0)
-    model = fabric.setup_module(TinyLM().double())
+    model = TinyLM().double()
+    if plan_before_setup:
+        parallelize_fn(model, fabric.strategy.device_mesh)
+    model = fabric.setup_module(model)
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=0.01))
     loader = fabric.setup_dataloaders(DataLoader(TensorDataset(*_trainer_data(2)), batch_size=PER_RANK))
     losses, seen = [], []
@@ -544,10 +647,14 @@ def _fabric_body(rank: int, world: int) -> dict:
     return {"losses": losses, "seen": seen, "params": params, "sampler": (sampler.num_replicas, sampler.rank)}
 
 
-def test_fabric_trains_a_parallelize_fn_as_one_process(tmp_path):
+def test_fabric_trains_a_plan_from_parallelize_fn_or_applied_before_setup_as_one_process(tmp_path):
     from test_strategy import LIGHTNING_ENV
 
-    results = run_ranks(_fabric_body, 4, tmp_path, env=LIGHTNING_ENV, timeout=300)
+    for results in zip(*run_ranks(_fabric_body, 4, tmp_path, env=LIGHTNING_ENV, timeout=300)):
+        _check_fabric_run(results)
+
+
+def _check_fabric_run(results: tuple[dict, ...]) -> None:
     for peer, result in zip(results[1::2], results[0::2]):
         assert all(torch.equal(a[0], b[0]) for a, b in zip(peer["seen"], result["seen"]))
     seen = [results[0]["seen"], results[2]["seen"]]

@@ -51,6 +51,9 @@ class CommLedger:
     last_step_per_unit: dict[str, dict[str, KindTotals]] = field(default_factory=dict)
     copied: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # bytes per copy kind, this step
     last_step_copied: dict[str, int] = field(default_factory=dict)
+    # tensor parallel's own collectives (DTensor's), apart from the engine's: tensor_parallel_count.py
+    tensor_parallel: dict[str, KindTotals] = field(default_factory=lambda: defaultdict(KindTotals))
+    last_step_tensor_parallel: dict[str, KindTotals] = field(default_factory=dict)
 
     def record(self, kind: CollectiveKind, unit: str, payload: int, wire: int) -> None:
         """Count one call of ``kind`` for ``unit``."""
@@ -69,14 +72,21 @@ class CommLedger:
         gradients into a reduce buffer)."""
         self.copied[kind] += nbytes
 
+    def record_tensor_parallel(self, kind: str, payload: int, wire: int) -> None:
+        """Count one of tensor parallel's own collectives (issued by DTensor, not by the engine), of
+        ``kind`` (``all_reduce``, ``all_gather``, ``reduce_scatter``, ``all_to_all``, ``broadcast``)."""
+        self.tensor_parallel[kind].add(payload, wire)
+
     def start_step(self) -> None:
         """Move the running counts to ``last_step`` and start counting from zero."""
         self.last_step = dict(self.current)
         self.last_step_per_unit = {unit: dict(kinds) for unit, kinds in self.per_unit.items()}
         self.last_step_copied = dict(self.copied)
+        self.last_step_tensor_parallel = dict(self.tensor_parallel)
         self.current = defaultdict(KindTotals)
         self.per_unit = defaultdict(lambda: defaultdict(KindTotals))
         self.copied = defaultdict(int)
+        self.tensor_parallel = defaultdict(KindTotals)
 
     def snapshot(self) -> dict[str, dict[str, int]]:
         """The running counts as plain dicts: ``{kind: {"calls", "payload_bytes", "wire_bytes"}}``."""
