@@ -59,7 +59,7 @@ ENGINE = PACKAGE / "engine"
 # The training step's data plane: what moves and holds a unit's bytes. It reports to the observer
 # interface collectives.py defines; the observer's implementation, the watchdog and the blocking
 # control plane sit above it, so no import path leads from here to them.
-DATA_PLANE = ("collectives", "exchange", "unit", "reductions", "param", "flat", "state", "device", "edits")
+DATA_PLANE = ("collectives", "exchange", "buffers", "unit", "reductions", "param", "flat", "state", "device", "edits")
 ABOVE_DATA_PLANE = ("watchdog", "monitoring", "control")
 
 

@@ -87,6 +87,9 @@ class CollectiveObserver(Protocol):
     ) -> CollectiveWatch:
         """Record a collective about to be issued (raise if the job was stopped)."""
 
+    def record_copy(self, kind: str, nbytes: int) -> None:
+        """Count ``nbytes`` the engine copied outside collectives (``gather_copy_in``, ...)."""
+
     def close(self) -> None:
         """Forget what was kept for this context's units."""
 
@@ -143,6 +146,11 @@ class CommContext:
         if self.observer is None:
             return None
         return self.observer.issue(kind, unit, tensor.dtype, payload, wire, host_blocking=not tensor.is_cuda)
+
+    def record_copy(self, kind: str, nbytes: int) -> None:
+        """Report ``nbytes`` copied outside collectives (a gather's copy-in, ...) to the observer, if any."""
+        if self.observer is not None:
+            self.observer.record_copy(kind, nbytes)
 
     def close(self) -> None:
         """Stop the exchange thread and forget what was learned about the groups."""

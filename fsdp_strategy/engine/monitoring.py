@@ -101,6 +101,10 @@ class CollectiveMonitor:
             self.watchdog.check_issue(record)
         return Watch(self, kind, unit, record, host_blocking)
 
+    def record_copy(self, kind: str, nbytes: int) -> None:
+        """Count ``nbytes`` copied outside collectives in the ledger."""
+        self.ledger.record_copy(kind, nbytes)
+
     def stamp(self, kind: CollectiveKind, unit: str) -> Stamp:
         """The order stamp of (kind, unit) ([Note: order stamps])."""
         key = (kind.value, unit)

@@ -27,12 +27,13 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from fsdp_strategy.engine import collectives
+from fsdp_strategy.engine import buffers, collectives
 from fsdp_strategy.engine.accounting import MemoryAccount
+from fsdp_strategy.engine.buffers import GatherResult
 from fsdp_strategy.engine.collectives import CommContext, CommGroup, Pending
 from fsdp_strategy.engine.device import DeviceLayer
 from fsdp_strategy.engine.edits import LostEdits, keep_full_edits
-from fsdp_strategy.engine.flat import FlatLayout, real_dtype, real_view
+from fsdp_strategy.engine.flat import real_dtype
 from fsdp_strategy.engine.param import ShardedParam
 from fsdp_strategy.engine.state import UnitState
 from fsdp_strategy.engine.trace import span
@@ -58,15 +59,6 @@ class UnitContext(NamedTuple):
     device_layer: DeviceLayer  # every pinned buffer, non_blocking copy and event ([Note: host and device])
     lost_edits: LostEdits  # changes a lower param_dtype could not keep ([Note: edits while gathered])
     stamp_slots: int = 0  # elements per rank each collective carries for its order stamp ([Note: order stamps])
-
-
-class GatherInFlight(NamedTuple):
-    """An all-gather in flight and the buffer it fills."""
-
-    work: Pending
-    gathered: torch.Tensor  # every rank's flat shard, rank-major; this rank's row was filled before the gather
-    nbytes: int  # the buffer's bytes ([Note: what gathering allocates])
-    layout: FlatLayout  # where each parameter's columns are ([Note: flat buffers of any dtype] in flat.py)
 
 
 class UndecidedGrad(NamedTuple):
@@ -133,8 +125,6 @@ class FSDPUnit:
         self.replicate_comm = context.replicate_comm
         self.device = context.device
         self.comm = context.comm
-        assert context.comm.observer is not None
-        self.ledger = context.comm.observer.ledger
         self.memory = context.memory
         self.device_layer = context.device_layer
         self.state = ShardedState.SHARDED
@@ -143,7 +133,7 @@ class FSDPUnit:
         self._aliased = bool(params) and all(p.aliased for p in params)  # [Note: aliased shards]
         self._stamp_slots = context.stamp_slots
         self.unsharded_nbytes = sum(p.unsharded_nbytes for p in params)  # full parameters, padding included
-        self._gather: GatherInFlight | None = None
+        self._gather: GatherResult | None = None
         self._param_dtypes = [p.param_dtype for p in params]  # gathered in these ([Note: flat buffers of any dtype])
         shard_reals = [real_dtype(p.sharded.dtype) for p in params] or [torch.float32]
         self._reduce_dtype = context.reduce_dtype or functools.reduce(torch.promote_types, shard_reals)
@@ -151,28 +141,6 @@ class FSDPUnit:
         self._divide_before, self._divide_after = collectives.divide_factors(data_parallel_size, self._reduce_dtype)
 
     # ---- gather -----------------------------------------------------------------------
-
-    def _start_gather(self, shards: list[torch.Tensor], dtypes: list[torch.dtype]) -> GatherInFlight:
-        """Copy one shard-shaped tensor per parameter (cast to its entry of ``dtypes``, on the compute
-        device) into this rank's row of a gather buffer and start ONE all-gather into the buffer in
-        place ([Note: flat buffers of any dtype] in flat.py)."""
-        world, rank = self.shard_comm.size, self.shard_comm.rank
-        layout = FlatLayout.of(dtypes, [p.shard_numel for p in self.params])
-        total = layout.total
-        self.device_layer.before_gather()  # [Note: host and device] 3
-        gathered = torch.empty(world, total + self._stamp_slots, dtype=layout.dtype, device=self.device)
-        flat_shard = gathered[rank]
-        with span("gather_copy_in"):
-            pieces = layout.pieces(flat_shard[:total])
-            self.device_layer.copy_shards_in(pieces, [real_view(s.detach()) for s in shards], self.name)
-        self.ledger.record_copy("gather_copy_in", total * gathered.element_size())
-        stamped = self._stamp_slots > 0
-        work = collectives.all_gather(gathered.view(-1), flat_shard, self.shard_comm, self.comm, self.name, stamped)
-        return GatherInFlight(work, gathered, gathered.numel() * gathered.element_size(), layout)
-
-    def _columns(self, gathered: torch.Tensor) -> torch.Tensor:
-        """The ``(N, total)`` parameter columns of a gather buffer (stamps left out)."""
-        return gathered[:, : gathered.shape[1] - self._stamp_slots]
 
     def unshard(self) -> None:
         """Start the all-gather of the unit's shards (no-op unless the unit is sharded)."""
@@ -182,6 +150,12 @@ class FSDPUnit:
         self._gather = self._start_gather([p.sharded for p in self.params], self._param_dtypes)
         self.memory.allocated(self.name, self._gather.nbytes, "gather_buffer")
         self.state = ShardedState.GATHERING
+
+    def _start_gather(self, shards: list[torch.Tensor], dtypes: list[torch.dtype]) -> GatherResult:
+        """One all-gather of a shard-shaped tensor per parameter, cast to ``dtypes`` (buffers.py)."""
+        return buffers.start_gather(
+            self.name, shards, dtypes, self.shard_comm, self.comm, self.device_layer, self._stamp_slots
+        )
 
     def _gather_is_stale(self) -> bool:
         """Whether a shard changed in place after a prefetched gather copied it (an optimizer step,
@@ -216,19 +190,9 @@ class FSDPUnit:
         self.memory.freed(self.name, gather.nbytes, "gather_buffer")
         self.state = ShardedState.UNSHARDED
 
-    def _copy_out(self, gather: GatherInFlight) -> None:
+    def _copy_out(self, gather: GatherResult) -> None:
         """Wait for ``gather`` and fill the full parameters from it (their versions kept)."""
-        gather.work.wait()
-        with torch.no_grad(), span("gather_copy_out"):
-            targets = [param.allocate_unsharded() for param in self.params]
-            reals = [t.view(real_dtype(t.dtype)) if t.is_complex() else t for t in targets]
-            columns, layout = self._columns(gather.gathered), gather.layout
-            with torch.autograd._unsafe_preserve_version_counter(tuple(targets)):
-                if layout.bytes_mode:
-                    torch._foreach_copy_(reals, layout.pieces(columns))
-                else:
-                    torch.split_with_sizes_copy(columns, layout.sizes, dim=1, out=reals)
-            self.ledger.record_copy("gather_copy_out", self.unsharded_nbytes)
+        buffers.copy_out(gather, [param.allocate_unsharded() for param in self.params], self.comm)
         for param in self.params:
             param.mark_filled()
 
@@ -265,7 +229,7 @@ class FSDPUnit:
         ``summon_full_params`` without writeback)."""
         if self._gather is not None:
             gather, self._gather = self._gather, None
-            gather.work.wait()
+            gather.wait()
             self.memory.freed(self.name, gather.nbytes, "gather_buffer")
         exposed = self.training.covered()
         if self.state is ShardedState.UNSHARDED and keep_edits is not False:
@@ -291,11 +255,10 @@ class FSDPUnit:
             return []
         dtypes = [s.dtype for s in shards]
         gather = self._start_gather(shards, dtypes)
-        gather.work.wait()
+        gather.wait()
         if not keep:
             return []
-        columns = gather.layout.pieces(self._columns(gather.gathered))
-        rows = [c.contiguous().view(d) if d.is_complex else c for c, d in zip(columns, dtypes)]
+        rows = [c.contiguous().view(d) if d.is_complex else c for c, d in zip(gather.pieces(), dtypes)]
         fulls = [param.full_from_rows(r) for param, r in zip(self.params, rows)]
         if gather.layout.bytes_mode:  # views of one byte buffer as several dtypes: torch.save refuses them
             fulls = [full.clone() for full in fulls]
@@ -339,7 +302,7 @@ class FSDPUnit:
         stashed = sum(p.stashed_nbytes for p in params)
         with span("reduce_copy_in"):
             used = [p.take_grad_rows(columns) for p, columns in zip(params, flat[:, :total].split(sizes, dim=1))]
-        self.ledger.record_copy("reduce_copy_in", world * total * flat.element_size())
+        self.comm.record_copy("reduce_copy_in", world * total * flat.element_size())
         if self._divide_before != 1:  # [Note: SUM then divide]: float16's share of the divide before the sum
             flat[:, :total].div_(self._divide_before)
         self.memory.freed(self.name, stashed, "stashed_grads")
