@@ -106,8 +106,8 @@ MUTATIONS = [
     Mutation(
         "div_missing",
         "the reduced gradient sum is never divided by the data-parallel size",
-        "fsdp_strategy/engine/unit.py",
-        "grads.div_(self._divide_after)  # [Note: SUM then divide]",
+        "fsdp_strategy/engine/buffers.py",
+        "grads.div_(spec.divide_after)  # [Note: SUM then divide]",
         "pass",
         ("tests/test_parity.py::test_parity_world_2",),
     ),

@@ -3,7 +3,7 @@
 The Scheduler decides which unit reduces when ([Note: post-backward every rank agrees on] in
 runtime.py); this keeps what is in flight: at most one reduction beyond the one just issued
 ([Note: bounded prefetch]), the gradients of parameters this rank did not use until every rank's
-usage flag is known ([Note: usage flags] in unit.py), and whether ``no_sync`` accumulation holds
+usage flag is known ([Note: usage flags] in buffers.py), and whether ``no_sync`` accumulation holds
 the reductions back.
 
 [Note: replicas reduce behind compute]
@@ -21,8 +21,9 @@ from collections import deque
 
 import torch
 
+from fsdp_strategy.engine.buffers import PendingReduce, UndecidedGrad
 from fsdp_strategy.engine.device import DeviceLayer
-from fsdp_strategy.engine.unit import FSDPUnit, PendingReduce, UndecidedGrad
+from fsdp_strategy.engine.unit import FSDPUnit
 
 
 class Reductions:
@@ -103,7 +104,7 @@ class Reductions:
         self._replicating = None
         for pending in pendings:
             pending.wait()
-            pending.unit.memory.freed(pending.unit.name, pending.nbytes, "reduce_buffer")
+            pending.release()
         self._undecided = []
 
 

@@ -9,13 +9,13 @@ The functions one weight gradient passes through, in order:
 2. Autograd accumulates the gradient into ``ShardedParam.unsharded.grad``.
 3. ``PostBackward.backward`` -> ``Scheduler._post_backward`` -> ``UnitState.post_backward_fired``
    (state.py) says READY -> ``Scheduler._reduce`` -> ``Reductions.reduce`` (reductions.py) ->
-   ``FSDPUnit.reduce_grads``: ``ShardedParam.take_grad_rows`` copies it (and a ``no_sync``
+   ``FSDPUnit.reduce_grads`` -> ``buffers.start_reduce``: ``ShardedParam.take_grad_rows`` copies it (and a ``no_sync``
    stash) into a flat buffer with its usage flag, ``collectives.reduce_scatter`` sums it, and
    the full gradient is freed.
-4. At the next reduction or the end of backward: ``PendingReduce`` (unit.py) waits, through its
+4. At the next reduction or the end of backward: ``PendingReduce`` (buffers.py) waits, through its
    collective's ``Watch`` (monitoring.py: the watchdog, order stamps, ledger); on HSDP
-   ``FSDPUnit.replicate_reduced`` all-reduces across replicas, waited one reduction later
-   ([Note: replicas reduce behind compute]); ``FSDPUnit.apply_reduced`` divides ([Note: SUM then
+   ``PendingReduce.start_replicate`` all-reduces across replicas, waited one reduction later
+   ([Note: replicas reduce behind compute]); ``PendingReduce.finish`` divides ([Note: SUM then
    divide]) and ``ShardedParam.accumulate_sharded_grad`` adds it into ``sharded.grad``; a
    parameter this rank did not use waits for ``Reductions.settle`` ([Note: usage flags]).
 5. ``Scheduler._end_of_backward`` settles every reduction and checks none is missing.

@@ -4,15 +4,8 @@ A unit does *what*: one all-gather of all its shards, the copy-out into full par
 reduction of all its gradients, the swap back to shards. It registers no hooks and decides
 no order; the Scheduler (runtime.py) decides *when*, from the unit's ``UnitState`` (state.py).
 
-[Note: usage flags]
-Every reduction carries, after the gradient columns of each rank's row, one flag per
-parameter: 1 where this rank has a gradient for it, 0 where it has none (its columns are
-zeros). Reduced with SUM, each rank's shard ends with the number of ranks that had a gradient.
-A parameter no rank had a gradient for keeps ``sharded.grad`` as it was (None after
-``zero_grad``), so optimizers skip it; one that some rank had a gradient for gets the average
-over all ranks, zeros included: DDP with ``find_unused_parameters=True``. The flags cost K
-elements per rank and no extra collective; reading a global flag back (a device sync on CUDA)
-is only needed for parameters this rank did not use, and is deferred to the end of backward.
+Its bytes (the gather and reduce buffers, their copies and collectives) are buffers.py's
+([Note: usage flags] there).
 
 Changes made to gathered full parameters are kept in the shards by edits.py ([Note: edits while
 gathered]).
@@ -30,13 +23,12 @@ from torch import nn
 from fsdp_strategy.engine import buffers, collectives
 from fsdp_strategy.engine.accounting import MemoryAccount
 from fsdp_strategy.engine.buffers import GatherResult
-from fsdp_strategy.engine.collectives import CommContext, CommGroup, Pending
+from fsdp_strategy.engine.collectives import CommContext, CommGroup
 from fsdp_strategy.engine.device import DeviceLayer
 from fsdp_strategy.engine.edits import LostEdits, keep_full_edits
 from fsdp_strategy.engine.flat import real_dtype
 from fsdp_strategy.engine.param import ShardedParam
 from fsdp_strategy.engine.state import UnitState
-from fsdp_strategy.engine.trace import span
 
 
 class ShardedState(Enum):
@@ -59,51 +51,6 @@ class UnitContext(NamedTuple):
     device_layer: DeviceLayer  # every pinned buffer, non_blocking copy and event ([Note: host and device])
     lost_edits: LostEdits  # changes a lower param_dtype could not keep ([Note: edits while gathered])
     stamp_slots: int = 0  # elements per rank each collective carries for its order stamp ([Note: order stamps])
-
-
-class UndecidedGrad(NamedTuple):
-    """A reduced gradient for a parameter this rank did not use: applied if any rank used it."""
-
-    param: ShardedParam
-    reduced: torch.Tensor  # this rank's shard of the averaged gradient
-    flag: torch.Tensor  # 0-dim: how many ranks had a gradient ([Note: usage flags])
-
-
-class PendingReduce:
-    """A unit's gradient reduction in flight: the reduce-scatter (``work``), then on HYBRID_SHARD
-    the all-reduce across replicas (``start_replicate``), then ``finish()`` adds the result into
-    the shards."""
-
-    def __init__(self, unit: FSDPUnit, work: Pending, flat: torch.Tensor, output: torch.Tensor, params: list) -> None:
-        self.unit, self.work, self.flat, self.output, self.params = unit, work, flat, output, params
-        self.used: list[bool] = []  # per parameter: this rank had a gradient ([Note: usage flags])
-        self.nbytes = 0  # the buffers' bytes in the memory account, released by finish()
-        self.replicating: Pending | None = None
-
-    def start_replicate(self) -> bool:
-        """Wait for the reduce-scatter and, on HYBRID_SHARD, issue the all-reduce of its output
-        across replicas without waiting for it ([Note: replicas reduce behind compute]); whether
-        one is in flight."""
-        self.work.wait()
-        self.replicating = self.unit.replicate_reduced(self.output)
-        return self.replicating is not None
-
-    def finish(self) -> list[UndecidedGrad]:
-        """Wait for what is in flight, divide, add into ``sharded.grad``; return the gradients of
-        parameters this rank did not use ([Note: usage flags])."""
-        if self.replicating is None:
-            self.start_replicate()
-        if self.replicating is not None:
-            self.replicating.wait()
-        undecided = self.unit.apply_reduced(self.output, self.params, self.used)
-        self.unit.memory.freed(self.unit.name, self.nbytes, "reduce_buffer")
-        return undecided
-
-    def wait(self) -> None:
-        """Wait for every collective of it (a failed iteration drops the result)."""
-        self.work.wait()
-        if self.replicating is not None:
-            self.replicating.wait()
 
 
 class FSDPUnit:
@@ -138,7 +85,19 @@ class FSDPUnit:
         shard_reals = [real_dtype(p.sharded.dtype) for p in params] or [torch.float32]
         self._reduce_dtype = context.reduce_dtype or functools.reduce(torch.promote_types, shard_reals)
         data_parallel_size = self.shard_comm.size * self.replicate_comm.size
-        self._divide_before, self._divide_after = collectives.divide_factors(data_parallel_size, self._reduce_dtype)
+        divide_before, divide_after = collectives.divide_factors(data_parallel_size, self._reduce_dtype)
+        self._reduce = buffers.ReduceSpec(
+            name,
+            self.shard_comm,
+            self.replicate_comm,
+            context.comm,
+            context.device_layer,
+            context.memory,
+            self._reduce_dtype,
+            divide_before,
+            divide_after,
+            context.stamp_slots,
+        )
 
     # ---- gather -----------------------------------------------------------------------
 
@@ -266,10 +225,6 @@ class FSDPUnit:
 
     # ---- reduce -----------------------------------------------------------------------
 
-    def trainable_params(self) -> list[ShardedParam]:
-        """The parameters that train now (their sharded ``requires_grad``); read at every reduction."""
-        return [p for p in self.params if p.trainable]
-
     def stash_grads(self) -> None:
         """no_sync: keep each full gradient (summed in ``reduce_dtype``) for the next reduction."""
         for param in self.params:
@@ -278,75 +233,16 @@ class FSDPUnit:
             else:
                 param.drop_grads()
 
-    def reduce_grads(self) -> PendingReduce | None:
-        """Flatten the full gradients (zeros where this rank has none) with their usage flags,
-        start ONE reduction and free them ([Note: usage flags]). None without trainable parameters.
-
-        FULL_SHARD / SHARD_GRAD_OP / HYBRID_SHARD: a reduce-scatter in the shard group (HYBRID
-        then all-reduces the shard across replicas in ``finish``). NO_SHARD: one in-place
-        all-reduce of the flat buffer, which the sharded gradients then view (one copy in all).
-        """
+    def reduce_grads(self) -> buffers.PendingReduce | None:
+        """Start ONE reduction of the trainable parameters' full gradients (buffers.py:
+        ``start_reduce``) and drop the frozen ones'. None without trainable parameters."""
         params = []
         for param in self.params:
             if param.trainable:
                 params.append(param)
             else:
                 param.drop_grads()
-        if not params:
-            return None
-        sizes = [p.real_shard_numel for p in params]  # [Note: flat buffers of any dtype]
-        total = sum(sizes)
-        world = self.shard_comm.size
-        stamp = self._stamp_slots
-        flat = torch.empty(world, total + len(params) + stamp, dtype=self._reduce_dtype, device=self.device)
-        stashed = sum(p.stashed_nbytes for p in params)
-        with span("reduce_copy_in"):
-            used = [p.take_grad_rows(columns) for p, columns in zip(params, flat[:, :total].split(sizes, dim=1))]
-        self.comm.record_copy("reduce_copy_in", world * total * flat.element_size())
-        if self._divide_before != 1:  # [Note: SUM then divide]: float16's share of the divide before the sum
-            flat[:, :total].div_(self._divide_before)
-        self.memory.freed(self.name, stashed, "stashed_grads")
-        flat[:, total : total + len(params)].fill_(1)
-        for index, has_grad in enumerate(used):
-            if not has_grad:
-                flat[:, total + index].zero_()
-        if world == 1:
-            output = flat.view(-1)
-            work = collectives.all_reduce(output, self.replicate_comm, self.comm, self.name, stamped=stamp > 0)
-            nbytes = flat.numel() * flat.element_size()
-        else:
-            output = flat.new_empty(total + len(params) + stamp)
-            work = collectives.reduce_scatter(output, flat.view(-1), self.shard_comm, self.comm, self.name, stamp > 0)
-            scratch = collectives.reduce_scatter_scratch_numel(output, self.shard_comm, self.comm)
-            nbytes = (flat.numel() + output.numel() + scratch) * flat.element_size()
-        pending = PendingReduce(self, work, flat, output, params)
-        pending.used, pending.nbytes = used, nbytes
-        self.memory.allocated(self.name, nbytes, "reduce_buffer")
-        return pending
-
-    def replicate_reduced(self, output: torch.Tensor) -> Pending | None:
-        """HYBRID_SHARD: issue the all-reduce of the reduce-scatter's ``output`` across replicas
-        (asynchronous); None where there is none (no replicas, or NO_SHARD's one all-reduce)."""
-        if self.shard_comm.size == 1 or self.replicate_comm.size == 1:
-            return None
-        stamped = self._stamp_slots > 0
-        return collectives.all_reduce(output, self.replicate_comm, self.comm, self.name, stamped=stamped)
-
-    def apply_reduced(self, output: torch.Tensor, params: list[ShardedParam], used: list[bool]) -> list[UndecidedGrad]:
-        """Divide the reduced gradients by the data-parallel size, add them into the shards of the
-        parameters this rank used; return the others for a later decision."""
-        with span("reduce_apply"):
-            total = output.numel() - len(params) - self._stamp_slots
-            grads, flags = output[:total], output[total : total + len(params)]
-            grads.div_(self._divide_after)  # [Note: SUM then divide]
-            undecided = []
-            pieces = grads.split([p.real_shard_numel for p in params])
-            for param, piece, flag, has_grad in zip(params, pieces, flags, used):
-                if has_grad:
-                    param.accumulate_sharded_grad(piece, self.device_layer)
-                else:
-                    undecided.append(UndecidedGrad(param, piece, flag))
-        return undecided
+        return buffers.start_reduce(self._reduce, params) if params else None
 
     def drop_grads(self) -> None:
         """Discard every full and stashed gradient of the unit (a failed iteration)."""
