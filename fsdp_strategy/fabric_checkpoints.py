@@ -16,13 +16,16 @@ from typing import Any
 
 from lightning.fabric.strategies.strategy import _apply_filter, _validate_keys_for_strict_loading
 from lightning.fabric.utilities.cloud_io import _atomic_save
+from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.fabric.utilities.types import _PATH, _Stateful
 from torch import nn
 from torch.optim import Optimizer
+from torch.utils.data import DataLoader
 
 from fsdp_strategy.checkpoint import full, layout, sharded_load, storage
 from fsdp_strategy.checkpoint.layout import CheckpointError
 from fsdp_strategy.checkpoint.writer import save_targets
+from fsdp_strategy.data import LoopDataPosition, describe_batch_change, make_loop_resumable
 from fsdp_strategy.engine import is_sharded
 
 
@@ -30,6 +33,15 @@ class FabricCheckpoints:
     """``save_checkpoint`` and ``load_checkpoint`` of the Fabric strategy. Costs: those of the
     checkpoint package (a sharded save writes each rank's shards; a full one gathers unit by unit
     to rank 0)."""
+
+    def process_dataloader(self, dataloader: DataLoader) -> DataLoader:
+        """A dataloader with Fabric's DistributedSampler rebuilt around one that can resume inside an
+        epoch, at any world size; a dataloader in the state of ``fabric.save`` then records where
+        its epoch stands, and ``fabric.load`` resumes it there ([Note: a Fabric loop's data position])."""
+        loader, position = make_loop_resumable(dataloader)
+        if position is not None:
+            loader._data_position = position
+        return loader
 
     def save_checkpoint(
         self,
@@ -50,11 +62,7 @@ class FabricCheckpoints:
             raise NotImplementedError("a filter is supported with state_dict_type='full' only (as Fabric's FSDP)")
         module_key, module = _the_module(state, "save")
         optimizers = {key: value for key, value in state.items() if isinstance(value, Optimizer)}
-        rest = {
-            key: value.state_dict() if isinstance(value, _Stateful) else value
-            for key, value in state.items()
-            if key != module_key and key not in optimizers
-        }
+        rest = {key: _saved(key, value) for key, value in state.items() if key != module_key and key not in optimizers}
         final, temporary = save_targets(path, self._state_dict_type, self.is_global_zero, self.broadcast)
         if self._state_dict_type == "sharded":
             keys = (module_key, list(optimizers))
@@ -107,11 +115,58 @@ class FabricCheckpoints:
                 full.load_full_optimizer_state_dict(module, optimizer, optimizer_state, source=where)
         for key in requested & rest.keys():
             value = rest.pop(key)
-            if isinstance(state[key], _Stateful):
+            if isinstance(state[key], DataLoader):
+                _resume_loader(key, state[key], value)
+            elif isinstance(state[key], _Stateful):
                 state[key].load_state_dict(value)
             else:
                 state[key] = value
         return rest
+
+
+LOADER_KEY = "fsdp_custom_dataloader"  # a saved dataloader's entry: its position, or its epochs begun
+
+
+def _saved(key: str, value: Any) -> Any:
+    """What ``fabric.save`` writes for one entry of the state besides the model and optimizers (a
+    dataloader: its position, [Note: a Fabric loop's data position])."""
+    if not isinstance(value, DataLoader):
+        return value.state_dict() if isinstance(value, _Stateful) else value
+    position: LoopDataPosition | None = getattr(value, "_data_position", None)
+    if position is None:
+        rank_zero_warn(
+            f"fsdp_custom: the dataloader {key!r} has no DistributedSampler of Fabric's (`use_distributed_sampler="
+            "False` or a sampler of your own): its position is not saved, and a resumed loop iterates it from the "
+            "start of an epoch as a new one"
+        )
+        return {LOADER_KEY: None}
+    return {LOADER_KEY: position.loop_state()}
+
+
+def _resume_loader(key: str, loader: DataLoader, saved: Any) -> None:
+    """Resume ``loader`` where ``saved`` (``_saved``'s entry) says its loop stood."""
+    if not isinstance(saved, dict) or LOADER_KEY not in saved:
+        raise CheckpointError(
+            f"the checkpoint's {key!r} is not a dataloader's position (saved by fsdp_custom's fabric.save): "
+            f"load it under another key, or leave the dataloader out of the state"
+        )
+    state = saved[LOADER_KEY]
+    position: LoopDataPosition | None = getattr(loader, "_data_position", None)
+    if state is None or position is None:
+        rank_zero_warn(
+            f"fsdp_custom: the dataloader {key!r} starts from the start of an epoch as a new one: its position was not "
+            "saved or cannot be applied (a sampler other than Fabric's DistributedSampler)"
+        )
+        return
+    position.resume_loop(state)
+    where = f"after its first {state['consumed_samples']} samples" if state["consumed_samples"] else "at its start"
+    rank_zero_info(
+        f"fsdp_custom: the dataloader {key!r} resumes epoch {state['epoch']} {where}, exactly where the checkpoint "
+        "left it"
+    )
+    change = describe_batch_change(state, position.batch_size, position.sampler.num_replicas)
+    if change is not None:
+        rank_zero_warn(change)
 
 
 def _the_module(state: dict[str, Any], action: str) -> tuple[str, nn.Module]:

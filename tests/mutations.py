@@ -438,6 +438,22 @@ MUTATIONS = [
         ),
     ),
     Mutation(
+        "fabric_resumed_skip_forgotten",
+        "a Fabric loop saved again after a resume into an epoch forgets what that resume skipped",
+        "fsdp_strategy/data.py",
+        '            state["consumed_samples"] += sampler.skip\n',
+        "            pass\n",
+        ("tests/test_fabric_data_position.py::test_a_fabric_loop_resumes_its_dataloader_where_the_checkpoint_left_it",),
+    ),
+    Mutation(
+        "fabric_epoch_end_unseen",
+        "a Fabric loop saved after its epoch's `for` ended resumes inside that epoch (one epoch more than it ran)",
+        "fsdp_strategy/data.py",
+        "                    self.ended = True\n",
+        "                    pass\n",
+        ("tests/test_fabric_data_position.py::test_a_fabric_loop_resumes_its_dataloader_where_the_checkpoint_left_it",),
+    ),
+    Mutation(
         "tp_compiled_blocks_run",
         "a compiled module holding tensor-parallel parameters runs (torch 2.13 trains it to wrong losses)",
         "fsdp_strategy/engine/tensor_parallel.py",
