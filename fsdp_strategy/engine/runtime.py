@@ -70,7 +70,7 @@ from fsdp_strategy.engine.clipping import clip_grad_norm
 from fsdp_strategy.engine.collectives import CommContext
 from fsdp_strategy.engine.group_agreement import GroupAgreement
 from fsdp_strategy.engine.guard import shard_used_by
-from fsdp_strategy.engine.iteration import BackwardPass, PostBackward, Step, autograd_running
+from fsdp_strategy.engine.iteration import BackwardPass, Step, autograd_running
 from fsdp_strategy.engine.optimizer_kinds import OptimizerKinds
 from fsdp_strategy.engine.optimizer_steps import OptimizerSteps
 from fsdp_strategy.engine.order import ExecutionOrder, Prefetch
@@ -80,7 +80,6 @@ from fsdp_strategy.engine.replica_agreement import ReplicaAgreement
 from fsdp_strategy.engine.state import AfterPostBackward, Frame, UnitState
 from fsdp_strategy.engine.tensor_parallel import holders_of_tensor_parallel, refuse_compiled
 from fsdp_strategy.engine.trace import traced
-from fsdp_strategy.engine.traversal import grad_tensors, replace_grad_tensors
 from fsdp_strategy.engine.unit import FSDPUnit, ShardedState
 from fsdp_strategy.engine.whole_matrix import WholeMatrixSteps
 from fsdp_strategy.options import UpdateKind
@@ -173,11 +172,7 @@ class Scheduler:
             if self.step.root_depth == 0 and not in_backward:
                 args, kwargs = self._start_iteration(args, kwargs)
             self.step.root_depth += 1
-        frame = Frame(sys.exc_info()[1])
-        state.forward_entered(frame, in_backward)
-        unit.wait_unshard()
-        if unit is self.root_unit:  # training_step runs inside it: [Note: edits while gathered]
-            state.expose()
+        frame = unit.enter_forward(in_backward)
         if not in_backward and torch.is_grad_enabled():
             self.reductions.ran_forward(unit)
         if not in_backward and self.step.forward_phase is not None:
@@ -186,25 +181,8 @@ class Scheduler:
             if target is not None and self.prefetch.forward:
                 target.unshard()  # [Note: bounded prefetch]
         if torch.is_grad_enabled():
-            args, kwargs = self._arm_post_backward(unit, state, frame, in_backward, args, kwargs)
+            args, kwargs = unit.arm_post_backward(frame, in_backward, args, kwargs, self._post_backward)
         return args, kwargs
-
-    def _arm_post_backward(
-        self, unit: FSDPUnit, state: UnitState, frame: Frame, in_backward: bool, args: tuple, kwargs: dict
-    ) -> tuple[tuple, dict]:
-        """Put ``PostBackward`` on the call's inputs that need gradients ([Note: post-backward every
-        rank agrees on]); note a call whose inputs need none ([Note: calls without a post-backward])."""
-        tensors = grad_tensors((args, kwargs))
-        if not tensors:
-            if not in_backward:
-                state.call_uncovered()
-            return args, kwargs
-        frame.counted = not in_backward  # a recomputation's post-backward may never fire
-        callback = functools.partial(self._post_backward, unit, state, frame.counted)
-        outputs = PostBackward.apply(callback, *tensors)
-        state.post_backward_armed(frame.counted)
-        frame.input_ids = frozenset(map(id, outputs))
-        return replace_grad_tensors((args, kwargs), list(outputs))
 
     @traced("post_forward")
     def _post_forward(
@@ -217,23 +195,13 @@ class Scheduler:
             self.step.root_depth -= 1
         raised = sys.exc_info()[1]
         if raised is not None and raised is not frame.exception:
-            self._forward_failed(unit, state, frame)
+            self._forward_failed(unit, frame)
             return output
         in_backward = autograd_running()
-        hooked = False
-        if torch.is_grad_enabled():
-            for tensor in grad_tensors(output):
-                if id(tensor) not in frame.input_ids:  # a unit returning its input: backward is not its own
-                    tensor.register_hook(backward_hook)
-                    hooked = True
+        policy = self.sharding_strategy.reshard_after_forward
+        hooked = unit.leave_forward(frame, output, backward_hook, self.step.root_depth, policy)
         if hooked and not in_backward:
             self.step.post_forward_order.append(unit)  # [Note: prefetch from the previous run]
-        if not state.on_stack:
-            policy = self.sharding_strategy.reshard_after_forward
-            if state.reshards_after_forward(hooked, self.step.root_depth, policy):
-                unit.reshard(keep_edits=True)  # its own forward may have changed it
-            else:  # gathered past its forward: user code may reach it ([Note: edits while gathered])
-                state.expose()
         if unit is self.root_unit and self.step.root_depth == 0 and not in_backward:
             self._end_forward()
         return output
@@ -348,13 +316,13 @@ class Scheduler:
             if unit.training.forward_pass_finished():
                 unit.reshard()
 
-    def _forward_failed(self, unit: FSDPUnit, state: UnitState, frame: Frame) -> None:
-        state.forward_raised(frame)
+    def _forward_failed(self, unit: FSDPUnit, frame: Frame) -> None:
         if unit is self.root_unit and self.step.root_depth == 0 and not autograd_running():
+            unit.training.forward_raised(frame)
             log.info("fsdp_custom: the root forward raised; the iteration is reset")
             self.reset()
-        elif not state.on_stack and state.reshards_after_forward(False, self.step.root_depth, True):
-            unit.reshard()
+        else:
+            unit.forward_raised(frame, self.step.root_depth)
 
     @torch._dynamo.disable
     def _grad_accumulated(self, param: torch.Tensor) -> None:

@@ -14,8 +14,10 @@ gathered]).
 from __future__ import annotations
 
 import functools
+import sys
+from collections.abc import Callable
 from enum import Enum, auto
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -27,8 +29,10 @@ from fsdp_strategy.engine.collectives import CommContext, CommGroup
 from fsdp_strategy.engine.device import DeviceLayer
 from fsdp_strategy.engine.edits import LostEdits, keep_full_edits
 from fsdp_strategy.engine.flat import real_dtype
+from fsdp_strategy.engine.iteration import PostBackward
 from fsdp_strategy.engine.param import ShardedParam
-from fsdp_strategy.engine.state import UnitState
+from fsdp_strategy.engine.state import Frame, UnitState
+from fsdp_strategy.engine.traversal import grad_tensors, replace_grad_tensors
 
 
 class ShardedState(Enum):
@@ -98,6 +102,60 @@ class FSDPUnit:
             divide_after,
             context.stamp_slots,
         )
+
+    # ---- forward ----------------------------------------------------------------------
+
+    def enter_forward(self, in_backward: bool) -> Frame:
+        """A call of its forward begins (its pre-hook): the call is noted, the unit gathered; the
+        root is exposed (``training_step`` runs inside it: [Note: edits while gathered])."""
+        frame = Frame(sys.exc_info()[1])
+        self.training.forward_entered(frame, in_backward)
+        self.wait_unshard()
+        if self.training.is_root:
+            self.training.expose()
+        return frame
+
+    def arm_post_backward(
+        self, frame: Frame, in_backward: bool, args: tuple, kwargs: dict, post_backward: Callable[..., None]
+    ) -> tuple[tuple, dict]:
+        """Put ``PostBackward`` on the call's inputs that need gradients, to call
+        ``post_backward(unit, state, counted)`` once their gradients are computed ([Note:
+        post-backward every rank agrees on]); note a call whose inputs need none ([Note: calls
+        without a post-backward])."""
+        tensors = grad_tensors((args, kwargs))
+        if not tensors:
+            if not in_backward:
+                self.training.call_uncovered()
+            return args, kwargs
+        frame.counted = not in_backward  # a recomputation's post-backward may never fire
+        callback = functools.partial(post_backward, self, self.training, frame.counted)
+        outputs = PostBackward.apply(callback, *tensors)
+        self.training.post_backward_armed(frame.counted)
+        frame.input_ids = frozenset(map(id, outputs))
+        return replace_grad_tensors((args, kwargs), list(outputs))
+
+    def leave_forward(self, frame: Frame, output: Any, backward_hook: Any, root_depth: int, policy: bool) -> bool:
+        """A call of its forward returned (its post-hook): its outputs get ``backward_hook``, and by
+        the rule (state.py) and the policy (``reshard_after_forward``) it reshards, or stays gathered
+        and exposed ([Note: edits while gathered]). Whether an output was hooked."""
+        hooked = False
+        if torch.is_grad_enabled():
+            for tensor in grad_tensors(output):
+                if id(tensor) not in frame.input_ids:  # a unit returning its input: backward is not its own
+                    tensor.register_hook(backward_hook)
+                    hooked = True
+        if not self.training.on_stack:
+            if self.training.reshards_after_forward(hooked, root_depth, policy):
+                self.reshard(keep_edits=True)  # its own forward may have changed it
+            else:
+                self.training.expose()
+        return hooked
+
+    def forward_raised(self, frame: Frame, root_depth: int) -> None:
+        """A call of its forward raised: the call is forgotten and, off the stack, the unit resharded."""
+        self.training.forward_raised(frame)
+        if not self.training.on_stack and self.training.reshards_after_forward(False, root_depth, True):
+            self.reshard()
 
     # ---- gather -----------------------------------------------------------------------
 
