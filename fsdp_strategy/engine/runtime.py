@@ -80,7 +80,7 @@ from fsdp_strategy.engine.replica_agreement import ReplicaAgreement
 from fsdp_strategy.engine.state import AfterPostBackward, Frame, UnitState
 from fsdp_strategy.engine.tensor_parallel import holders_of_tensor_parallel, refuse_compiled
 from fsdp_strategy.engine.trace import traced
-from fsdp_strategy.engine.unit import FSDPUnit, ShardedState
+from fsdp_strategy.engine.unit import FSDPUnit
 from fsdp_strategy.engine.whole_matrix import WholeMatrixSteps
 from fsdp_strategy.options import UpdateKind
 
@@ -209,9 +209,8 @@ class Scheduler:
     @traced("pre_backward")
     def _pre_backward(self, unit: FSDPUnit, state: UnitState, grad: torch.Tensor) -> None:
         self._enter_backward()
-        if not state.backward_reached():
+        if not unit.reached_in_backward():
             return
-        unit.wait_unshard()
         assert self.step.backward is not None
         target = self._order.record(("backward", self.step.backward.index), unit)
         if target is not None and self.prefetch.backward is BackwardPrefetch.BACKWARD_PRE:
@@ -227,13 +226,8 @@ class Scheduler:
         target = state.take_prefetch()
         if target is not None:  # BACKWARD_POST: this unit's gradients are computed
             target.unshard()
-        outcome = state.post_backward_fired(counted, backward.create_graph)
-        if outcome is AfterPostBackward.KEEP:  # [Note: double backward]
-            return
-        if state.may_reshard():  # [Note: forward on the stack]
-            unit.reshard()
-        if outcome is AfterPostBackward.RESHARD:  # another call of this unit may be ahead in backward
-            return
+        if unit.post_backward(counted, backward.create_graph) is not AfterPostBackward.READY:
+            return  # kept for a double backward, or another call of this unit may be ahead in backward
         backward.ready.add(unit)
         while backward.expected and backward.expected[0] in backward.ready:
             ready = backward.expected.popleft()
@@ -250,7 +244,7 @@ class Scheduler:
                 if not unit.training.reduced:
                     self._reduce(unit)
             for unit in self.units:  # then one fixed order on every rank
-                if unit.training.needs_reduction(unit.state is ShardedState.UNSHARDED):
+                if unit.due_for_reduction():
                     self._reduce(unit)
             self.reductions.forget_forwards()
             self.reductions.settle()
@@ -265,10 +259,7 @@ class Scheduler:
 
     def _finish_backward(self, backward: BackwardPass) -> None:
         for unit in self.units:
-            state = unit.training
-            if not state.keeps_after_backward(backward.create_graph):
-                unit.reshard()
-            state.backward_finished(backward.create_graph)
+            unit.end_backward(backward.create_graph)
         self._order.commit(("backward", backward.index))
         self.step.backward = None
 
@@ -366,9 +357,7 @@ class Scheduler:
         self.device_layer.close()  # what reduced gradients are kept, and what was copied, is complete
         self.lost_edits.drop_pending()
         for unit in self.units:
-            unit.training.reset()
-            unit.drop_grads()
-            unit.reshard(keep_edits=False)
+            unit.reset()
         self.step = Step(backwards=self.step.backwards)  # an iteration without a backward is still one
         self.reductions.forget_forwards()
         self._order.discard()

@@ -24,13 +24,11 @@ def summon_all_units(scheduler: Scheduler, writeback: bool = False) -> Iterator[
                 "weights with load_full_state_dict"
             )
     for unit in scheduler.units:
-        unit.training.pin()
-        unit.unshard()
+        unit.pin()
     try:
         for unit in scheduler.units:
             unit.wait_unshard()
         yield
     finally:
         for unit in scheduler.units:
-            if unit.training.unpin():
-                unit.reshard(keep_edits=writeback)
+            unit.unpin(writeback)

@@ -31,7 +31,7 @@ from fsdp_strategy.engine.edits import LostEdits, keep_full_edits
 from fsdp_strategy.engine.flat import real_dtype
 from fsdp_strategy.engine.iteration import PostBackward
 from fsdp_strategy.engine.param import ShardedParam
-from fsdp_strategy.engine.state import Frame, UnitState
+from fsdp_strategy.engine.state import AfterPostBackward, Frame, UnitState
 from fsdp_strategy.engine.traversal import grad_tensors, replace_grad_tensors
 
 
@@ -156,6 +156,52 @@ class FSDPUnit:
         self.training.forward_raised(frame)
         if not self.training.on_stack and self.training.reshards_after_forward(False, root_depth, True):
             self.reshard()
+
+    # ---- backward ---------------------------------------------------------------------
+
+    def reached_in_backward(self) -> bool:
+        """Backward reached one of its outputs (its pre-backward hook): gathered again, unless
+        another call of it was reached first. Whether this one is the first."""
+        if not self.training.backward_reached():
+            return False
+        self.wait_unshard()
+        return True
+
+    def post_backward(self, counted: bool, create_graph: bool) -> AfterPostBackward:
+        """The gradients of a call's inputs are computed (its ``PostBackward``): resharded unless
+        another call or a double backward still needs it ([Note: forward on the stack], [Note:
+        double backward]); ``READY`` when its gradients are complete."""
+        outcome = self.training.post_backward_fired(counted, create_graph)
+        if outcome is not AfterPostBackward.KEEP and self.training.may_reshard():
+            self.reshard()
+        return outcome
+
+    def due_for_reduction(self) -> bool:
+        """At the end of backward: whether it has gradients no reduction took yet."""
+        return self.training.needs_reduction(self.state is ShardedState.UNSHARDED)
+
+    def end_backward(self, create_graph: bool) -> None:
+        """The backward pass ended: resharded unless a double backward keeps it gathered."""
+        if not self.training.keeps_after_backward(create_graph):
+            self.reshard()
+        self.training.backward_finished(create_graph)
+
+    def reset(self) -> None:
+        """A failed iteration: its state forgotten, its unreduced gradients dropped, resharded
+        without keeping changes of the full parameters."""
+        self.training.reset()
+        self.drop_grads()
+        self.reshard(keep_edits=False)
+
+    def pin(self) -> None:
+        """Hold it gathered (``summon_full_params``) until ``unpin``; starts its gather."""
+        self.training.pin()
+        self.unshard()
+
+    def unpin(self, keep_edits: bool) -> None:
+        """Release ``pin``: resharded (changes kept with ``keep_edits``) unless it runs."""
+        if self.training.unpin():
+            self.reshard(keep_edits=keep_edits)
 
     # ---- gather -----------------------------------------------------------------------
 
