@@ -220,7 +220,21 @@ def load_tensors(
                 other.sharded.data.copy_(params[0].sharded)
         module_state.load_plain(view, {**values, **plain, **_meta(shapes, plan)}, plan)
         _clear_scalar_padding(view)
+    _load_optimizer_states(view, folder, stored, optimizers, loaded, flat, legacy_groups)
+
+
+def _load_optimizer_states(
+    view: ShardsView,
+    folder: Location,
+    stored: _StoredKeys,
+    optimizers: list[torch.optim.Optimizer],
+    loaded: list[tuple],
+    flat: dict[str, Any],
+    legacy_groups: list[Any],
+) -> None:
+    """Put each optimizer's state, read into ``flat`` (its targets in ``loaded``), into the optimizer."""
     owners = names.optimizer_owners(view)
+    by_fqn = {p.fqn: p for p in owners.values()}
     for index, (optimizer, (local_state, state_keys, group_paths, targets, nested)) in enumerate(
         zip(optimizers, loaded)
     ):
@@ -230,7 +244,6 @@ def load_tensors(
         for (fqn, key), paths in nested.items():
             local_state.setdefault(fqn, {})[key] = _nested(flat, paths)["state"][fqn][key]
         groups = _nested(flat, group_paths)["param_groups"] if group_paths else legacy_groups[index]
-        by_fqn = {p.fqn: p for p in owners.values()}
         rows = {
             (fqn, key): stored.sizes[flat_key] is not None
             and names.is_full_shaped(by_fqn[fqn], key, stored.sizes[flat_key])
