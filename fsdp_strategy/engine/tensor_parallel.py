@@ -255,15 +255,20 @@ def refuse_compiled(holders: list[tuple[str, nn.Module]]) -> None:
     """[Note: compiled tensor-parallel blocks]
     A module holding tensor-parallel parameters that was compiled (``module.compile()``) trains to
     wrong losses inside torch 2.13 under FSDP: measured on a 2x2 and a 1x4 mesh, FSDP2's
-    ``fully_shard`` and this engine alike end 9e-4 off one process after three AdamW steps (AOT
-    autograd, ``aot_eager``; ``inductor`` fails to compile, and so does ``torch.compile`` of the whole
-    model). So it is refused at the next forward, by name. Costs: one attribute read per module
-    holding TP parameters, per iteration."""
+    ``fully_shard`` and this engine alike end 9e-4 off one process after three AdamW steps, with
+    ``aot_eager`` and ``inductor`` alike. The cause measured: a compiled block whose input is a
+    tensor-parallel module's local output (an ``AsyncCollectiveTensor``, as a ``RowwiseParallel``
+    embedding returns) passes no gradient back to it, so the embedding gets a zero gradient; with
+    the embedding left whole, compiled blocks gave FSDP2 exact gradients. Until that is told apart
+    at the compiled module's input, every compiled module holding TP parameters is refused at the
+    next forward, by name; ``torch.compile`` of a whole 2-D model fails inside torch anyway.
+    Costs: one attribute read per module holding TP parameters, per iteration."""
     compiled = [name or "the root module" for name, module in holders if module._compiled_call_impl is not None]
     if compiled:
         raise NotImplementedError(
             f"fsdp_custom: {', '.join(compiled)} was compiled (`module.compile()`) and holds tensor-parallel "
             "parameters: inside torch 2.13, FSDP (FSDP2's fully_shard as this engine) with compiled tensor-parallel "
-            "modules trains to wrong losses (measured 9e-4 off one process after three steps), so it is refused; "
-            "run those modules eagerly, or compile modules without tensor-parallel parameters"
+            "modules trains to wrong losses (a compiled block fed by a tensor-parallel module's output passes it no "
+            "gradient: measured 9e-4 off one process after three steps), so it is refused; run those modules "
+            "eagerly, or compile modules without tensor-parallel parameters"
         )
