@@ -11,15 +11,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 
 class PostBackward(torch.autograd.Function):
-    """Identity on a unit's forward inputs; its backward runs the unit's post-backward."""
+    """Identity on a unit's forward inputs; its backward runs the unit's post-backward.
+
+    An input that is a tensor-parallel module's local output still in flight (an
+    ``AsyncCollectiveTensor``) comes out waited for, a plain tensor: a compiled unit fed one passed
+    it no gradient inside torch 2.13 ([Note: compiled tensor-parallel blocks] in
+    tensor_parallel.py). Costs: nothing more than the wait its first use would make."""
 
     @staticmethod
     def forward(ctx: Any, callback: Callable[[], None], *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.callback = callback
-        return inputs
+        return tuple(x.wait() if isinstance(x, AsyncCollectiveTensor) else x for x in inputs)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:

@@ -78,7 +78,6 @@ from fsdp_strategy.engine.param import ShardedParam
 from fsdp_strategy.engine.reductions import Reductions, check_no_late_grads
 from fsdp_strategy.engine.replica_agreement import ReplicaAgreement
 from fsdp_strategy.engine.state import AfterPostBackward, Frame, UnitState
-from fsdp_strategy.engine.tensor_parallel import holders_of_tensor_parallel, refuse_compiled
 from fsdp_strategy.engine.trace import traced
 from fsdp_strategy.engine.unit import FSDPUnit
 from fsdp_strategy.engine.whole_matrix import WholeMatrixSteps
@@ -141,8 +140,6 @@ class Scheduler:
         self.optimizer_steps = OptimizerSteps(units, self.device_layer, kinds, whole, agreement)
         self.replicas = ReplicaAgreement.of(params, comm, device)  # [Note: TP replicas agree]; None without TP
         self.tensor_parallel = any(param.tp is not None for param in params)  # a 2-D (data x tensor) model
-        tp_fqns = [param.fqn for param in params if param.tp is not None]
-        self._tp_holders = holders_of_tensor_parallel(units[0].module, tp_fqns) if tp_fqns else []
         self.hook_handles: list[Any] = list(guards)  # every module hook the engine registered on the model
         self._register_hooks()
 
@@ -279,7 +276,6 @@ class Scheduler:
         # its forward's checks, each rank its own: ranks may run different numbers of forward-only
         # iterations (an uneven predict), where NO_SHARD issues no collective to agree in
         self._report_lost_edits(send=previous_without_backward, agree=False)
-        refuse_compiled(self._tp_holders)  # [Note: compiled tensor-parallel blocks]
         stale = self.step.backward is not None or any(unit.training.on_stack for unit in self.units)
         if stale:
             log.warning("fsdp_custom: the previous iteration did not finish (an exception in backward?); resetting")

@@ -13,6 +13,16 @@ data-parallel size only: TP peers share a batch. Plain parameters of a 2-D model
 every TP peer holds, and computes, the same values. Everything TP is in ``TPSpec`` and
 ``ShardedParam``; the unit and its hooks know nothing of it. Costs: none per step but DTensor's
 own collectives, and at setup one all-gather over TP of the replicated parameters' checksums.
+
+[Note: compiled tensor-parallel blocks]
+A unit compiled by itself (``block.compile()``) whose input is a tensor-parallel module's local
+output (an ``AsyncCollectiveTensor``, as a ``RowwiseParallel`` embedding returns) passed that input
+no gradient inside torch 2.13: the embedding got a zero gradient, 9e-4 off one process after three
+steps, with FSDP2's ``fully_shard`` too (measured, ``aot_eager`` and ``inductor`` alike). The
+engine's ``PostBackward`` (iteration.py), which every unit input needing a gradient passes, hands
+the unit such an input waited for, a plain tensor: compiled blocks then train exactly (float64,
+2x2, with and without SequenceParallel). ``torch.compile`` of a whole 2-D model fails inside torch
+("Mixing fake modes"), with FSDP2 as with this engine.
 """
 
 from __future__ import annotations
@@ -239,36 +249,3 @@ def _checksum(tensor: torch.Tensor) -> torch.Tensor:
         weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device)
         return (flat.to(torch.float64) * weights).sum()
     return flat.to(torch.float64).sum()
-
-
-def holders_of_tensor_parallel(root: nn.Module, fqns: Iterable[str]) -> list[tuple[str, nn.Module]]:
-    """The modules that hold or contain a tensor-parallel parameter (named by ``fqns``), the root
-    included: those whose ``module.compile()`` ``refuse_compiled`` refuses."""
-    prefixes = {""}
-    for fqn in fqns:
-        parts = fqn.split(".")[:-1]
-        prefixes.update(".".join(parts[:end]) for end in range(1, len(parts) + 1))
-    return [(name, root.get_submodule(name)) for name in sorted(prefixes)]
-
-
-def refuse_compiled(holders: list[tuple[str, nn.Module]]) -> None:
-    """[Note: compiled tensor-parallel blocks]
-    A module holding tensor-parallel parameters that was compiled (``module.compile()``) trains to
-    wrong losses inside torch 2.13 under FSDP: measured on a 2x2 and a 1x4 mesh, FSDP2's
-    ``fully_shard`` and this engine alike end 9e-4 off one process after three AdamW steps, with
-    ``aot_eager`` and ``inductor`` alike. The cause measured: a compiled block whose input is a
-    tensor-parallel module's local output (an ``AsyncCollectiveTensor``, as a ``RowwiseParallel``
-    embedding returns) passes no gradient back to it, so the embedding gets a zero gradient; with
-    the embedding left whole, compiled blocks gave FSDP2 exact gradients. Until that is told apart
-    at the compiled module's input, every compiled module holding TP parameters is refused at the
-    next forward, by name; ``torch.compile`` of a whole 2-D model fails inside torch anyway.
-    Costs: one attribute read per module holding TP parameters, per iteration."""
-    compiled = [name or "the root module" for name, module in holders if module._compiled_call_impl is not None]
-    if compiled:
-        raise NotImplementedError(
-            f"fsdp_custom: {', '.join(compiled)} was compiled (`module.compile()`) and holds tensor-parallel "
-            "parameters: inside torch 2.13, FSDP (FSDP2's fully_shard as this engine) with compiled tensor-parallel "
-            "modules trains to wrong losses (a compiled block fed by a tensor-parallel module's output passes it no "
-            "gradient: measured 9e-4 off one process after three steps), so it is refused; run those modules "
-            "eagerly, or compile modules without tensor-parallel parameters"
-        )
