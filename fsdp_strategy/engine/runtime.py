@@ -2,13 +2,14 @@
 
 [Note: life of a gradient]
 The functions one weight gradient passes through, in order:
-1. ``Scheduler._pre_forward`` (here) -> ``FSDPUnit.wait_unshard`` (unit.py): the unit's flat
-   shard is all-gathered (``collectives.all_gather``; exchange.py on gloo) and copied out into
-   ``ShardedParam.unsharded`` (param.py); ``_arm_post_backward`` puts ``PostBackward``
-   (iteration.py) on the unit's inputs.
+1. ``Scheduler._pre_forward`` (here) -> ``FSDPUnit.enter_forward`` -> ``wait_unshard`` (unit.py):
+   the unit's flat shard is all-gathered (``buffers.start_gather`` -> ``collectives.all_gather``;
+   exchange.py on gloo) and copied out into ``ShardedParam.unsharded`` (``buffers.copy_out``,
+   param.py); ``FSDPUnit.arm_post_backward`` puts ``PostBackward`` (iteration.py) on its inputs.
 2. Autograd accumulates the gradient into ``ShardedParam.unsharded.grad``.
-3. ``PostBackward.backward`` -> ``Scheduler._post_backward`` -> ``UnitState.post_backward_fired``
-   (state.py) says READY -> ``Scheduler._reduce`` -> ``Reductions.reduce`` (reductions.py) ->
+3. ``PostBackward.backward`` -> ``Scheduler._post_backward`` -> ``FSDPUnit.post_backward``
+   (``UnitState.post_backward_fired``, state.py, says READY) -> ``Scheduler._reduce`` ->
+   ``Reductions.reduce`` (reductions.py) ->
    ``FSDPUnit.reduce_grads`` -> ``buffers.start_reduce``: ``ShardedParam.take_grad_rows`` copies it (and a ``no_sync``
    stash) into a flat buffer with its usage flag, ``collectives.reduce_scatter`` sums it, and
    the full gradient is freed.
