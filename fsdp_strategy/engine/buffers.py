@@ -84,9 +84,9 @@ def start_gather(
     return GatherResult(work, gathered, layout, stamp_slots)
 
 
-def copy_out(result: GatherResult, targets: list[torch.Tensor], ctx: CommContext) -> None:
+def copy_out(result: GatherResult, targets: list[torch.Tensor], ctx: CommContext, nbytes: int) -> None:
     """Wait for ``result`` and fill ``targets`` (the full parameters, flat rows in the padded
-    layout) from it, their autograd versions kept."""
+    layout, ``nbytes`` in all) from it, their autograd versions kept."""
     result.wait()
     with torch.no_grad(), span("gather_copy_out"):
         reals = [t.view(real_dtype(t.dtype)) if t.is_complex() else t for t in targets]
@@ -96,7 +96,7 @@ def copy_out(result: GatherResult, targets: list[torch.Tensor], ctx: CommContext
             else:
                 columns = result.gathered[:, : result.layout.total]
                 torch.split_with_sizes_copy(columns, result.layout.sizes, dim=1, out=reals)
-        ctx.record_copy("gather_copy_out", sum(t.numel() * t.element_size() for t in targets))
+        ctx.record_copy("gather_copy_out", nbytes)
 
 
 # ---- reduce ---------------------------------------------------------------------------

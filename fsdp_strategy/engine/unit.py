@@ -255,7 +255,8 @@ class FSDPUnit:
 
     def _copy_out(self, gather: GatherResult) -> None:
         """Wait for ``gather`` and fill the full parameters from it (their versions kept)."""
-        buffers.copy_out(gather, [param.allocate_unsharded() for param in self.params], self.comm)
+        targets = [param.allocate_unsharded() for param in self.params]
+        buffers.copy_out(gather, targets, self.comm, self.unsharded_nbytes)
         for param in self.params:
             param.mark_filled()
 
