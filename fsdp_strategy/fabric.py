@@ -69,8 +69,10 @@ class FSDPCustomFabricStrategy(StrategyArguments, FabricCheckpoints, LightningFS
             ``("data_parallel", "tensor_parallel")`` mesh, before the engine shards it over
             "data_parallel" (a 2-D run; the sizes default to "auto"). Or apply the plan yourself on
             ``fabric.strategy.device_mesh`` before ``setup``.
-        data_parallel_size, tensor_parallel_size: a 2-D run, as the Trainer's (and
-            ``ModelParallelStrategy``'s): "auto" is the number of nodes and the devices per node.
+        data_parallel_size: the "data_parallel" size of a 2-D run, as the Trainer's (and
+            ``ModelParallelStrategy``'s): "auto" is the number of nodes.
+        tensor_parallel_size: the "tensor_parallel" size of a 2-D run: "auto" is the devices per
+            node.
         **fsdp_kwargs: the FSDP keywords Fabric's ``FSDPStrategy`` passes to torch, as the Trainer's.
 
     Every other argument has the name, default and meaning it has on
