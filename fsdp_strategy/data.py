@@ -36,32 +36,32 @@ class ResumableDistributedSampler(DistributedSampler):
     skip = 0  # global samples of ``skip_epoch`` already consumed (see [Note: global sample order])
     skip_epoch = -1
     epoch_offset = 0  # added to what set_epoch is given ([Note: a Fabric loop's data position])
-    set_epoch_calls = 0
 
     def set_epoch(self, epoch: int) -> None:
         """Set the epoch to ``epoch`` plus ``epoch_offset`` (0 but in a resumed Fabric loop)."""
-        self.set_epoch_calls += 1
         super().set_epoch(epoch + self.epoch_offset)
 
-    def global_order(self) -> list[int]:
-        """The epoch's order over the dataset, padded or cut as DistributedSampler does."""
-        if self.shuffle:
-            generator = torch.Generator().manual_seed(self.seed + self.epoch)
-            order = torch.randperm(len(self.dataset), generator=generator).tolist()
-        else:
-            order = list(range(len(self.dataset)))
+    def epoch_order(self) -> list[int]:
+        """The epoch's order over the dataset (shuffled with ``seed + epoch``), before padding."""
+        if not self.shuffle:
+            return list(range(len(self.dataset)))
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        return torch.randperm(len(self.dataset), generator=generator).tolist()
+
+    def dealt(self, positions: list[int], order: list[int]) -> list[int]:
+        """``positions`` made a whole number of rounds over the ranks as DistributedSampler makes an
+        epoch: cut (``drop_last``) or padded with ``order``'s first samples."""
         if self.drop_last:
-            return order[: self.total_size]
-        padding = self.total_size - len(order)
-        return order + (order * math.ceil(padding / max(1, len(order))))[:padding]
+            return positions[: len(positions) - len(positions) % self.num_replicas]
+        padding = (-len(positions)) % self.num_replicas
+        return positions + (order * math.ceil(padding / max(1, len(order))))[:padding]
 
     def __iter__(self) -> Iterator[int]:
-        order = self.global_order()
-        if self.epoch == self.skip_epoch and self.skip:
-            rest = order[self.skip :]
-            rest += rest[: (-len(rest)) % self.num_replicas]  # keep the ranks' counts equal
-            return iter(rest[self.rank :: self.num_replicas])
-        return iter(order[self.rank : self.total_size : self.num_replicas])
+        order = self.epoch_order()
+        start = self.skip if self.epoch == self.skip_epoch else 0
+        # cut before padding: at another world size the padding differs, and the rest is each untaken sample once
+        rest = self.dealt(order[start:], order)
+        return iter(rest[self.rank :: self.num_replicas])
 
     def resume_from(self, epoch: int, consumed: int) -> None:
         """Skip the first ``consumed`` global samples when ``epoch`` is iterated next."""
@@ -208,82 +208,3 @@ class ExactResumeNotice:
         if self._filter is not None and self._filter in warnings.filters:
             warnings.filters.remove(self._filter)
         self._filter = None
-
-
-class BatchCounter:
-    """Counts the batches a loop takes from a DataLoader, and sees its epoch end: it wraps the
-    loader's ``_get_iterator`` to keep the iterator of the latest ``iter()`` (its ``_num_yielded``
-    is the batches handed to the loop, not what workers prefetched) and that iterator's
-    ``_next_data`` to see the ``StopIteration`` that ends the loop's ``for``. Costs: one Python
-    call per batch."""
-
-    def __init__(self, loader: DataLoader) -> None:
-        self.latest: Any = None  # the iterator of the latest iter(); None before the first
-        self.ended = False  # the latest iteration raised StopIteration: the loop left its epoch
-        make = loader._get_iterator
-
-        def counted() -> Any:
-            self.latest, self.ended = make(), False
-            next_data = self.latest._next_data
-
-            def watched() -> Any:
-                try:
-                    return next_data()
-                except StopIteration:
-                    self.ended = True
-                    raise
-
-            self.latest._next_data = watched
-            return self.latest
-
-        loader._get_iterator = counted  # type: ignore[method-assign]
-
-    def batches_taken(self) -> int:
-        """Batches of the latest iteration handed to the loop."""
-        return 0 if self.latest is None else self.latest._num_yielded
-
-
-class LoopDataPosition(DataPosition):
-    """[Note: a Fabric loop's data position]
-    Fabric's dataloader wrapper calls the sampler's ``set_epoch`` with the number of ``iter()`` calls
-    before that one, and the loop takes batches from the latest iterator one at a time
-    (``BatchCounter`` counts them). Fabric's ``save`` and ``load`` see the inner DataLoader only, so
-    the position lives with it: saved inside an epoch, it is the epoch and the global samples the job
-    took of it (those a resume into the epoch skipped included), also after its last batch while the
-    loop's ``for`` has not ended (the resumed ``for`` then ends at once, as it would have); saved after
-    the ``for`` ended, or before an ``iter()``, it is the next epoch from its start. A resume makes the sampler add to
-    ``set_epoch``'s number what takes the loop's next ``iter()`` to the saved epoch, and skip what
-    was taken of it, at any world size. Costs: a few integers."""
-
-    def __init__(self, counter: BatchCounter, position: DataPosition) -> None:
-        super().__init__(position.sampler, position.batch_size, counter.batches_taken)
-        self.counter = counter
-
-    def loop_state(self) -> dict[str, int]:
-        """The position to save."""
-        state, sampler = self.state_dict(), self.sampler
-        if self.counter.latest is None:  # no iter() since it was built or resumed
-            upcoming = sampler.set_epoch_calls + sampler.epoch_offset
-            skipped = sampler.skip if sampler.skip_epoch == upcoming else 0
-            return {**state, "epoch": upcoming, "consumed_samples": skipped}
-        if self.counter.ended:
-            return {**state, "epoch": sampler.epoch + 1, "consumed_samples": 0}
-        if sampler.skip_epoch == sampler.epoch:
-            state["consumed_samples"] += sampler.skip
-        state["consumed_samples"] = min(state["consumed_samples"], sampler.total_size)  # a short last batch
-        return state
-
-    def resume_loop(self, state: dict[str, int]) -> None:
-        """Make the loop's next ``iter()`` run ``state``'s epoch, after what it had taken of it."""
-        self.sampler.epoch_offset = state["epoch"] - self.sampler.set_epoch_calls
-        self.load_state_dict(state)
-
-
-def make_loop_resumable(dataloader: Any) -> tuple[Any, LoopDataPosition | None]:
-    """A Fabric loop's ``dataloader`` rebuilt around a ResumableDistributedSampler and counting the
-    batches its loop takes ([Note: a Fabric loop's data position]), with its position; unchanged
-    (None) where it is not a DataLoader with a plain DistributedSampler."""
-    loader, position = make_resumable(dataloader, lambda: 0)
-    if position is None:
-        return dataloader, None
-    return loader, LoopDataPosition(BatchCounter(loader), position)

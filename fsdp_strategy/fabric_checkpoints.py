@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from lightning.fabric.strategies.strategy import _apply_filter, _validate_keys_for_strict_loading
+from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.fabric.utilities.cloud_io import _atomic_save
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.fabric.utilities.types import _PATH, _Stateful
@@ -25,8 +26,9 @@ from torch.utils.data import DataLoader
 from fsdp_strategy.checkpoint import full, layout, sharded_load, storage
 from fsdp_strategy.checkpoint.layout import CheckpointError
 from fsdp_strategy.checkpoint.writer import save_targets
-from fsdp_strategy.data import LoopDataPosition, describe_batch_change, make_loop_resumable
+from fsdp_strategy.data import describe_batch_change
 from fsdp_strategy.engine import is_sharded
+from fsdp_strategy.fabric_data import LoopDataPosition, make_loop_resumable
 
 
 class FabricCheckpoints:
@@ -114,13 +116,11 @@ class FabricCheckpoints:
             for optimizer, optimizer_state in zip(optimizers.values(), optimizer_states):
                 full.load_full_optimizer_state_dict(module, optimizer, optimizer_state, source=where)
         for key in requested & rest.keys():
-            value = rest.pop(key)
-            if isinstance(state[key], DataLoader):
-                _resume_loader(key, state[key], value)
-            elif isinstance(state[key], _Stateful):
-                state[key].load_state_dict(value)
+            current, saved = state[key], rest.pop(key)
+            if isinstance(current, _Stateful) and not isinstance(current, DataLoader):
+                current.load_state_dict(saved)
             else:
-                state[key] = value
+                state[key] = _with_loaders_resumed(key, current, saved)
         return rest
 
 
@@ -128,11 +128,16 @@ LOADER_KEY = "fsdp_custom_dataloader"  # a saved dataloader's entry: its positio
 
 
 def _saved(key: str, value: Any) -> Any:
-    """What ``fabric.save`` writes for one entry of the state besides the model and optimizers (a
-    dataloader: its position, [Note: a Fabric loop's data position])."""
-    if not isinstance(value, DataLoader):
-        return value.state_dict() if isinstance(value, _Stateful) else value
-    position: LoopDataPosition | None = getattr(value, "_data_position", None)
+    """What ``fabric.save`` writes for one entry of the state besides the model and optimizers: a
+    stateful object's state; a dataloader's position, also inside dicts and lists ([Note: a Fabric
+    loop's data position]); anything else as it is."""
+    if isinstance(value, _Stateful) and not isinstance(value, DataLoader):
+        return value.state_dict()
+    return apply_to_collection(value, DataLoader, _loader_entry, key)
+
+
+def _loader_entry(loader: DataLoader, key: str) -> dict[str, Any]:
+    position: LoopDataPosition | None = getattr(loader, "_data_position", None)
     if position is None:
         rank_zero_warn(
             f"fsdp_custom: the dataloader {key!r} has no DistributedSampler of Fabric's (`use_distributed_sampler="
@@ -141,6 +146,31 @@ def _saved(key: str, value: Any) -> Any:
         )
         return {LOADER_KEY: None}
     return {LOADER_KEY: position.loop_state()}
+
+
+def _holds_loader(value: Any) -> bool:
+    if isinstance(value, dict):
+        return any(_holds_loader(item) for item in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_loader(item) for item in value)
+    return isinstance(value, DataLoader)
+
+
+def _with_loaders_resumed(name: str, current: Any, saved: Any) -> Any:
+    """``saved`` in place of ``current``, but the dataloaders in ``current`` (at any depth of dicts,
+    lists and tuples) stay, resumed where ``saved`` says their loops stood."""
+    if isinstance(current, DataLoader):
+        _resume_loader(name, current, saved)
+        return current
+    if isinstance(current, dict) and isinstance(saved, dict) and _holds_loader(current):
+        resumed = {key: _with_loaders_resumed(f"{name}.{key}", current[key], value) for key, value in saved.items()}
+        return {**{key: value for key, value in current.items() if _holds_loader(value)}, **resumed}
+    same_kind = type(current) in (list, tuple) and type(saved) in (list, tuple) and len(current) == len(saved)
+    if same_kind and _holds_loader(current):
+        return type(current)(
+            _with_loaders_resumed(f"{name}[{i}]", mine, value) for i, (mine, value) in enumerate(zip(current, saved))
+        )
+    return saved
 
 
 def _resume_loader(key: str, loader: DataLoader, saved: Any) -> None:
@@ -159,11 +189,19 @@ def _resume_loader(key: str, loader: DataLoader, saved: Any) -> None:
         )
         return
     position.resume_loop(state)
-    where = f"after its first {state['consumed_samples']} samples" if state["consumed_samples"] else "at its start"
-    rank_zero_info(
-        f"fsdp_custom: the dataloader {key!r} resumes epoch {state['epoch']} {where}, exactly where the checkpoint "
-        "left it"
-    )
+    epoch, consumed = state["epoch"], state["consumed_samples"]
+    where = f"after its first {consumed} samples" if consumed else "from its start"
+    where = f"at its next iter(), {where}"
+    if state.get("left"):
+        rank_zero_warn(
+            f"fsdp_custom: the dataloader {key!r} resumes epoch {epoch} {where}: the saving loop had left that epoch "
+            "before its end (a `break` or an exception), and the resume continues it; a loop that goes on to its "
+            f"next epoch after a `break` (a batch limit) would have started epoch {epoch + 1} instead"
+        )
+    else:
+        rank_zero_info(
+            f"fsdp_custom: the dataloader {key!r} resumes epoch {epoch} {where}, exactly where the checkpoint left it"
+        )
     change = describe_batch_change(state, position.batch_size, position.sampler.num_replicas)
     if change is not None:
         rank_zero_warn(change)

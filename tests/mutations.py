@@ -440,7 +440,7 @@ MUTATIONS = [
     Mutation(
         "fabric_resumed_skip_forgotten",
         "a Fabric loop saved again after a resume into an epoch forgets what that resume skipped",
-        "fsdp_strategy/data.py",
+        "fsdp_strategy/fabric_data.py",
         '            state["consumed_samples"] += sampler.skip\n',
         "            pass\n",
         ("tests/test_fabric_data_position.py::test_a_fabric_loop_resumes_its_dataloader_where_the_checkpoint_left_it",),
@@ -448,10 +448,28 @@ MUTATIONS = [
     Mutation(
         "fabric_epoch_end_unseen",
         "a Fabric loop saved after its epoch's `for` ended resumes inside that epoch (one epoch more than it ran)",
-        "fsdp_strategy/data.py",
-        "                    self.ended = True\n",
-        "                    pass\n",
+        "fsdp_strategy/fabric_data.py",
+        "                self.state = FINISHED if finished else LEFT\n",
+        "                self.state = LEFT\n",
         ("tests/test_fabric_data_position.py::test_a_fabric_loop_resumes_its_dataloader_where_the_checkpoint_left_it",),
+    ),
+    Mutation(
+        "fabric_rollback_position_stale",
+        "a Fabric loop that loads a checkpoint in the middle of an epoch and saves at once saves where it was, "
+        "not where it went back to",
+        "fsdp_strategy/fabric_data.py",
+        "        self.counter.restart()\n",
+        "",
+        ("tests/test_fabric_data_position.py::test_a_fabric_loop_resumes_its_dataloader_where_the_checkpoint_left_it",),
+    ),
+    Mutation(
+        "resume_pads_before_cut",
+        "a resume at another world size pads the epoch for the new world before skipping what was taken (samples "
+        "already taken come again)",
+        "fsdp_strategy/data.py",
+        "        rest = self.dealt(order[start:], order)\n",
+        "        rest = self.dealt(order, order)[start:]\n        rest += rest[: (-len(rest)) % self.num_replicas]\n",
+        ("tests/test_resumable_sampler.py",),
     ),
     Mutation(
         "tp_compiled_input_in_flight",

@@ -24,7 +24,7 @@ def _features() -> torch.Tensor:
     return torch.randn(SAMPLES, 6, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
 
 
-def _loop(world: int, state_dict_type: str = "sharded", sampler: bool = True, workers: int = 0):
+def _loop(world: int, state_dict_type: str = "sharded", sampler: bool = True, workers: int = 0, persistent=False):
     fabric = Fabric(
         strategy=FSDPCustomFabricStrategy(state_dict_type=state_dict_type), accelerator="cpu", devices=world
     )
@@ -33,7 +33,7 @@ def _loop(world: int, state_dict_type: str = "sharded", sampler: bool = True, wo
     model = fabric.setup_module(nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1)).double())
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=0.05))
     data = TensorDataset(torch.arange(SAMPLES), _features())
-    loader = DataLoader(data, batch_size=PER_RANK, shuffle=True, num_workers=workers)
+    loader = DataLoader(data, batch_size=PER_RANK, shuffle=True, num_workers=workers, persistent_workers=persistent)
     if not sampler:  # a sampler of the user's own: Fabric leaves it alone
         generator = torch.Generator().manual_seed(fabric.global_rank)
         loader = DataLoader(
@@ -43,11 +43,15 @@ def _loop(world: int, state_dict_type: str = "sharded", sampler: bool = True, wo
     return fabric, model, optimizer, loader
 
 
-def _train(fabric, model, optimizer, loader, start_epoch: int, stop_after=None, save=None, after=False) -> list:
-    """Steps from ``start_epoch``: per step the global batch's sample ids (sorted) and the loss;
-    ``save(epoch)`` after ``stop_after`` steps (``after``: once the epoch's ``for`` ended), then stop."""
+def _train(fabric, model, optimizer, loader, start_epoch, stop_after=None, save=None, how="inside", own_epoch=False):
+    """Steps from ``start_epoch``: per step the global batch's sample ids (sorted) and the loss. After
+    ``stop_after`` steps, ``save(epoch)`` and stop: ``how`` "inside" the ``for``, after a "break" out of
+    it, or once the epoch's ``for`` has run to its "end". ``own_epoch``: the loop calls the sampler's
+    ``set_epoch`` itself, as plain PyTorch loops do."""
     steps = []
     for epoch in range(start_epoch, EPOCHS):
+        if own_epoch:
+            loader.sampler.set_epoch(epoch)
         for ids, x in loader:
             loss = model(x).pow(2).mean()
             fabric.backward(loss)
@@ -55,28 +59,44 @@ def _train(fabric, model, optimizer, loader, start_epoch: int, stop_after=None, 
             optimizer.zero_grad()
             every = fabric.all_gather(ids).flatten().sort().values.tolist()
             steps.append((every, fabric.all_reduce(loss.detach(), reduce_op="mean").item()))
-            if stop_after is not None and len(steps) == stop_after and save is not None and not after:
+            if len(steps) == stop_after and how == "inside":
                 save(epoch)
                 return steps
-        if stop_after is not None and len(steps) == stop_after and save is not None:
-            save(epoch + 1)  # after the epoch's last batch, as a loop saving per epoch does
+            if len(steps) == stop_after and how == "break":
+                break
+        if len(steps) == stop_after:
+            save(epoch if how == "break" else epoch + 1)  # a loop saving per epoch counts the next one
             return steps
     return steps
 
 
+CASES = {  # name: (steps before the save, how it saves, state_dict_type, _loop's keywords, the loop sets epochs)
+    "mid": (3, "inside", "sharded", {"workers": 2}, False),  # workers prefetch ahead of the loop
+    "end": (6, "inside", "full", {}, False),  # at epoch 0's last batch, inside its `for`
+    "after": (6, "end", "sharded", {}, False),
+    "persist": (8, "inside", "sharded", {"workers": 2, "persistent": True}, True),  # epoch 1: workers reused
+    "nested": (3, "inside", "sharded", {}, False),  # the loader inside a dict of the state
+    "break": (2, "break", "sharded", {}, False),
+}
+
+
+def _state(name: str, model, optimizer, loader) -> dict:
+    if name == "nested":
+        return {"model": model, "optimizer": optimizer, "data": {"train": loader, "note": "kept"}}
+    return {"model": model, "optimizer": optimizer, "loader": loader}
+
+
 def _save_body(rank: int, world: int, folder: str) -> dict:
     fabric, model, optimizer, loader = _loop(world)
-    whole = _train(fabric, model, optimizer, loader, 0)
-    results = {"whole": whole}
-    for name, stop, kind in (("mid", 3, "sharded"), ("end", 6, "full"), ("after", 6, "sharded")):
-        fabric, model, optimizer, loader = _loop(world, kind, workers=2 if name == "mid" else 0)  # workers prefetch
-
-        state = {"model": model, "optimizer": optimizer, "loader": loader}
+    results = {"whole": _train(fabric, model, optimizer, loader, 0)}
+    for name, (stop, how, kind, options, own_epoch) in CASES.items():
+        fabric, model, optimizer, loader = _loop(world, kind, **options)
+        state = _state(name, model, optimizer, loader)
 
         def save(epoch: int, name: str = name, fabric: Fabric = fabric, state: dict = state) -> None:
             fabric.save(f"{folder}/{name}", {**state, "epoch": epoch})
 
-        results[name] = _train(fabric, model, optimizer, loader, 0, stop, save, after=name == "after")
+        results[name] = _train(fabric, model, optimizer, loader, 0, stop, save, how, own_epoch)
     return results
 
 
@@ -89,23 +109,38 @@ class _Records(logging.Handler):
         self.lines.append(record.getMessage())
 
 
+def _loaded(fabric: Fabric, path: str, state: dict) -> list[str]:
+    """``fabric.load(path, state)``; what it told (Lightning's info lines and our warnings)."""
+    handler = _Records()
+    rank_zero_log = lightning_utilities.core.rank_zero.log  # the logger Lightning's rank_zero_info writes to
+    rank_zero_log.addHandler(handler)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fabric.load(path, state)
+    rank_zero_log.removeHandler(handler)
+    return handler.lines + [str(w.message) for w in caught if "fsdp_custom" in str(w.message)]
+
+
 def _resume_body(rank: int, world: int, folder: str, names: list[str]) -> dict:
     results = {}
     for name in names:
         chain = name.endswith("+1")  # one step, then saved again as "chain"
         name = name.removesuffix("+1")
-        fabric, model, optimizer, loader = _loop(world, "full" if name == "end" else "sharded")
-        state = {"model": model, "optimizer": optimizer, "loader": loader, "epoch": 0}
-        handler = _Records()
-        rank_zero_log = lightning_utilities.core.rank_zero.log  # the logger Lightning's rank_zero_info writes to
-        rank_zero_log.addHandler(handler)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            fabric.load(f"{folder}/{name}", state)
-        rank_zero_log.removeHandler(handler)
-        told = handler.lines + [str(w.message) for w in caught if "fsdp_custom" in str(w.message)]
-        assert state["loader"] is loader  # resumed in place, not replaced by what was saved
+        _, _, kind, options, own_epoch = CASES.get(name, CASES["mid"])
+        fabric, model, optimizer, loader = _loop(world, kind, **options)
+        if name == "rollback":  # a loop that goes back to an earlier checkpoint in the middle of its own epoch
+            _train(fabric, model, optimizer, loader, 0, 4, lambda epoch: None, "break")
+            state = {**_state("mid", model, optimizer, loader), "epoch": 0}
+            told = _loaded(fabric, f"{folder}/mid", state)
+            fabric.save(f"{folder}/rollback", state)  # before any iter(): the position just loaded
+        else:
+            state = {**_state(name, model, optimizer, loader), "epoch": 0}
+            told = _loaded(fabric, f"{folder}/{name.removeprefix('saved-')}", state)
         assert isinstance(loader.sampler, torch.utils.data.DistributedSampler)
+        if name == "nested":
+            assert state["data"]["note"] == "kept", state
+        else:
+            assert state["loader"] is loader  # resumed in place, not replaced by what was saved
         if chain:
 
             def save(epoch: int, fabric: Fabric = fabric, state: dict = state) -> None:
@@ -113,7 +148,8 @@ def _resume_body(rank: int, world: int, folder: str, names: list[str]) -> dict:
 
             results["chain"] = _train(fabric, model, optimizer, loader, state["epoch"], 1, save)
             continue
-        results[name] = {"steps": _train(fabric, model, optimizer, loader, state["epoch"]), "told": told}
+        steps = _train(fabric, model, optimizer, loader, state["epoch"], own_epoch=own_epoch)
+        results[name] = {"steps": steps, "told": told}
     return results
 
 
@@ -144,20 +180,31 @@ def test_a_fabric_loop_resumes_its_dataloader_where_the_checkpoint_left_it(tmp_p
     saved = run_ranks(_save_body, 2, tmp_path, folder, env=LIGHTNING_ENV, timeout=300)[0]
     whole = saved["whole"]
     assert len(whole) == EPOCHS * SAMPLES // (2 * PER_RANK)
-    assert saved["mid"] == whole[:3] and saved["end"] == saved["after"] == whole[:6]
-    names = ["mid", "end", "after"]
+    for name, (stop, *_) in CASES.items():
+        assert saved[name] == whole[:stop], name
+    names = [*CASES, "rollback"]
     same = run_ranks(_resume_body, 2, tmp_path, folder, names, env=LIGHTNING_ENV, timeout=300)[0]
-    for name, done in (("mid", 3), ("end", 6), ("after", 6)):
+    done = {name: stop for name, (stop, *_) in CASES.items()} | {"rollback": 3}
+    for name, taken in done.items():
         steps = same[name]["steps"]
-        assert [ids for ids, _ in steps] == [ids for ids, _ in whole[done:]], name  # the same samples, step by step
-        for (_, loss), (_, expected) in zip(steps, whole[done:]):
+        assert [ids for ids, _ in steps] == [ids for ids, _ in whole[taken:]], name  # the same samples, step by step
+        for (_, loss), (_, expected) in zip(steps, whole[taken:]):
             assert abs(loss - expected) <= 1e-9 * abs(expected), (name, loss, expected)
-    assert any("resumes epoch 0 after its first 24 samples, exactly" in line for line in same["mid"]["told"])
+    exact = "resumes epoch 0 at its next iter(), after its first 24 samples, exactly"
+    assert any(exact in line for line in same["mid"]["told"]), same["mid"]["told"]
+    assert any(exact in line for line in same["nested"]["told"]), same["nested"]["told"]
+    assert any("'data.train' resumes" in line for line in same["nested"]["told"]), same["nested"]["told"]
     # saved after epoch 0's last batch inside its `for` (the user's epoch says 0): the resumed `for` ends at once
-    assert any("resumes epoch 0 after its first 48 samples" in line for line in same["end"]["told"]), same["end"]
-    assert any("resumes epoch 1 at its start" in line for line in same["after"]["told"]), same["after"]["told"]
+    assert any("resumes epoch 0 at its next iter(), after its first 48 samples" in line for line in same["end"]["told"])
+    assert any("resumes epoch 1 at its next iter(), from its start" in line for line in same["after"]["told"])
+    assert any(
+        "resumes epoch 1 at its next iter(), after its first 16 samples" in line for line in same["persist"]["told"]
+    )
+    left = [line for line in same["break"]["told"] if "had left that epoch before its end" in line]
+    assert left and "exactly" not in " ".join(same["break"]["told"]) and "would have started epoch 1" in left[0]
     # at 3 ranks: the rest of epoch 0 exactly once, then epoch 1 in 12-sample global batches
-    resumed = run_ranks(_resume_body, 3, tmp_path, folder, ["mid", "mid+1"], env=LIGHTNING_ENV, timeout=300)[0]
+    names = ["mid", "mid+1", "saved-rollback"]
+    resumed = run_ranks(_resume_body, 3, tmp_path, folder, names, env=LIGHTNING_ENV, timeout=300)[0]
     other = resumed["mid"]
     seen = [ids for ids, _ in other["steps"]]
     taken = {i for ids, _ in whole[:3] for i in ids}
@@ -165,13 +212,14 @@ def test_a_fabric_loop_resumes_its_dataloader_where_the_checkpoint_left_it(tmp_p
     assert rest == sorted(set(range(SAMPLES)) - taken), rest
     assert seen[2:] == [sorted(_order(1)[k : k + 12]) for k in range(0, SAMPLES, 12)]
     assert any("trained on 2 ranks x 4 samples = 8 per step" in line for line in other["told"]), other["told"]
+    assert resumed["saved-rollback"]["steps"] == other["steps"]  # saved right after a rollback: where it went back
     # a chain of resumes: saved at 3 ranks one step after the resume, resumed at 2: the rest of epoch 0 once
     assert resumed["chain"] == other["steps"][:1]
     back = run_ranks(_resume_body, 2, tmp_path, folder, ["chain"], env=LIGHTNING_ENV, timeout=300)[0]["chain"]
     taken |= set(other["steps"][0][0])
     rest = sorted(i for ids, _ in back["steps"][:2] for i in ids)
     assert rest == sorted(set(range(SAMPLES)) - taken), rest  # 36 taken: one 2-rank batch of 8, then the 4 left
-    assert any("resumes epoch 0 after its first 36 samples" in line for line in back["told"]), back["told"]
+    assert any("resumes epoch 0 at its next iter(), after its first 36 samples" in line for line in back["told"])
 
 
 def test_a_dataloader_the_strategy_cannot_position_is_said_to_restart_its_epoch(tmp_path):
