@@ -228,6 +228,11 @@ class FSDPCustomFabricStrategy(StrategyArguments, FabricCheckpoints, LightningFS
             raise ValueError("this module is sharded already: set it up once")
         if self._parallelize_fn is not None:
             module = self._parallelize_fn(module, self._parallel.mesh)
+            if not isinstance(module, nn.Module):
+                raise TypeError(
+                    f"The `parallelize_fn` must return a `nn.Module` instance, but got: {type(module).__name__} "
+                    "(return the module it parallelized)"
+                )
         if self.activation_checkpointing_policy is not None:
             apply_recomputation(module, self.activation_checkpointing_policy)
         mixed = self.mixed_precision or self.precision.engine_mixed_precision

@@ -4,6 +4,7 @@ is gathered for such code with ``summon_full_params`` (optionally writing change
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -37,11 +38,15 @@ def _misuse_body(rank: int, world: int) -> dict:
             call()
         except RuntimeError as error:
             out["errors"].append(str(error))
-    with torch.no_grad(), summon_full_params(model):
-        out["generated"] = _greedy(model, tokens, 4)
-        out["logits"] = model(tokens)  # a forward inside: nothing gathered again or freed
-        with torch.no_grad():
-            model.head.weight.add_(1.0)  # without writeback: discarded
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad(), summon_full_params(model):
+            out["generated"] = _greedy(model, tokens, 4)
+            out["logits"] = model(tokens)  # a forward inside: nothing gathered again or freed
+        out["read_only"] = [str(w.message) for w in caught]
+        with torch.no_grad(), summon_full_params(model):
+            model.head.weight.add_(1.0)  # without writeback: discarded, and said
+        out["not_written_back"] = [str(w.message) for w in caught][len(out["read_only"]) :]
     out["reference"] = _greedy(reference, tokens, 4)
     out["ref_logits"] = reference(tokens).detach()
     out["unchanged"] = weight_error(model, reference)
@@ -78,6 +83,9 @@ def test_sharded_modules_refuse_to_run_and_summon_gathers_them(tmp_path):
         assert torch.equal(result["generated"], result["reference"])
         torch.testing.assert_close(result["logits"], result["ref_logits"], rtol=1e-5, atol=1e-6)
         assert result["unchanged"] < 1e-7  # changes inside summon without writeback do not reach the shards
+        assert not [line for line in result["read_only"] if "fsdp_custom" in line], result["read_only"]
+        told = " ".join(result["not_written_back"])
+        assert "without writeback=True are discarded on exit: head.weight." in told, told
         assert result["written_back"] < 1e-7  # with writeback they do, exactly
         assert result["resharded"]
         assert "param_dtype" in result["writeback_error"]

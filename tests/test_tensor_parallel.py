@@ -588,9 +588,22 @@ def test_the_trainer_trains_modelparallelstrategys_user_code_as_one_process(tmp_
 # ---- Fabric: ModelParallelStrategy's parallelize_fn on fsdp_custom ---------------------------------
 
 
-def _fabric_body(rank: int, world: int) -> list[dict]:
-    """Fabric with the plan in a ``parallelize_fn``, then applied by the user before ``setup_module``."""
-    return [_fabric_run(world, plan_before_setup) for plan_before_setup in (False, True)]
+def _fabric_body(rank: int, world: int) -> tuple[list[dict], str]:
+    """Fabric with the plan in a ``parallelize_fn``, then applied by the user before ``setup_module``;
+    and a ``parallelize_fn`` that returns nothing (the error)."""
+    from lightning.fabric import Fabric
+
+    from fsdp_strategy import FSDPCustomFabricStrategy
+
+    runs = [_fabric_run(world, plan_before_setup) for plan_before_setup in (False, True)]
+    strategy = FSDPCustomFabricStrategy(parallelize_fn=lambda model, mesh: None)
+    fabric = Fabric(strategy=strategy, accelerator="cpu", devices=world)
+    fabric.launch()
+    try:
+        fabric.setup_module(TinyLM())
+    except TypeError as error:
+        return runs, str(error)
+    return runs, "set up"
 
 
 def _fabric_run(world: int, plan_before_setup: bool) -> dict:
@@ -642,8 +655,11 @@ def _fabric_run(world: int, plan_before_setup: bool) -> dict:
 def test_fabric_trains_a_plan_from_parallelize_fn_or_applied_before_setup_as_one_process(tmp_path):
     from test_strategy import LIGHTNING_ENV
 
-    for results in zip(*run_ranks(_fabric_body, 4, tmp_path, env=LIGHTNING_ENV, timeout=300)):
+    ranks = run_ranks(_fabric_body, 4, tmp_path, env=LIGHTNING_ENV, timeout=300)
+    for results in zip(*(runs for runs, _ in ranks)):
         _check_fabric_run(results)
+    for _, told in ranks:
+        assert "The `parallelize_fn` must return a `nn.Module` instance, but got: NoneType" in told, told
 
 
 def _check_fabric_run(results: tuple[dict, ...]) -> None:
@@ -659,24 +675,73 @@ def _check_fabric_run(results: tuple[dict, ...]) -> None:
             assert torch.allclose(result["params"][name], value, rtol=1e-9, atol=1e-9), name
 
 
-def _forgotten_norms(rank: int, world: int) -> str:
-    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("data_parallel", "tensor_parallel"))
-    torch.manual_seed(0)
-    model = parallelize(TinyLM(), mesh["tensor_parallel"], sequence_parallel=True, norms_forgotten=True)
-    shard_model(model, auto_wrap_policy={Block}, process_group=mesh["data_parallel"].get_group())
-    ((tokens, targets),) = batches(1, 2)
+def _error_of(run) -> str:
     try:
-        lm_loss(model(tokens), targets).backward()
+        run()
     except RuntimeError as error:
         return str(error)
-    return "trained apart silently"
+    return "no error"
 
 
-def test_replicated_parameters_that_train_apart_across_tensor_parallel_are_named(tmp_path):
+def _misuses(rank: int, world: int) -> dict[str, str]:
+    """A plan whose norms lack their SequenceParallel style (replicas train apart), a plan applied
+    after sharding, a parameter replaced after sharding, and a double backward of a 2-D model."""
+    from torch import nn
+
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("data_parallel", "tensor_parallel"))
+    data = mesh["data_parallel"].get_group()
+    ((tokens, targets),) = batches(1, 2)
+
+    def two_d(**plan) -> TinyLM:
+        torch.manual_seed(0)
+        model = parallelize(TinyLM(), mesh["tensor_parallel"], **plan)
+        shard_model(model, auto_wrap_policy={Block}, process_group=data)
+        return model
+
+    def forgotten_norms() -> None:
+        model = two_d(sequence_parallel=True, norms_forgotten=True)
+        lm_loss(model(tokens), targets).backward()
+
+    def plan_after_sharding() -> None:
+        torch.manual_seed(0)
+        model = TinyLM()
+        shard_model(model, auto_wrap_policy={Block}, process_group=data)
+        parallelize(model, mesh["tensor_parallel"])
+        model(tokens)
+
+    def replaced_after_sharding() -> None:
+        torch.manual_seed(0)
+        model = TinyLM()
+        shard_model(model, auto_wrap_policy={Block}, process_group=data)
+        model.out.weight = nn.Parameter(torch.zeros_like(model.out.weight))
+        model(tokens)
+
+    def double_backward() -> None:
+        model = two_d()
+        loss = lm_loss(model(tokens), targets)
+        grads = torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad], create_graph=True)
+        sum(g.pow(2).sum() for g in grads).backward()
+
+    cases = (forgotten_norms, plan_after_sharding, replaced_after_sharding, double_backward)
+    return {case.__name__: _error_of(case) for case in cases}
+
+
+def test_what_breaks_two_dimensional_training_in_use_is_named(tmp_path):
     """A norm on sequence-sharded activations without its SequenceParallel style: each TP rank
     computes its weight's gradient from its part of the sequence. Every healthy case above runs the
-    same check (no false alarm in fp32, float64, bf16, offload, accumulation)."""
-    for told in run_ranks(_forgotten_norms, 2, tmp_path):
-        assert "layers.0.norm.weight, layers.0.norm.bias" in told, told
-        assert "got different gradients on the ranks of a tensor-parallel group" in told, told
-        assert "SequenceParallel style itself" in told, told
+    same check (no false alarm in fp32, float64, bf16, offload, accumulation). A plan applied after
+    sharding, a parameter replaced after it, and a double backward (which torch's tensor parallel
+    fails alone) are refused, naming the fix."""
+    for told in run_ranks(_misuses, 2, tmp_path):
+        norms = told["forgotten_norms"]
+        assert "layers.0.norm.weight, layers.0.norm.bias" in norms, norms
+        assert "got different gradients on the ranks of a tensor-parallel group" in norms, norms
+        assert "SequenceParallel style itself" in norms and "fed the same rows" in norms, norms
+        late = told["plan_after_sharding"]
+        assert "'tok.weight'" in late and "now a DTensor" in late and "plan (parallelize_module) applied after" in late
+        assert "before fabric.setup_module" in late, late
+        replaced = told["replaced_after_sharding"]
+        assert "'out.weight'" in replaced and "now a Parameter" in replaced, replaced
+        assert "replaced after the model was sharded" in replaced, replaced
+        assert "create_graph=True" in told["double_backward"], told["double_backward"]
+        assert "tensor_parallel_size=1" in told["double_backward"], told["double_backward"]

@@ -165,8 +165,10 @@ def summon_full_params(module: nn.Module, writeback: bool = False) -> Iterator[n
     """Gather the whole sharded model for code outside ``forward()`` (FSDP1's ``summon_full_params``).
 
     Inside, every module holds its full parameters (in ``param_dtype``), so ``generate()`` or any
-    submodule call works; ``writeback=True`` copies changes back into the shards on exit. A
-    collective: every rank enters it. Costs: the full model on every rank while inside.
+    submodule call works; ``writeback=True`` copies changes back into the shards on exit; without it
+    a change is discarded where sharded (kept where one rank holds the parameter whole) and named
+    in a warning ([Note: summon without writeback]). A collective: every rank enters it. Costs: the
+    full model on every rank while inside.
     """
     with summon_all_units(get_scheduler(module), writeback=writeback):
         yield module

@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from fsdp_strategy.engine.device import DeviceLayer
 from fsdp_strategy.engine.flat import complex_from_real, real_view
@@ -161,7 +162,33 @@ class ShardedParam:
         """Register the unsharded (or sharded) parameter at every place the parameter is used."""
         tensor = self.unsharded if unsharded else self.sharded
         for use in self.uses:
+            if unsharded:
+                self._check_registered(use)
             use.module._parameters[use.name] = tensor
+
+    def _check_registered(self, use: ParamUse) -> None:
+        """Refuse a parameter replaced after sharding: the engine would install its own over it and
+        train that, the replacement silently dropped. Costs: a dict lookup."""
+        current = use.module._parameters.get(use.name)
+        if current is self.sharded or current is self.unsharded:
+            return
+        now = "removed" if current is None else f"now a {type(current).__name__}"
+        if isinstance(current, DTensor):
+            fix = (
+                "A DTensor: a tensor-parallel plan (parallelize_module) applied after sharding? Apply it before: in "
+                "configure_model (the strategy shards after it), before fabric.setup_module, or in "
+                "FSDPCustomFabricStrategy(parallelize_fn=...)"
+            )
+        else:
+            fix = (
+                "Add or replace parameters (new layers, adapters, parametrizations) before sharding: in "
+                "configure_model, or before fabric.setup_module; to change a value, edit the parameter in place"
+            )
+        raise RuntimeError(
+            f"fsdp_custom: the parameter {self.fqn!r} ({use.name!r} of a {type(use.module).__name__}) is no longer the "
+            f"engine's ({now}): it was replaced after the model was sharded, and the engine would train its own "
+            f"shard instead. {fix}"
+        )
 
     def allocate_unsharded(self) -> torch.Tensor:
         """Allocate the full parameter's memory (if freed) and return it as ``(N, shard_numel)``

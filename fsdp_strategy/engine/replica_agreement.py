@@ -101,5 +101,7 @@ def _apart_message(names: list[str], backward: int) -> str:
         f"tensor-parallel group (backward {backward}): each rank would train its own copy of them. A module that "
         "computes on sequence-sharded activations (after SequenceParallel, or a RowwiseParallel with "
         "output_layouts=Shard(1)) needs the SequenceParallel style itself (a norm), or a plan that gives it "
-        "replicated inputs (PrepareModuleInput with desired_input_layouts=Replicate())"
+        "replicated inputs (PrepareModuleInput with desired_input_layouts=Replicate()); and the ranks of a "
+        "tensor-parallel group must be fed the same rows (a sampler over the data-parallel ranks only: the "
+        "strategy's own, or DistributedSampler(num_replicas=data-parallel size, rank=data-parallel rank))"
     )

@@ -86,6 +86,13 @@ from fsdp_strategy.options import UpdateKind
 
 log = logging.getLogger(__name__)
 
+DOUBLE_BACKWARD_WITH_TENSOR_PARALLEL = (
+    "fsdp_custom: a backward with create_graph=True (a gradient penalty, higher-order gradients) on a model with "
+    "tensor-parallel parameters is refused: torch 2.13's tensor parallel fails in a double backward on its own "
+    "('got mixed torch.Tensor and DTensor') and FSDP2 with it too. Train a model that needs a double backward "
+    "without a tensor-parallel plan (data parallel and sharding only: tensor_parallel_size=1)"
+)
+
 
 class Scheduler:
     """Registers the engine's hooks on the root and its units and runs each step's schedule.
@@ -325,6 +332,8 @@ class Scheduler:
     def _enter_backward(self) -> None:
         step = self.step
         if step.backward is None:
+            if torch.is_grad_enabled() and self.tensor_parallel:
+                raise RuntimeError(DOUBLE_BACKWARD_WITH_TENSOR_PARALLEL)
             step.backward = BackwardPass(step.backwards, torch.is_grad_enabled(), self.reductions.order())
             step.backwards += 1
             self._order.start(("backward", step.backward.index))
