@@ -432,10 +432,7 @@ MUTATIONS = [
         "fsdp_strategy/engine/replica_agreement.py",
         "            if apart:\n",
         "            if False:\n",
-        (
-            "tests/test_tensor_parallel.py::"
-            "test_what_breaks_two_dimensional_training_in_use_is_named",
-        ),
+        ("tests/test_tensor_parallel.py::test_what_breaks_two_dimensional_training_in_use_is_named",),
     ),
     Mutation(
         "fabric_resumed_skip_forgotten",
