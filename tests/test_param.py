@@ -50,6 +50,7 @@ def test_shards_are_equal_sized_chunks_that_reassemble(shape, world):
 def test_unsharded_storage_is_freed_and_refilled():
     shards = _shards(nn.Parameter(torch.randn(5, 3)), 2)
     shard = shards[0]
+    shard.install(unsharded=False)  # as shard_model registers the shards
     assert not shard.unsharded_allocated
     gathered = torch.cat([s.sharded.detach().reshape(-1) for s in shards]).view(2, -1)
     shard.allocate_unsharded().copy_(gathered[:, : shard.shard_numel])
