@@ -136,7 +136,107 @@ class BudgetRequest(NamedTuple):
 
 class StrategyArguments:
     """The constructor arguments both strategies (Trainer and Fabric) take, checked once, kept
-    under Lightning's names (read-only views of the sharding options) and private ones."""
+    under Lightning's names (read-only views of the sharding options) and private ones. Every bad
+    value is refused when the strategy is constructed with an error naming the argument, the value
+    and what is accepted. The arguments, as ``FSDPCustomStrategy`` takes them
+    (``FSDPCustomFabricStrategy``'s differences are on its own page):
+
+    Args:
+        accelerator: set by the Trainer (``Trainer(accelerator=...)``).
+        parallel_devices: set by the Trainer (``devices`` and ``num_nodes`` set the world size).
+        cluster_environment: set by the Trainer (Lightning's, torchrun's, SLURM's).
+        checkpoint_io: Lightning's ``CheckpointIO`` for full checkpoints; sharded ones are written
+            by torch's distributed checkpoint.
+        precision_plugin: set from ``Trainer(precision=...)`` or ``plugins=[...]``: Lightning's
+            ``Precision``, ``MixedPrecision``, ``HalfPrecision`` and ``FSDPPrecision`` are converted
+            by their precision name (a ``GradScaler`` becomes a ``ShardedGradScaler`` with the same
+            settings); any other plugin is a ``TypeError`` naming it, since its behaviour would be lost.
+        process_group_backend: ``"gloo"``, ``"nccl"``, ``"cpu:gloo,cuda:nccl"``; default: by
+            device; checked against the backends torch knows. On an accelerator the process group is
+            created with ``device_id``, so NCCL binds it at once.
+        timeout: a positive ``timedelta`` for every collective of the process group (default: 30
+            minutes, Lightning's; None: torch's), so that a rank that dies makes the others fail
+            after it instead of hanging.
+        cpu_offload: ``True`` or ``CPUOffload(offload_params=True)`` (or
+            ``strategy="fsdp_custom_cpu_offload"``): shards, gradients and optimizer state live in CPU
+            memory (pinned, on CUDA); each unit is copied to the device before its all-gather, reduced
+            gradients are copied back, and the optimizer steps on the CPU.
+        mixed_precision: ``MixedPrecision(param_dtype, reduce_dtype, buffer_dtype)``, torch's
+            ``MixedPrecision`` or a dict such as ``{"param_dtype": "bf16"}``. Shards stay in their
+            dtype (fp32 master weights); units are all-gathered in ``param_dtype`` (half the bytes for
+            bf16), gradients reduced in ``reduce_dtype`` (default: the shard's dtype), buffers cast to
+            ``buffer_dtype``, and floating-point inputs of the root's forward cast to ``param_dtype``.
+            Takes precedence over the one derived from ``Trainer(precision=...)``.
+        auto_wrap_policy: which modules become units (one all-gather and one reduce-scatter each):
+            a set of classes (``{Block}``), an int (the minimum parameter count not yet in a unit), a
+            callable ``(module, recurse, nonwrapped_numel) -> bool``, or torch's policy objects
+            (``ModuleWrapPolicy({Block})``). ``None`` (default): the whole model is one unit. Finer
+            units lower peak memory and cost more collectives; the root is always a unit for what no
+            other unit holds. Tied parameters go to the lowest unit containing every module that uses
+            them; frozen ones are sharded but never reduced. ``"auto"`` (with ``memory_budget`` and
+            ``example_batch``): the units, activation checkpointing per block, FULL_SHARD or
+            SHARD_GRAD_OP and CPU offload are chosen by a memory plan before the process group is
+            created: the fastest that fits, printed with why (costs a few plans on every rank).
+        activation_checkpointing: Lightning's older form of ``activation_checkpointing_policy``:
+            a class or a list of classes.
+        activation_checkpointing_policy: modules whose activations are recomputed in backward
+            instead of stored, in the forms of ``auto_wrap_policy``, or ``ModuleNames(["blocks.0"])``
+            (``fsdp_strategy.wrap``: by qualified name; a name the model lacks is an error). Parameter
+            names do not change. On a model that already has checkpointed layers: a warning, and the
+            policy is ignored (as Lightning).
+        sharding_strategy: what is sharded (the table of ``FSDPCustomStrategy``): a name in any case, our
+            ``ShardingStrategy`` or torch's.
+        state_dict_type: ``"full"`` (default: one file in Lightning's layout, gathered unit by unit
+            to rank 0) or ``"sharded"`` (a folder each rank writes its shards into; loads at any world
+            size). See the checkpoints page.
+        device_mesh: ``(replicate, shard)`` sizes or a 2-D ``DeviceMesh``, for the hybrid
+            strategies; the product must equal ``num_nodes * devices``. Default there:
+            ``(num_nodes, devices)``, one shard group per node (as FSDP1 and Lightning).
+        async_save: sharded checkpoints are written in the background while training goes on.
+        param_init_fn: ``(module) -> None``, called on each module that still has tensors on the
+            meta device (``trainer.init_module(empty_init=True)``) to allocate and initialize them;
+            default: ``reset_parameters()`` and the enclosing ``_init_weights`` (Hugging Face).
+        forward_prefetch: issue the next unit's all-gather when a unit's forward starts (default
+            ``True``, unlike FSDP1's ``False``: the engine never holds more than one unit ahead, so it
+            costs one unit of memory).
+        backward_prefetch: ``"BACKWARD_PRE"`` (default: the next unit is gathered when a unit's
+            backward starts), ``"BACKWARD_POST"`` (once its gradients are computed: less memory, less
+            overlap) or ``None`` (only when backward reaches it). The numbers do not change.
+        sync_module_states: every rank takes global rank 0's parameters and buffers before
+            sharding (one broadcast per tensor at setup), for models initialized differently per rank.
+        ignored_modules: modules whose parameters are not sharded, gathered or reduced (FSDP1's
+            meaning): every rank keeps them whole, their gradients are the rank's own (a warning says
+            so if any is trainable: freeze them or synchronize them yourself); saved whole, stepped by
+            optimizers, counted locally by gradient clipping.
+        collective_timeout: seconds or a ``timedelta`` one collective of the engine may wait before
+            every rank stops with a report of where each rank was (default ``None``: ``timeout``, 30
+            minutes unless set; ``math.inf``: no limit). A dead or raising rank stops the others at
+            their next collective whatever this is; this bounds a hang. Barriers, broadcasts,
+            Lightning's ``reduce`` and the checkpoint's gathers are left to ``timeout``.
+        check_collective_order: stamp every collective (16 extra elements per rank) so that ranks
+            issuing different ones (a unit called an extra time on one rank, a branch around a unit)
+            stop at the first, both named, instead of mixing tensors or hanging (default ``True``;
+            no cost measured beyond noise).
+        optimizer_updates: ``{optimizer class or dotted path: "elementwise" | "whole_matrix"}``:
+            how an optimizer the engine does not know updates a parameter. Elementwise ones (torch's
+            SGD, Adam, AdamW, ...) step shards; whole-matrix ones (torch's Muon, Adafactor declared
+            so, your own) step each matrix whole on one rank (about 5x the matrices' bytes over the
+            shard group per step for Muon); an unknown one warns once; LBFGS is refused.
+        memory_budget: bytes per rank for ``auto_wrap_policy="auto"`` (an int or ``"70GiB"``).
+        memory_reserve: bytes of ``memory_budget`` the plan leaves for what it does not see (the CUDA
+            context, NCCL's buffers, fragmentation; default: 2 GiB plus 5 % of the budget; 0: none).
+        example_batch: one batch as ``training_step`` receives it, for ``"auto"`` (meta tensors work).
+        data_parallel_size: with ``tensor_parallel_size``, a 2-D run as Lightning's
+            ``ModelParallelStrategy``'s (the same names and meaning): the ranks over which the engine
+            shards ("auto": the number of nodes). ``self.device_mesh`` of the LightningModule is the
+            ``("data_parallel", "tensor_parallel")`` mesh in ``configure_model``, where you apply the
+            tensor-parallel plan (``parallelize_module``); batches are sampled over "data_parallel".
+            Both unset (default): one data-parallel dimension. See "Tensor parallel + FSDP".
+        tensor_parallel_size: the ranks of a tensor-parallel group ("auto": the devices per node).
+        **fsdp_kwargs: the FSDP keywords Lightning's ``FSDPStrategy`` passes to torch:
+            ``use_orig_params=True`` and ``limit_all_gathers=True`` are what the engine always does;
+            ``False``, ``process_group``, ``device_id`` and ``ignored_states`` are refused saying why.
+    """
 
     fsdp_keywords: tuple[str, ...] = tuple(FSDP_KEYWORDS)  # taken through **kwargs, as Lightning's FSDPStrategy
 

@@ -29,9 +29,10 @@ from lightning.fabric.strategies.fsdp import FSDPStrategy as LightningFSDPStrate
 from lightning.fabric.strategies.fsdp import _move_torchmetrics_to_device
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.strategies.strategy import TBroadcast, _BackwardSyncControl
-from lightning.fabric.utilities.types import Optimizable, ReduceOp
+from lightning.fabric.utilities.types import _PATH, Optimizable, ReduceOp
 from torch import Tensor, nn
 from torch.optim import Optimizer
+from torch.utils.data import DataLoader
 
 from fsdp_strategy.arguments import STRATEGY_VARIANTS, StrategyArguments, apply_recomputation
 from fsdp_strategy.checkpoint.writer import CheckpointWriter
@@ -41,6 +42,7 @@ from fsdp_strategy.distributed.tensor_parallel import ParallelMesh
 from fsdp_strategy.engine import get_scheduler, is_sharded, shard_with_options
 from fsdp_strategy.fabric_checkpoints import FabricCheckpoints
 from fsdp_strategy.options import check_fsdp_keywords
+from fsdp_strategy.placement_notice import PlacementNotice
 from fsdp_strategy.precision import FSDPCustomFabricPrecision
 from fsdp_strategy.strategy_preemption import FabricSigterm
 from fsdp_strategy.strategy_watchdog import RunWatchdog
@@ -48,7 +50,7 @@ from fsdp_strategy.strategy_watchdog import RunWatchdog
 log = logging.getLogger(__name__)
 
 
-class FSDPCustomFabricStrategy(StrategyArguments, FabricCheckpoints, LightningFSDPStrategy):
+class FSDPCustomFabricStrategy(StrategyArguments, LightningFSDPStrategy):
     """Fabric strategy: Fully Sharded Data Parallel on this package's engine.
 
     A subclass of Fabric's ``FSDPStrategy`` (its constructor and FSDP1 machinery are not used:
@@ -76,7 +78,7 @@ class FSDPCustomFabricStrategy(StrategyArguments, FabricCheckpoints, LightningFS
         **fsdp_kwargs: the FSDP keywords Fabric's ``FSDPStrategy`` passes to torch, as the Trainer's.
 
     Every other argument has the name, default and meaning it has on
-    [FSDPCustomStrategy][fsdp_strategy.FSDPCustomStrategy] (Fabric's ``FSDPStrategy`` takes the same);
+    [StrategyArguments][fsdp_strategy.arguments.StrategyArguments] (Fabric's ``FSDPStrategy`` takes the same);
     ``auto_wrap_policy="auto"`` is refused here: plan first with ``fsdp_strategy.plan`` and pass its
     ``strategy_kwargs``.
     """
@@ -128,6 +130,8 @@ class FSDPCustomFabricStrategy(StrategyArguments, FabricCheckpoints, LightningFS
         self._parallelize_fn = parallelize_fn
         self._writer = CheckpointWriter()
         self._watch = RunWatchdog(self._writer)  # a watchdog per run: started at setup, closed at teardown
+        self._checkpoints = FabricCheckpoints(self._writer, self._state_dict_type, self.broadcast)
+        self._placement = PlacementNotice()  # how a whole-matrix optimizer places its parameters
         self._sigterm, self._said_preempted = FabricSigterm(), False  # ``preempted``
         self._backward_sync_control = _NoSync()
         self._modules: list[nn.Module] = []  # every module this strategy sharded, closed at teardown
@@ -301,6 +305,25 @@ class FSDPCustomFabricStrategy(StrategyArguments, FabricCheckpoints, LightningFS
         """Nothing: modules are sharded at ``setup_module``, by the wrap policy."""
         return nullcontext()
 
+    # ---- checkpoints: the part FabricCheckpoints (fabric_checkpoints.py) --------------------
+
+    def process_dataloader(self, dataloader: DataLoader) -> DataLoader:
+        """Fabric's DistributedSampler made resumable inside an epoch; its position is saved with it."""
+        return self._checkpoints.process_dataloader(dataloader)
+
+    def save_checkpoint(
+        self, path: _PATH, state: dict[str, Any], storage_options: Any = None, filter: dict | None = None
+    ) -> None:
+        """Save as Fabric's FSDP does: "sharded" (a folder) or "full" (one file by rank 0), atomically."""
+        self._checkpoints.save(path, state, storage_options, filter, self.is_global_zero)
+
+    def load_checkpoint(
+        self, path: _PATH, state: Any = None, strict: bool = True, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        """Load a sharded folder (any world size, ours, Fabric's or the Trainer's) or a full file into
+        the state; returns what the state did not ask for."""
+        return self._checkpoints.load(path, state, strict, weights_only)
+
     # ---- steps ------------------------------------------------------------------------------
 
     def backward(self, tensor: Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
@@ -309,8 +332,11 @@ class FSDPCustomFabricStrategy(StrategyArguments, FabricCheckpoints, LightningFS
             super().backward(tensor, module, *args, **kwargs)
 
     def optimizer_step(self, optimizer: Optimizable, **kwargs: Any) -> Any:
+        """Fabric's step, watched; after a whole-matrix optimizer's first, a line on its placement."""
         with self._watch.reported():
-            return super().optimizer_step(optimizer, **kwargs)
+            result = super().optimizer_step(optimizer, **kwargs)
+        self._placement.after_step(self.model, optimizer)
+        return result
 
     def clip_gradients_norm(
         self,

@@ -5,8 +5,8 @@ Fabric FSDP's layouts: "sharded", a folder whose DCP keys are the saved state's 
 model and its optimizers, ``meta.pt`` holding the rest; "full", one file
 ``{model key: state dict, optimizer key: torch's optimizer state dict, ...rest}``. The Trainer
 strategy's checkpoints (``model``, ``optimizer_<i>``; ``state_dict``, ``optimizer_states``) load
-under any names, in order. A mixin: it uses the strategy's ``_state_dict_type``, ``_writer``,
-``broadcast`` and ``is_global_zero``.
+under any names, in order. A part the strategy owns: it is given the writer, the layout and the
+broadcast, and each call what it needs.
 """
 
 from __future__ import annotations
@@ -32,9 +32,13 @@ from fsdp_strategy.fabric_data import LoopDataPosition, make_loop_resumable
 
 
 class FabricCheckpoints:
-    """``save_checkpoint`` and ``load_checkpoint`` of the Fabric strategy. Costs: those of the
-    checkpoint package (a sharded save writes each rank's shards; a full one gathers unit by unit
-    to rank 0)."""
+    """``save_checkpoint``, ``load_checkpoint`` and the dataloaders' positions of the Fabric strategy:
+    a part it owns (as ``RunWatchdog``), given what it needs; it reads no attribute of the strategy.
+    Costs: those of the checkpoint package (a sharded save writes each rank's shards; a full one
+    gathers unit by unit to rank 0)."""
+
+    def __init__(self, writer: Any, state_dict_type: str, broadcast: Callable[[Any], Any]) -> None:
+        self._writer, self._state_dict_type, self._broadcast = writer, state_dict_type, broadcast
 
     def process_dataloader(self, dataloader: DataLoader) -> DataLoader:
         """A dataloader with Fabric's DistributedSampler rebuilt around one that can resume inside an
@@ -45,19 +49,20 @@ class FabricCheckpoints:
             loader._data_position = position
         return loader
 
-    def save_checkpoint(
+    def save(
         self,
         path: _PATH,
         state: dict[str, nn.Module | Optimizer | Any],
-        storage_options: Any = None,
-        filter: dict[str, Callable[[str, Any], bool]] | None = None,
+        storage_options: Any,
+        filter: dict[str, Callable[[str, Any], bool]] | None,
+        is_global_zero: bool,
     ) -> None:
         """Save as Fabric's FSDP does: "sharded", a folder (DCP keys: the state's names of the
         model and its optimizers; ``meta.pt``: the rest); "full", one file written by rank 0.
         Atomic: written under a temporary name, moved once every rank is done."""
         if storage_options is not None:
             raise TypeError(
-                f"`{type(self).__name__}.save_checkpoint(..., storage_options=...)` is not supported: the strategy "
+                "`FSDPCustomFabricStrategy.save_checkpoint(..., storage_options=...)` is not supported: the strategy "
                 "does not use a CheckpointIO (as Fabric's FSDPStrategy)"
             )
         if filter is not None and self._state_dict_type == "sharded":
@@ -65,7 +70,7 @@ class FabricCheckpoints:
         module_key, module = _the_module(state, "save")
         optimizers = {key: value for key, value in state.items() if isinstance(value, Optimizer)}
         rest = {key: _saved(key, value) for key, value in state.items() if key != module_key and key not in optimizers}
-        final, temporary = save_targets(path, self._state_dict_type, self.is_global_zero, self.broadcast)
+        final, temporary = save_targets(path, self._state_dict_type, is_global_zero, self._broadcast)
         if self._state_dict_type == "sharded":
             keys = (module_key, list(optimizers))
             self._writer.save_sharded(final, temporary, module, list(optimizers.values()), rest, keys=keys)
@@ -78,22 +83,22 @@ class FabricCheckpoints:
             _apply_filter(key, filter or {}, value, everything)
         self._writer.save_full(final, temporary, lambda url: _atomic_save(everything, url))
 
-    def load_checkpoint(
+    def load(
         self,
         path: _PATH,
-        state: nn.Module | Optimizer | dict[str, nn.Module | Optimizer | Any] | None = None,
-        strict: bool = True,
-        weights_only: bool | None = None,
+        state: nn.Module | Optimizer | dict[str, nn.Module | Optimizer | Any] | None,
+        strict: bool,
+        weights_only: bool | None,
     ) -> dict[str, Any]:
         """Load a sharded folder (ours, Fabric's or the Trainer's FSDP, any world size) or a full
         file into the state's model, optimizers and objects; returns what the state did not ask
         for. A module alone (``fabric.load_raw``) takes a plain state dict file or a folder."""
         if not state:
             raise ValueError(
-                f"Got {type(self).__name__}.load_checkpoint(..., state={state!r}) but a state with at least a model "
+                f"Got FSDPCustomFabricStrategy.load_checkpoint(..., state={state!r}) but a state with at least a model "
                 "instance to reload is required. Pass it in like so: load_checkpoint(..., state={'model': model, ...})"
             )
-        where = storage.locate(self.broadcast(str(path)))
+        where = storage.locate(self._broadcast(str(path)))
         if isinstance(state, Optimizer):
             raise NotImplementedError("Loading a single optimizer object from a checkpoint is not supported yet")
         if isinstance(state, nn.Module):

@@ -12,7 +12,7 @@ import dataclasses
 import inspect
 import logging
 import math
-from collections.abc import Generator
+from collections.abc import Generator, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Literal
@@ -23,7 +23,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies.fsdp import _move_torchmetrics_to_device
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.fabric.utilities.types import ReduceOp
+from lightning.fabric.utilities.types import _PATH, ReduceOp
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.fsdp import FSDPStrategy as LightningFSDPStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
@@ -32,6 +32,7 @@ from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
+from torch.optim import Optimizer
 
 from fsdp_strategy import averaging
 from fsdp_strategy.arguments import (
@@ -48,8 +49,9 @@ from fsdp_strategy.engine import Scheduler, get_scheduler, is_sharded, shard_wit
 from fsdp_strategy.engine.diagnosis import plural
 from fsdp_strategy.engine.ledger import CommLedger
 from fsdp_strategy.options import check_fsdp_keywords
+from fsdp_strategy.placement_notice import PlacementNotice
 from fsdp_strategy.precision import FSDPCustomPrecision
-from fsdp_strategy.strategy_checkpoints import CheckpointHooks
+from fsdp_strategy.strategy_checkpoints import TrainerCheckpoints
 from fsdp_strategy.strategy_preemption import AgreedSigterm
 from fsdp_strategy.strategy_requeue import DeferredRequeue
 from fsdp_strategy.strategy_watchdog import RunWatchdog
@@ -62,7 +64,7 @@ def _count(count: int) -> str:
     return f"{count / 1e6:.1f} M" if count >= 100_000 else f"{count:,}"
 
 
-class FSDPCustomStrategy(StrategyArguments, CheckpointHooks, LightningFSDPStrategy):
+class FSDPCustomStrategy(StrategyArguments, LightningFSDPStrategy):
     """Fully Sharded Data Parallel for the Trainer, on this project's own engine.
 
     ``Trainer(strategy="fsdp_custom")`` is this class with its defaults; pass an instance to set
@@ -85,101 +87,8 @@ class FSDPCustomStrategy(StrategyArguments, CheckpointHooks, LightningFSDPStrate
     Costs: per rank, 1/N of parameters, gradients and optimizer state at rest, plus the units
     gathered at the moment (the running one, the root and one prefetched).
 
-    Args:
-        accelerator: set by the Trainer (``Trainer(accelerator=...)``).
-        parallel_devices: set by the Trainer (``devices`` and ``num_nodes`` set the world size).
-        cluster_environment: set by the Trainer (Lightning's, torchrun's, SLURM's).
-        checkpoint_io: Lightning's ``CheckpointIO`` for full checkpoints; sharded ones are written
-            by torch's distributed checkpoint.
-        precision_plugin: set from ``Trainer(precision=...)`` or ``plugins=[...]``: Lightning's
-            ``Precision``, ``MixedPrecision``, ``HalfPrecision`` and ``FSDPPrecision`` are converted
-            by their precision name (a ``GradScaler`` becomes a ``ShardedGradScaler`` with the same
-            settings); any other plugin is a ``TypeError`` naming it, since its behaviour would be lost.
-        process_group_backend: ``"gloo"``, ``"nccl"``, ``"cpu:gloo,cuda:nccl"``; default: by
-            device; checked against the backends torch knows. On an accelerator the process group is
-            created with ``device_id``, so NCCL binds it at once.
-        timeout: a positive ``timedelta`` for every collective of the process group (default: 30
-            minutes, Lightning's; None: torch's), so that a rank that dies makes the others fail
-            after it instead of hanging.
-        cpu_offload: ``True`` or ``CPUOffload(offload_params=True)`` (or
-            ``strategy="fsdp_custom_cpu_offload"``): shards, gradients and optimizer state live in CPU
-            memory (pinned, on CUDA); each unit is copied to the device before its all-gather, reduced
-            gradients are copied back, and the optimizer steps on the CPU.
-        mixed_precision: ``MixedPrecision(param_dtype, reduce_dtype, buffer_dtype)``, torch's
-            ``MixedPrecision`` or a dict such as ``{"param_dtype": "bf16"}``. Shards stay in their
-            dtype (fp32 master weights); units are all-gathered in ``param_dtype`` (half the bytes for
-            bf16), gradients reduced in ``reduce_dtype`` (default: the shard's dtype), buffers cast to
-            ``buffer_dtype``, and floating-point inputs of the root's forward cast to ``param_dtype``.
-            Takes precedence over the one derived from ``Trainer(precision=...)``.
-        auto_wrap_policy: which modules become units (one all-gather and one reduce-scatter each):
-            a set of classes (``{Block}``), an int (the minimum parameter count not yet in a unit), a
-            callable ``(module, recurse, nonwrapped_numel) -> bool``, or torch's policy objects
-            (``ModuleWrapPolicy({Block})``). ``None`` (default): the whole model is one unit. Finer
-            units lower peak memory and cost more collectives; the root is always a unit for what no
-            other unit holds. Tied parameters go to the lowest unit containing every module that uses
-            them; frozen ones are sharded but never reduced. ``"auto"`` (with ``memory_budget`` and
-            ``example_batch``): the units, activation checkpointing per block, FULL_SHARD or
-            SHARD_GRAD_OP and CPU offload are chosen by a memory plan before the process group is
-            created: the fastest that fits, printed with why (costs a few plans on every rank).
-        activation_checkpointing: Lightning's older form of ``activation_checkpointing_policy``:
-            a class or a list of classes.
-        activation_checkpointing_policy: modules whose activations are recomputed in backward
-            instead of stored, in the forms of ``auto_wrap_policy``, or ``ModuleNames(["blocks.0"])``
-            (``fsdp_strategy.wrap``: by qualified name; a name the model lacks is an error). Parameter
-            names do not change. On a model that already has checkpointed layers: a warning, and the
-            policy is ignored (as Lightning).
-        sharding_strategy: what is sharded (the table above): a name in any case, our
-            ``ShardingStrategy`` or torch's.
-        state_dict_type: ``"full"`` (default: one file in Lightning's layout, gathered unit by unit
-            to rank 0) or ``"sharded"`` (a folder each rank writes its shards into; loads at any world
-            size). See the checkpoints page.
-        device_mesh: ``(replicate, shard)`` sizes or a 2-D ``DeviceMesh``, for the hybrid
-            strategies; the product must equal ``num_nodes * devices``. Default there:
-            ``(num_nodes, devices)``, one shard group per node (as FSDP1 and Lightning).
-        async_save: sharded checkpoints are written in the background while training goes on.
-        param_init_fn: ``(module) -> None``, called on each module that still has tensors on the
-            meta device (``trainer.init_module(empty_init=True)``) to allocate and initialize them;
-            default: ``reset_parameters()`` and the enclosing ``_init_weights`` (Hugging Face).
-        forward_prefetch: issue the next unit's all-gather when a unit's forward starts (default
-            ``True``, unlike FSDP1's ``False``: the engine never holds more than one unit ahead, so it
-            costs one unit of memory).
-        backward_prefetch: ``"BACKWARD_PRE"`` (default: the next unit is gathered when a unit's
-            backward starts), ``"BACKWARD_POST"`` (once its gradients are computed: less memory, less
-            overlap) or ``None`` (only when backward reaches it). The numbers do not change.
-        sync_module_states: every rank takes global rank 0's parameters and buffers before
-            sharding (one broadcast per tensor at setup), for models initialized differently per rank.
-        ignored_modules: modules whose parameters are not sharded, gathered or reduced (FSDP1's
-            meaning): every rank keeps them whole, their gradients are the rank's own (a warning says
-            so if any is trainable: freeze them or synchronize them yourself); saved whole, stepped by
-            optimizers, counted locally by gradient clipping.
-        collective_timeout: seconds or a ``timedelta`` one collective of the engine may wait before
-            every rank stops with a report of where each rank was (default ``None``: ``timeout``, 30
-            minutes unless set; ``math.inf``: no limit). A dead or raising rank stops the others at
-            their next collective whatever this is; this bounds a hang. Barriers, broadcasts,
-            Lightning's ``reduce`` and the checkpoint's gathers are left to ``timeout``.
-        check_collective_order: stamp every collective (16 extra elements per rank) so that ranks
-            issuing different ones (a unit called an extra time on one rank, a branch around a unit)
-            stop at the first, both named, instead of mixing tensors or hanging (default ``True``;
-            no cost measured beyond noise).
-        optimizer_updates: ``{optimizer class or dotted path: "elementwise" | "whole_matrix"}``:
-            how an optimizer the engine does not know updates a parameter. Elementwise ones (torch's
-            SGD, Adam, AdamW, ...) step shards; whole-matrix ones (torch's Muon, Adafactor declared
-            so, your own) step each matrix whole on one rank (about 5x the matrices' bytes over the
-            shard group per step for Muon); an unknown one warns once; LBFGS is refused.
-        memory_budget: bytes per rank for ``auto_wrap_policy="auto"`` (an int or ``"70GiB"``).
-        memory_reserve: bytes of ``memory_budget`` the plan leaves for what it does not see (the CUDA
-            context, NCCL's buffers, fragmentation; default: 2 GiB plus 5 % of the budget; 0: none).
-        example_batch: one batch as ``training_step`` receives it, for ``"auto"`` (meta tensors work).
-        data_parallel_size: with ``tensor_parallel_size``, a 2-D run as Lightning's
-            ``ModelParallelStrategy``'s (the same names and meaning): the ranks over which the engine
-            shards ("auto": the number of nodes). ``self.device_mesh`` of the LightningModule is the
-            ``("data_parallel", "tensor_parallel")`` mesh in ``configure_model``, where you apply the
-            tensor-parallel plan (``parallelize_module``); batches are sampled over "data_parallel".
-            Both unset (default): one data-parallel dimension. See "Tensor parallel + FSDP".
-        tensor_parallel_size: the ranks of a tensor-parallel group ("auto": the devices per node).
-        **fsdp_kwargs: the FSDP keywords Lightning's ``FSDPStrategy`` passes to torch:
-            ``use_orig_params=True`` and ``limit_all_gathers=True`` are what the engine always does;
-            ``False``, ``process_group``, ``device_id`` and ``ignored_states`` are refused saying why.
+    Arguments: those of Lightning's ``FSDPStrategy``, each described on
+    [StrategyArguments][fsdp_strategy.arguments.StrategyArguments] (the Options page).
     """
 
     strategy_name = "fsdp_custom"
@@ -236,7 +145,8 @@ class FSDPCustomStrategy(StrategyArguments, CheckpointHooks, LightningFSDPStrate
         self._ledger_global_step: int | None = None  # the global_step the ledger's count started at
         self._requeue = DeferredRequeue(self._writer.in_foreground)  # SLURM's signal, at an agreed step
         self._sigterm = AgreedSigterm()  # [Note: preemption at an agreed step]
-        self._init_checkpoint_hooks()
+        self._checkpoints = TrainerCheckpoints(self._writer, self._state_dict_type, self.broadcast)
+        self._placement = PlacementNotice()  # how a whole-matrix optimizer places its parameters
 
     # ---- Lightning plumbing --------------------------------------------------------------
 
@@ -380,7 +290,8 @@ class FSDPCustomStrategy(StrategyArguments, CheckpointHooks, LightningFSDPStrate
             for callback in averaging.averaging_callbacks(trainer):  # [Note: sharded weight averaging]
                 averaging.build(callback, self.model)
         self.setup_precision_plugin()
-        self._load_into_shards(trainer)
+        strict = self.lightning_module.strict_loading
+        self._checkpoints.load_into_shards(self.model, trainer, strict, self.optimizers, self.world_size)
 
     def _sync_layers(self, model: torch.nn.Module) -> torch.nn.Module:
         """``Trainer(sync_batchnorm=True)``: our SyncBatchNorm (torch's refuses CPU tensors); any
@@ -439,6 +350,64 @@ class FSDPCustomStrategy(StrategyArguments, CheckpointHooks, LightningFSDPStrate
         """The rank's device index on an accelerator (for NCCL's barrier), else None."""
         return None if self.root_device.type == "cpu" else [self.root_device.index]
 
+    # ---- checkpoints: the part TrainerCheckpoints (strategy_checkpoints.py) -------------
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        """False: only then does Lightning pass ``weights_only`` to ``load_checkpoint``. The file is
+        read before setup; ``setup`` copies its tensors into the shards."""
+        return False
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        """True: Lightning calls ``load_optimizer_state_dict`` when it restores optimizers (a fit's
+        resume, the tuner's restore), which loads them then."""
+        return True
+
+    @property
+    def _trainer(self) -> pl.Trainer | None:
+        return self.lightning_module._trainer if self.lightning_module is not None else None
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Full: the gathered model state on rank 0 ({} elsewhere). Sharded: views of the shards."""
+        return self._checkpoints.model_state(self.model)
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """Full: the gathered optimizer state in torch's layout on rank 0. Sharded: {}."""
+        return self._checkpoints.optimizer_state(self.model, optimizer)
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """The read checkpoint's weights into the shards now if sharded (a restore after setup), else at setup."""
+        model, trainer, world = self.model, self._trainer, self.world_size
+        self._checkpoints.load_weights_now(model, checkpoint, strict, trainer, self.optimizers, world)
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """The read checkpoint's optimizer states (Lightning restores optimizers after setup)."""
+        self._checkpoints.load_optimizers(self.model, self.optimizers, checkpoint)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any = None) -> None:
+        """Write atomically, full (Lightning's layout) or sharded (a folder), to a path or fsspec URL."""
+        model, optimizers, io, trainer, zero = (
+            self.model,
+            self.optimizers,
+            self.checkpoint_io,
+            self._trainer,
+            self.is_global_zero,
+        )
+        self._checkpoints.save(checkpoint, filepath, storage_options, model, optimizers, io, trainer, zero)
+
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        """Delete a checkpoint file or folder (after any save in flight)."""
+        self._checkpoints.remove(filepath)
+
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        """Read a sharded folder (any world size) or a full file; its tensors load when Lightning restores."""
+        return self._checkpoints.read(checkpoint_path, weights_only, self._trainer)
+
+    def process_dataloader(self, dataloader: object) -> object:
+        """Make the training dataloader resumable mid-epoch, also on another world size (data.py)."""
+        return self._checkpoints.process_dataloader(dataloader, self._trainer, self.world_size)
+
     # ---- steps run through the root's forward, so the engine's root hooks fire ----------
 
     def _redirect(self, method: str, *args: Any, **kwargs: Any) -> Any:
@@ -449,6 +418,12 @@ class FSDPCustomStrategy(StrategyArguments, CheckpointHooks, LightningFSDPStrate
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         with self._watch.reported():
             return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        """Lightning's step; after a whole-matrix optimizer's first, a line on how it places its parameters."""
+        result = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._placement.after_step(self.model, optimizer)
+        return result
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.train_step_context():
@@ -558,7 +533,7 @@ class FSDPCustomStrategy(StrategyArguments, CheckpointHooks, LightningFSDPStrate
         accumulation a step's micro-batches are counted together); a resume's hidden warning shows
         again; SIGTERM and SLURM's requeue signal are acted on here, between two batches."""
         self._sigterm.at_step_start(self.lightning_module.trainer.global_step, self._watch.dog)
-        self._resume_notice.remove()  # the epoch loop has checked the dataloader by now
+        self._checkpoints.resume_notice.remove()  # the epoch loop has checked the dataloader by now
         global_step = self.lightning_module.trainer.global_step
         self._requeue.at_batch_start(global_step)
         self.scheduler.observer.at_step(global_step)  # the flight recorder names steps as the trainer does
@@ -573,7 +548,7 @@ class FSDPCustomStrategy(StrategyArguments, CheckpointHooks, LightningFSDPStrate
         self._sigterm.remove()
         self._requeue.remove()
         self._writer.teardown()
-        self._resume_notice.remove()
+        self._checkpoints.resume_notice.remove()
         self._watch.close([self.model] if self.model is not None else [])
         if self.lightning_module is not None and self.lightning_module._trainer is not None:
             averaging.restore(averaging.averaging_callbacks(self.lightning_module.trainer))

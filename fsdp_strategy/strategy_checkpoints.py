@@ -1,14 +1,15 @@
 """The strategy's checkpoint hooks: Lightning's save/load/remove calls mapped onto the checkpoint
 package, and the training data position that travels in checkpoints.
 
-A mixin of ``FSDPCustomStrategy`` (kept apart so the strategy module stays about Lightning's
-plumbing); it uses the strategy's model, optimizers, writer and collectives.
+A part ``FSDPCustomStrategy`` owns (as ``RunWatchdog``): its Lightning checkpoint methods are one
+line each, calling this with what it needs (the model, the optimizers, the trainer); it reads no
+attribute of the strategy.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,75 +61,72 @@ def _fresh_lightning_state(path: Location) -> dict[str, Any]:
     return {"pytorch-lightning_version": lightning.__version__, "lr_schedulers": []}
 
 
-class CheckpointHooks:
-    """Save, load and remove checkpoints for ``FSDPCustomStrategy`` (see checkpoint/)."""
+class TrainerCheckpoints:
+    """Save, load and remove checkpoints for ``FSDPCustomStrategy`` (see checkpoint/), and carry the
+    training data position through them. Costs: those of the checkpoint package."""
 
-    def _init_checkpoint_hooks(self) -> None:
-        self._data_position: DataPosition | None = None  # the training dataloader's, once built
+    def __init__(self, writer: Any, state_dict_type: str, broadcast: Callable[[Any], Any]) -> None:
+        self._writer, self._state_dict_type, self._broadcast = writer, state_dict_type, broadcast
+        self.data_position: DataPosition | None = None  # the training dataloader's, once built
         self._data_position_to_load: dict | None = None  # from the checkpoint being resumed
-        self._resume_notice = ExactResumeNotice()  # removed at the first batch and at teardown
-        self._checkpoint_to_load: _CheckpointToLoad | None = None  # read by load_checkpoint, applied in setup
+        self.resume_notice = ExactResumeNotice()  # removed at the first batch and at teardown
+        self._to_load: _CheckpointToLoad | None = None  # read by ``read``, applied in setup
 
-    @property
-    def restore_checkpoint_after_setup(self) -> bool:
-        """False: only then does Lightning pass ``weights_only`` to ``load_checkpoint``. The file is
-        read before setup; ``setup`` copies its tensors into the shards."""
-        return False
-
-    @property
-    def lightning_restore_optimizer(self) -> bool:
-        """True: Lightning calls ``load_optimizer_state_dict`` when it restores optimizers (a fit's
-        resume, the tuner's restore), which loads them then."""
-        return True
-
-    # ---- checkpoints -------------------------------------------------------------------
-
-    def lightning_module_state_dict(self) -> dict[str, Any]:
+    def model_state(self, model: Any) -> dict[str, Any]:
         """Full: the gathered model state on rank 0 ({} elsewhere). Sharded: views of the shards."""
-        assert self.model is not None
+        assert model is not None
         if self._state_dict_type == "sharded":
-            return sharded.model_state(self.model)
-        return ckpt.full_state_dict(self.model, rank0_only=True)
+            return sharded.model_state(model)
+        return ckpt.full_state_dict(model, rank0_only=True)
 
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+    def optimizer_state(self, model: Any, optimizer: Optimizer) -> dict[str, Any]:
         """Full: the gathered optimizer state in torch's layout (as DDP writes it) on rank 0.
         Sharded: {} (the save writes each rank's shards itself)."""
-        assert self.model is not None
+        assert model is not None
         if self._state_dict_type == "sharded":
             return {}
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
-        return ckpt.full_optimizer_state_dict(self.model, optimizer, rank0_only=True)
+        return ckpt.full_optimizer_state_dict(model, optimizer, rank0_only=True)
 
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        """Load the weights of the checkpoint ``load_checkpoint`` read into the shards now, if the
-        model is sharded (a restore after setup: Lightning's tuner, a callback's own restore,
-        ``validate`` after ``fit``); else ``setup`` loads them as soon as it has sharded the model.
-        ``checkpoint`` is the one ``on_load_checkpoint`` saw (a full file's weights are taken from it)."""
-        pending = self._checkpoint_to_load
-        if pending is None or self.model is None or not is_sharded(self.model):
+    def load_weights_now(
+        self, model: Any, checkpoint: Mapping[str, Any], strict: bool, trainer: Any, optimizers: list, world_size: int
+    ) -> None:
+        """Load the weights of the checkpoint ``read`` took into the shards now, if the model is
+        sharded (a restore after setup: Lightning's tuner, a callback's own restore, ``validate``
+        after ``fit``); else ``load_into_shards`` does at setup. ``checkpoint`` is the one
+        ``on_load_checkpoint`` saw (a full file's weights are taken from it)."""
+        pending = self._to_load
+        if pending is None or model is None or not is_sharded(model):
             return
         pending.checkpoint = dict(checkpoint)
-        self._load_weights(pending, strict)
+        self._load_weights(pending, model, strict, trainer, optimizers, world_size)
 
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        """Load the optimizer states of the checkpoint ``load_checkpoint`` read (Lightning calls this
-        when it restores optimizers, after setup); the checkpoint is then done with."""
-        pending, self._checkpoint_to_load = self._checkpoint_to_load, None
-        if pending is None or not self.optimizers:
+    def load_optimizers(self, model: Any, optimizers: list, checkpoint: Mapping[str, Any]) -> None:
+        """Load the optimizer states of the checkpoint ``read`` took (Lightning restores optimizers
+        after setup); the checkpoint is then done with."""
+        pending, self._to_load = self._to_load, None
+        if pending is None or not optimizers:
             return
-        assert self.model is not None
+        assert model is not None
         if pending.is_folder:
             sharded_load.load_tensors(
-                pending.path, self.model, list(self.optimizers), pending.checkpoint, meta=pending.meta, with_model=False
+                pending.path, model, list(optimizers), pending.checkpoint, meta=pending.meta, with_model=False
             )
         else:
-            full.load_full_optimizers(dict(checkpoint), self.model, list(self.optimizers), pending.path)
+            full.load_full_optimizers(dict(checkpoint), model, list(optimizers), pending.path)
 
-    def _save_targets(self, filepath: _PATH) -> tuple[Location, Location]:
-        return save_targets(filepath, self._state_dict_type, self.is_global_zero, self.broadcast)
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any = None) -> None:
+    def save(
+        self,
+        checkpoint: dict[str, Any],
+        filepath: _PATH,
+        storage_options: Any,
+        model: Any,
+        optimizers: list,
+        checkpoint_io: Any,
+        trainer: Any,
+        is_global_zero: bool,
+    ) -> None:
         """Write atomically to a local path or any fsspec URL: a temporary name, moved once every rank
         is done ([Note: atomic commit] in checkpoint/storage.py). Replaces only a checkpoint: anything
         else at ``filepath`` is an error on every rank before anything is written."""
@@ -137,41 +135,40 @@ class CheckpointHooks:
                 "`FSDPCustomStrategy.save_checkpoint(..., storage_options=...)` is not supported with "
                 "state_dict_type='sharded': the sharded save does not use the CheckpointIO (as Lightning's FSDP)"
             )
-        if self._data_position is not None and "loops" in checkpoint:
-            checkpoint[DATA_POSITION_KEY] = self._data_position.state_dict()
-        averaged = self._averaging_callback()
+        if self.data_position is not None and "loops" in checkpoint:
+            checkpoint[DATA_POSITION_KEY] = self.data_position.state_dict()
+        averaged = _averaging_callback(trainer)
         extra = {}
         if averaged is not None and "current_model_state" in checkpoint:  # [Note: sharded weight averaging]
             if self._state_dict_type == "full":
-                checkpoint["state_dict"] = averaging.full_average(self.model, averaged)
+                checkpoint["state_dict"] = averaging.full_average(model, averaged)
             else:
                 checkpoint.pop("current_model_state")  # the folder's "model": written below
-                extra = {averaging.AVERAGED_KEY: averaging.sharded_views(self.model, averaged)}
-        final, temporary = self._save_targets(filepath)
+                extra = {averaging.AVERAGED_KEY: averaging.sharded_views(model, averaged)}
+        final, temporary = save_targets(filepath, self._state_dict_type, is_global_zero, self._broadcast)
         if self._state_dict_type == "full":
             self._writer.save_full(
-                final, temporary, lambda path: self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options)
+                final, temporary, lambda path: checkpoint_io.save_checkpoint(checkpoint, path, storage_options)
             )
             return
-        assert self.model is not None
+        assert model is not None
         checkpoint.pop("state_dict", None)
-        with_optimizers = checkpoint.pop("optimizer_states", None) is not None
-        optimizers = list(self.optimizers) if with_optimizers else []
-        self._writer.save_sharded(final, temporary, self.model, optimizers, checkpoint, extra)
+        saved = list(optimizers) if checkpoint.pop("optimizer_states", None) is not None else []
+        self._writer.save_sharded(final, temporary, model, saved, checkpoint, extra)
 
-    def remove_checkpoint(self, filepath: _PATH) -> None:
+    def remove(self, filepath: _PATH) -> None:
         """Delete a checkpoint file or folder (after any save in flight)."""
         self._writer.remove(storage.locate(filepath))
 
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+    def read(self, checkpoint_path: _PATH, weights_only: bool | None, trainer: Any) -> dict[str, Any]:
         """Read a checkpoint: a sharded folder (ours or Lightning FSDP's, any world size) or a full
-        file (memory-mapped). Its weights go into the shards at ``load_model_state_dict`` (or at
-        setup, before which there are no shards), its optimizer states at
-        ``load_optimizer_state_dict``: a restore is in effect when Lightning's restore returns, at
-        any point of a run. Returns Lightning's state. ``weights_only`` as ``torch.load``'s, not
-        given meaning False (as Lightning's FSDP: callbacks' and hyperparameters' objects load)."""
+        file (memory-mapped). Its weights go into the shards at ``load_weights_now`` (or at setup,
+        before which there are no shards), its optimizer states at ``load_optimizers``: a restore is
+        in effect when Lightning's restore returns, at any point of a run. Returns Lightning's
+        state. ``weights_only`` as ``torch.load``'s, not given meaning False (as Lightning's FSDP:
+        callbacks' and hyperparameters' objects load)."""
         self._writer.wait()
-        path = storage.locate(self.broadcast(os.fspath(checkpoint_path)))
+        path = storage.locate(self._broadcast(os.fspath(checkpoint_path)))
         is_folder = storage.isdir(path)
         if is_folder:
             meta = layout.folder_meta(path)
@@ -191,91 +188,69 @@ class CheckpointHooks:
                 f"{path.url}: not a Lightning checkpoint (it holds {sorted(checkpoint)[:8]}): one written by Fabric or "
                 "by hand? Resume it with Fabric (fabric.load), or take its weights with fsdp-consolidate --weights-only"
             )
-        self._checkpoint_to_load = _CheckpointToLoad(path, is_folder, meta, checkpoint)
-        self._take_data_position(checkpoint)
+        self._to_load = _CheckpointToLoad(path, is_folder, meta, checkpoint)
+        self._take_data_position(checkpoint, trainer)
         return checkpoint
 
-    def _load_into_shards(self, trainer: pl.Trainer) -> None:
+    def load_into_shards(self, model: Any, trainer: pl.Trainer, strict: bool, optimizers: list, world: int) -> None:
         """At setup: the weights of a checkpoint read before the model was sharded (a resume); with
         no optimizer restore to follow (validate, test, predict), the checkpoint is done with."""
-        pending = self._checkpoint_to_load
+        pending = self._to_load
         if pending is None:
             return
         if not pending.weights_loaded:
-            self._load_weights(pending, self.lightning_module.strict_loading)
+            self._load_weights(pending, model, strict, trainer, optimizers, world)
         if trainer.state.fn != TrainerFn.FITTING:
-            self._checkpoint_to_load = None
+            self._to_load = None
 
-    def _load_weights(self, pending: _CheckpointToLoad, strict: bool) -> None:
+    def _load_weights(
+        self, pending: _CheckpointToLoad, model: Any, strict: bool, trainer: Any, optimizers: list, world: int
+    ) -> None:
         """Copy the checkpoint's weights (and a WeightAveraging average) into the shards."""
-        assert self.model is not None
-        checkpoint, averaged = pending.checkpoint, self._averaging_callback()
+        assert model is not None
+        checkpoint, averaged = pending.checkpoint, _averaging_callback(trainer)
         with_average = "averaging_state" in checkpoint  # written with WeightAveraging
-        self._refuse_other_optimizers(pending)
+        _refuse_other_optimizers(pending, trainer, optimizers)
         if pending.is_folder:
-            sharded_load.load_tensors(pending.path, self.model, [], checkpoint, strict, meta=pending.meta)
-            rank_zero_info(
-                f"fsdp_custom: loaded {pending.path}: {sharded.describe_resharding(pending.meta, self.model)}"
-            )
+            sharded_load.load_tensors(pending.path, model, [], checkpoint, strict, meta=pending.meta)
+            rank_zero_info(f"fsdp_custom: loaded {pending.path}: {sharded.describe_resharding(pending.meta, model)}")
             if averaged is not None and with_average:
-                averaging.load_sharded_average(pending.path, self.model, averaged)
+                averaging.load_sharded_average(pending.path, model, averaged)
         else:
             current = checkpoint.get("current_model_state") if with_average else None
             weights = checkpoint if current is None else {**checkpoint, "state_dict": current}
-            full.apply_full_checkpoint(weights, self.model, [], strict, pending.path)
-            world = self.world_size
+            full.apply_full_checkpoint(weights, model, [], strict, pending.path)
             takes = "one rank took every row" if world == 1 else f"each of {world} ranks took its rows"
             rank_zero_info(f"fsdp_custom: loaded full checkpoint {pending.path}: {takes}")
             if averaged is not None and current is not None:
-                averaging.load_full_average(self.model, averaged, checkpoint["state_dict"])
+                averaging.load_full_average(model, averaged, checkpoint["state_dict"])
         if averaged is not None and not with_average:  # as WeightAveraging: both start from the weights
-            averaging.copy_current(self.model, averaged)
+            averaging.copy_current(model, averaged)
         pending.weights_loaded = True
 
-    def _refuse_other_optimizers(self, pending: _CheckpointToLoad) -> None:
-        """Before a resume loads anything: a checkpoint whose optimizer states have other param groups
-        than this run's optimizers was trained with another optimizer (or grouping): refused, saying so."""
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is None or trainer.state.fn != TrainerFn.FITTING or not self.optimizers:
-            return
-        if pending.is_folder:
-            counts = sharded_load.saved_group_counts(pending.path)
-        else:
-            counts = [len(s.get("param_groups", ())) for s in pending.checkpoint.get("optimizer_states", ())]
-        for optimizer, saved in zip(self.optimizers, counts):
-            if saved is not None:
-                names.check_group_count(saved, optimizer, pending.path)
-
-    def _averaging_callback(self) -> Any:
-        """The trainer's WeightAveraging callback once its sharded average is built, else None."""
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        found = averaging.averaging_callbacks(trainer) if trainer is not None else []
-        return found[0] if found and found[0]._average_model is not None else None
-
-    def process_dataloader(self, dataloader: object) -> object:
+    def process_dataloader(self, dataloader: object, trainer: Any, world_size: int) -> object:
         """Make the training dataloader resumable mid-epoch, also on another world size (data.py)."""
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is None or not trainer.training:
             return dataloader
         progress = trainer.fit_loop.epoch_loop.batch_progress
-        loader, self._data_position = make_resumable(dataloader, lambda: progress.current.processed)
+        loader, self.data_position = make_resumable(dataloader, lambda: progress.current.processed)
         if self._data_position_to_load is not None:
-            self._say_what_resumes(dataloader, self._data_position_to_load)
-        if self._data_position is not None and self._data_position_to_load is not None:
-            self._data_position.load_state_dict(self._data_position_to_load)
+            self._say_what_resumes(dataloader, self._data_position_to_load, world_size)
+        if self.data_position is not None and self._data_position_to_load is not None:
+            self.data_position.load_state_dict(self._data_position_to_load)
             consumed = self._data_position_to_load["consumed_samples"]
-            recount_batches(progress, consumed, self._data_position, len(loader))
+            recount_batches(progress, consumed, self.data_position, len(loader))
             # a checkpoint from the epoch's last batch resumes at the next epoch's start: nothing to say
             if consumed and not progress.is_last_batch:
-                self._resume_notice.install(self._data_position_to_load)
+                self.resume_notice.install(self._data_position_to_load)
         self._data_position_to_load = None
         return loader
 
-    def _say_what_resumes(self, dataloader: Any, saved: dict[str, int]) -> None:
+    def _say_what_resumes(self, dataloader: Any, saved: dict[str, int], world_size: int) -> None:
         """Before a resumed fit: what differs from the run that saved (the global batch at another number
         of ranks), and, where the epoch cannot resume where it stopped (a sampler of the user's own), that."""
-        if self._data_position is not None:
-            change = describe_batch_change(saved, self._data_position.batch_size, self.world_size)
+        if self.data_position is not None:
+            change = describe_batch_change(saved, self.data_position.batch_size, world_size)
             if change:
                 rank_zero_warn(change)
         elif saved.get("consumed_samples"):
@@ -287,7 +262,7 @@ class CheckpointHooks:
                 "differ from those of an uninterrupted run"
             )
 
-    def _take_data_position(self, checkpoint: dict[str, Any]) -> None:
+    def _take_data_position(self, checkpoint: dict[str, Any], trainer: Any) -> None:
         """Keep a loaded checkpoint's data position for the training dataloader (built after the
         restore) when fitting; one in Lightning's loop state (our checkpoints before format 2) moves
         here too. Validate/test keep none: a later fit has nothing to resume."""
@@ -296,7 +271,27 @@ class CheckpointHooks:
         legacy = fit_loop.pop("combined_loader", None)
         if position is None and legacy:
             position = legacy[0]
-        fitting = self.lightning_module is not None and self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         if fitting and position is not None:
             reopen_stopped_epoch(checkpoint, position)  # [Note: an epoch stopped, not finished] in data.py
         self._data_position_to_load = position if fitting else None
+
+
+def _refuse_other_optimizers(pending: _CheckpointToLoad, trainer: Any, optimizers: list) -> None:
+    """Before a resume loads anything: a checkpoint whose optimizer states have other param groups
+    than this run's optimizers was trained with another optimizer (or grouping): refused, saying so."""
+    if trainer is None or trainer.state.fn != TrainerFn.FITTING or not optimizers:
+        return
+    if pending.is_folder:
+        counts = sharded_load.saved_group_counts(pending.path)
+    else:
+        counts = [len(s.get("param_groups", ())) for s in pending.checkpoint.get("optimizer_states", ())]
+    for optimizer, saved in zip(optimizers, counts):
+        if saved is not None:
+            names.check_group_count(saved, optimizer, pending.path)
+
+
+def _averaging_callback(trainer: Any) -> Any:
+    """The trainer's WeightAveraging callback once its sharded average is built, else None."""
+    found = averaging.averaging_callbacks(trainer) if trainer is not None else []
+    return found[0] if found and found[0]._average_model is not None else None

@@ -216,7 +216,7 @@ MUTATIONS = [
         "data_position_not_restored",
         "a mid-epoch resume starts the epoch's data from its first batch",
         "fsdp_strategy/strategy_checkpoints.py",
-        "            self._data_position.load_state_dict(self._data_position_to_load)\n",
+        "            self.data_position.load_state_dict(self._data_position_to_load)\n",
         "",
         ("tests/test_resume.py::test_resume_is_exact_at_the_same_world_size",),
     ),

@@ -16,6 +16,7 @@ import tomllib
 from dist_utils import excerpt
 
 from fsdp_strategy import FSDPCustomFabricStrategy, FSDPCustomStrategy
+from fsdp_strategy.arguments import StrategyArguments
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -36,7 +37,7 @@ def _arguments(cls: type) -> set[str]:
 
 
 def test_every_strategy_argument_is_documented_once_in_its_docstring():
-    trainer, fabric = _documented(FSDPCustomStrategy), _documented(FSDPCustomFabricStrategy)
+    trainer, fabric = _documented(StrategyArguments), _documented(FSDPCustomFabricStrategy)
     assert trainer == _arguments(FSDPCustomStrategy), (
         f"undocumented: {sorted(_arguments(FSDPCustomStrategy) - trainer)}; "
         f"not arguments: {sorted(trainer - _arguments(FSDPCustomStrategy))}"

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import copy
 import functools
+import logging
+import re
 import warnings
 
 import lightning as L
+import lightning_utilities.core.rank_zero
 import pytest
 import torch
 import torch.distributed as dist
@@ -286,11 +289,26 @@ def _lightning_body(rank: int, world: int, root: str) -> dict:
             module = module_class()
             chosen = FSDPCustomStrategy(auto_wrap_policy={nn.Linear, Block}) if strategy == "fsdp" else DDP
             trainer = quiet_trainer(strategy=chosen, devices=world, max_steps=6, default_root_dir=root)
-            trainer.fit(module, DataLoader(TensorDataset(data), batch_size=2))
+            told = _InfoLines()
+            lightning_utilities.core.rank_zero.log.addHandler(told)  # where Lightning's rank_zero_info writes
+            try:
+                trainer.fit(module, DataLoader(TensorDataset(data), batch_size=2))
+            finally:
+                lightning_utilities.core.rank_zero.log.removeHandler(told)
             losses = torch.stack(module.losses)
             dist.all_reduce(losses)
             results[name, strategy] = (losses / world).tolist()
+            results[name, strategy, "placed"] = [line for line in told.lines if "whole on one rank" in line]
     return results
+
+
+class _InfoLines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -302,6 +320,14 @@ def test_muon_in_lightning_equals_ddp(tmp_path, world):
     for name in ("muon", "muon+adamw", "MuonWithAdamW"):
         assert results[name, "fsdp"] == pytest.approx(results[name, "ddp"], rel=1e-4), name
     assert len(results["MuonWithAdamW", "fsdp"]) == 6  # one optimizer: one step counted per batch
+    # after its first step, once, rank 0 says how Muon places the matrices (the Linear layers' weights)
+    for name in ("muon", "muon+adamw"):
+        (placed,) = results[name, "fsdp", "placed"]
+        assert placed.startswith("fsdp_custom: Muon steps each of its "), placed
+        count = int(placed.split("each of its ")[1].split()[0])
+        shares = [int(n) for n in re.findall(r"rank \d+ (\d+) \(", placed)]
+        assert f"whole on one rank of the {world} that shard it" in placed and sum(shares) == count, placed
+    assert results["muon", "ddp", "placed"] == []
 
 
 def _resume_body(rank: int, world: int, root: str, kind: str, ckpt: str | None) -> list[float]:

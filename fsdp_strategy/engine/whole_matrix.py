@@ -32,6 +32,7 @@ state of about 1/N of the parameters per rank.
 from __future__ import annotations
 
 import functools
+import math
 import weakref
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -73,6 +74,23 @@ class WholeMatrixSteps:
     def holds(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether ``optimizer`` steps any of these sharded parameters."""
         return any(id(p) in self._by_id for group in optimizer.param_groups for p in group["params"])
+
+    def describe(self, optimizer: torch.optim.Optimizer) -> str | None:
+        """How ``optimizer``'s matrices are placed, once it has stepped (None before, or if it holds
+        none of them): their count, each rank's share and the traffic per step."""
+        placed = self._owners.get(optimizer)
+        if placed is None or not placed[1]:
+            return None
+        counts, elements = [0] * self._comm.size, [0] * self._comm.size
+        for param_id, rank in placed[1].items():
+            counts[rank] += 1
+            elements[rank] += math.prod(self._by_id[param_id].global_shape)
+        shares = ", ".join(f"rank {r} {n} ({_millions(e)} elements)" for r, (n, e) in enumerate(zip(counts, elements)))
+        return (
+            f"{type(optimizer).__name__} steps each of its {len(placed[1])} sharded parameters whole on one rank of "
+            f"the {self._comm.size} that shard it: {shares}; the other ranks' rows go there and back in two "
+            "all-to-alls per step (about 5x the parameters' bytes for Muon)"
+        )
 
     # ---- before the update ---------------------------------------------------------------------
 
@@ -377,3 +395,7 @@ class WholeMatrixSteps:
                 if apart:
                     held[id(shard)] = apart
         return held
+
+
+def _millions(count: int) -> str:
+    return f"{count / 1e6:.1f} M" if count >= 100_000 else f"{count:,}"
