@@ -35,11 +35,6 @@ class ResumableDistributedSampler(DistributedSampler):
 
     skip = 0  # global samples of ``skip_epoch`` already consumed (see [Note: global sample order])
     skip_epoch = -1
-    epoch_offset = 0  # added to what set_epoch is given ([Note: a Fabric loop's data position])
-
-    def set_epoch(self, epoch: int) -> None:
-        """Set the epoch to ``epoch`` plus ``epoch_offset`` (0 but in a resumed Fabric loop)."""
-        super().set_epoch(epoch + self.epoch_offset)
 
     def epoch_order(self) -> list[int]:
         """The epoch's order over the dataset (shuffled with ``seed + epoch``), before padding."""
@@ -58,7 +53,7 @@ class ResumableDistributedSampler(DistributedSampler):
 
     def __iter__(self) -> Iterator[int]:
         order = self.epoch_order()
-        start = self.skip if self.epoch == self.skip_epoch else 0
+        start = self.skipped()
         # cut before padding: at another world size the padding differs, and the rest is each untaken sample once
         rest = self.dealt(order[start:], order)
         return iter(rest[self.rank :: self.num_replicas])
@@ -67,6 +62,16 @@ class ResumableDistributedSampler(DistributedSampler):
         """Skip the first ``consumed`` global samples when ``epoch`` is iterated next."""
         self.skip_epoch, self.skip = epoch, consumed
 
+    def skipped(self) -> int:
+        """The global samples the current epoch's iteration skips (a resume into it), else 0."""
+        return self.skip if self.epoch == self.skip_epoch else 0
+
+    def rank_length(self, skipped: int | None = None) -> int:
+        """The samples ``__iter__`` gives this rank now (the epoch's share, less a resume's skip), or
+        in an epoch that skips ``skipped`` global samples."""
+        skipped = self.skipped() if skipped is None else skipped
+        return len(self.dealt([0] * max(0, len(self.dataset) - skipped), [0])) // self.num_replicas
+
 
 DATA_POSITION_KEY = "fsdp_custom_data_position"  # a top-level checkpoint key: other strategies ignore it
 
@@ -74,19 +79,37 @@ DATA_POSITION_KEY = "fsdp_custom_data_position"  # a top-level checkpoint key: o
 class DataPosition:
     """Where the training epoch stands, as a checkpoint records it and a resume applies it."""
 
-    def __init__(self, sampler: ResumableDistributedSampler, batch_size: int, consumed_batches: Callable[[], int]):
+    def __init__(
+        self,
+        sampler: ResumableDistributedSampler,
+        batch_size: int,
+        consumed_batches: Callable[[], int],
+        drop_last: bool = False,
+    ):
         self.sampler = sampler
         self.batch_size = batch_size
         self.consumed_batches = consumed_batches
+        self.drop_last = drop_last  # the DataLoader's: a short last batch is dropped
+        self.skipped_batches = 0  # of consumed_batches(): those that stand for a resume's skip (recount_batches)
 
     def state_dict(self) -> dict[str, int]:
-        """The epoch and the global samples the whole job has consumed of it, with the batch that took them."""
+        """The epoch and the global samples the whole job has consumed of it (what a resume into it
+        skipped, plus what this job took since), with the batch that took them."""
+        sampler, batches = self.sampler, self.consumed_batches()
+        skipped = sampler.skipped()
+        if skipped:
+            batches -= self.skipped_batches
         return {
-            "epoch": self.sampler.epoch,
-            "consumed_samples": self.consumed_batches() * self.batch_size * self.sampler.num_replicas,
-            "world_size": self.sampler.num_replicas,
+            "epoch": sampler.epoch,
+            "consumed_samples": skipped + batches * self.batch_size * sampler.num_replicas,
+            "world_size": sampler.num_replicas,
             "batch_size": self.batch_size,
         }
+
+    def batches(self, skipped: int = 0) -> int:
+        """This rank's batches of an epoch that skips ``skipped`` global samples."""
+        samples = self.sampler.rank_length(skipped)
+        return samples // self.batch_size if self.drop_last else math.ceil(samples / self.batch_size)
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Skip what a checkpoint says was consumed when its epoch is iterated next."""
@@ -109,7 +132,7 @@ def make_resumable(dataloader: Any, consumed_batches: Callable[[], int]) -> tupl
     )
     resumable.epoch = sampler.epoch
     loader = _update_dataloader(dataloader, resumable)
-    return loader, DataPosition(resumable, loader.batch_size or 1, consumed_batches)
+    return loader, DataPosition(resumable, loader.batch_size or 1, consumed_batches, loader.drop_last)
 
 
 def reopen_stopped_epoch(checkpoint: dict[str, Any], position: dict[str, int]) -> bool:
@@ -128,12 +151,14 @@ def reopen_stopped_epoch(checkpoint: dict[str, Any], position: dict[str, int]) -
         return False
     total, current = epochs["total"], epochs["current"]
     finished = position["epoch"] + 1
-    counts = [total[key] for key in ("ready", "started", "processed", "completed")]
-    if counts != [finished] * 4 or current["completed"] != finished:
+    # saved after the epoch's end hooks ran (completed) or from on_train_epoch_end (ModelCheckpoint's
+    # default save there: processed, not yet completed); Lightning starts the next epoch from either
+    ended = [total[key] for key in ("ready", "started", "processed")]
+    if ended != [finished] * 3 or {total["completed"], current["completed"]} - {finished, finished - 1}:
         return False
     for progress in (total, current):
+        progress["completed"] = min(progress["completed"], finished - 1)
         progress["processed"] -= 1
-        progress["completed"] -= 1
     if isinstance(checkpoint.get("epoch"), int):
         checkpoint["epoch"] = position["epoch"]
     return True
@@ -167,13 +192,13 @@ def describe_batch_change(saved: dict[str, int], batch_size: int, world_size: in
 
 def recount_batches(progress: Any, consumed_samples: int, position: DataPosition, epoch_batches: int) -> None:
     """Restate Lightning's batch counts of the resumed epoch (``progress``: the epoch loop's
-    ``batch_progress``, counted in the saving run's batches) in this run's batches: the
-    ``consumed_samples`` the checkpoint's job took, over this job's batch of all ranks (all of the
-    epoch's ``epoch_batches`` where it was saved at its last batch). At the same world size it
+    ``batch_progress``, counted in the saving run's batches) in this run's batches: the epoch's
+    ``epoch_batches`` less those the rest of it makes here, after the ``consumed_samples`` the
+    checkpoint's job took (all of them where it was saved at its last batch). At the same world size it
     changes nothing; at another, the epoch loop would otherwise end the epoch early (it counts
     the batches it has seen against the epoch's length) and progress bars start at the wrong batch."""
-    per_batch = position.batch_size * position.sampler.num_replicas
-    done = epoch_batches if progress.is_last_batch else min(math.ceil(consumed_samples / per_batch), epoch_batches)
+    done = epoch_batches if progress.is_last_batch else max(0, epoch_batches - position.batches(consumed_samples))
+    position.skipped_batches = done  # the position counts the skip itself, not these batches
     shift = done - progress.current.processed
     for counter in ("ready", "started", "processed", "completed"):
         setattr(progress.current, counter, max(0, getattr(progress.current, counter) + shift))

@@ -42,8 +42,8 @@ from fsdp_strategy.distributed.tensor_parallel import ParallelMesh
 from fsdp_strategy.engine import get_scheduler, is_sharded, shard_with_options
 from fsdp_strategy.fabric_checkpoints import FabricCheckpoints
 from fsdp_strategy.options import check_fsdp_keywords
-from fsdp_strategy.placement_notice import PlacementNotice
 from fsdp_strategy.precision import FSDPCustomFabricPrecision
+from fsdp_strategy.strategy_placement import PlacementNotice
 from fsdp_strategy.strategy_preemption import FabricSigterm
 from fsdp_strategy.strategy_watchdog import RunWatchdog
 

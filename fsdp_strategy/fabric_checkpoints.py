@@ -44,10 +44,7 @@ class FabricCheckpoints:
         """A dataloader with Fabric's DistributedSampler rebuilt around one that can resume inside an
         epoch, at any world size; a dataloader in the state of ``fabric.save`` then records where
         its epoch stands, and ``fabric.load`` resumes it there ([Note: a Fabric loop's data position])."""
-        loader, position = make_loop_resumable(dataloader)
-        if position is not None:
-            loader._data_position = position
-        return loader
+        return make_loop_resumable(dataloader)[0]
 
     def save(
         self,
@@ -194,18 +191,27 @@ def _resume_loader(key: str, loader: DataLoader, saved: Any) -> None:
         )
         return
     position.resume_loop(state)
-    epoch, consumed = state["epoch"], state["consumed_samples"]
+    epoch, consumed, left = state["epoch"], state["consumed_samples"], state.get("left")
     where = f"after its first {consumed} samples" if consumed else "from its start"
-    where = f"at its next iter(), {where}"
-    if state.get("left"):
+    where = f"resumes epoch {epoch} at its next iter(), {where}"
+    if left:
         rank_zero_warn(
-            f"fsdp_custom: the dataloader {key!r} resumes epoch {epoch} {where}: the saving loop had left that epoch "
-            "before its end (a `break` or an exception), and the resume continues it; a loop that goes on to its "
-            f"next epoch after a `break` (a batch limit) would have started epoch {epoch + 1} instead"
+            f"fsdp_custom: the dataloader {key!r} {where}: the saving loop had left that epoch before its end (a "
+            "`break` or an exception), and the resume continues it; a loop that goes on to its next epoch after a "
+            f"`break` (a batch limit) would have started epoch {state.get('next_epoch', epoch + 1)} instead"
+        )
+    elif left is None:  # written before the position said whether the loop had left its epoch
+        rank_zero_info(
+            f"fsdp_custom: the dataloader {key!r} {where} (a checkpoint that does not say whether its loop had "
+            "left that epoch by a `break`: if it had, the loop continues it instead of the next epoch)"
         )
     else:
-        rank_zero_info(
-            f"fsdp_custom: the dataloader {key!r} resumes epoch {epoch} {where}, exactly where the checkpoint left it"
+        rank_zero_info(f"fsdp_custom: the dataloader {key!r} {where}, exactly where the checkpoint left it")
+    if "." in key or "[" in key:  # [Note: a Fabric loop's data position]: Fabric's load unwraps nested loaders
+        rank_zero_warn(
+            f"fsdp_custom: fabric.load puts the inner DataLoader back in place of the loader at {key!r} (Fabric "
+            "unwraps objects inside dicts and lists of the state): it resumes, but moves no batch to the device; "
+            "iterate the loader fabric.setup_dataloaders returned, or keep it at the top level of the state"
         )
     change = describe_batch_change(state, position.batch_size, position.sampler.num_replicas)
     if change is not None:

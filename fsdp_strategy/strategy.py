@@ -49,9 +49,9 @@ from fsdp_strategy.engine import Scheduler, get_scheduler, is_sharded, shard_wit
 from fsdp_strategy.engine.diagnosis import plural
 from fsdp_strategy.engine.ledger import CommLedger
 from fsdp_strategy.options import check_fsdp_keywords
-from fsdp_strategy.placement_notice import PlacementNotice
 from fsdp_strategy.precision import FSDPCustomPrecision
 from fsdp_strategy.strategy_checkpoints import TrainerCheckpoints
+from fsdp_strategy.strategy_placement import PlacementNotice
 from fsdp_strategy.strategy_preemption import AgreedSigterm
 from fsdp_strategy.strategy_requeue import DeferredRequeue
 from fsdp_strategy.strategy_watchdog import RunWatchdog

@@ -43,22 +43,28 @@ def _loop(world: int, state_dict_type: str = "sharded", sampler: bool = True, wo
     return fabric, model, optimizer, loader
 
 
-def _train(fabric, model, optimizer, loader, start_epoch, stop_after=None, save=None, how="inside", own_epoch=False):
+def _train(fabric, model, optimizer, loader, start_epoch, stop_after=None, save=None, how="inside", loop=None):
     """Steps from ``start_epoch``: per step the global batch's sample ids (sorted) and the loss. After
     ``stop_after`` steps, ``save(epoch)`` and stop: ``how`` "inside" the ``for``, after a "break" out of
-    it, or once the epoch's ``for`` has run to its "end". ``own_epoch``: the loop calls the sampler's
-    ``set_epoch`` itself, as plain PyTorch loops do."""
+    it, or once the epoch's ``for`` has run to its "end". ``loop``: "own_epoch" (the loop calls the
+    sampler's ``set_epoch`` itself, as plain PyTorch loops do), "zip_with" (a second loader zipped with
+    the first), "peek_at" (after that step, ``next(iter(loader))``: a look at a batch)."""
+    loop = loop or {}
     steps = []
     for epoch in range(start_epoch, EPOCHS):
-        if own_epoch:
+        if loop.get("own_epoch"):
             loader.sampler.set_epoch(epoch)
-        for ids, x in loader:
+        other = loop.get("zip_with")
+        batches = loader if other is None else (mine for mine, _ in zip(loader, other))
+        for ids, x in batches:
             loss = model(x).pow(2).mean()
             fabric.backward(loss)
             optimizer.step()
             optimizer.zero_grad()
             every = fabric.all_gather(ids).flatten().sort().values.tolist()
             steps.append((every, fabric.all_reduce(loss.detach(), reduce_op="mean").item()))
+            if len(steps) == loop.get("peek_at"):
+                next(iter(loader))
             if len(steps) == stop_after and how == "inside":
                 save(epoch)
                 return steps
@@ -70,14 +76,24 @@ def _train(fabric, model, optimizer, loader, start_epoch, stop_after=None, save=
     return steps
 
 
-CASES = {  # name: (steps before the save, how it saves, state_dict_type, _loop's keywords, the loop sets epochs)
-    "mid": (3, "inside", "sharded", {"workers": 2}, False),  # workers prefetch ahead of the loop
-    "end": (6, "inside", "full", {}, False),  # at epoch 0's last batch, inside its `for`
-    "after": (6, "end", "sharded", {}, False),
-    "persist": (8, "inside", "sharded", {"workers": 2, "persistent": True}, True),  # epoch 1: workers reused
-    "nested": (3, "inside", "sharded", {}, False),  # the loader inside a dict of the state
-    "break": (2, "break", "sharded", {}, False),
+CASES = {  # name: (steps before the save, how it saves, state_dict_type, _loop's keywords, the loop's habits)
+    "mid": (3, "inside", "sharded", {"workers": 2}, {}),  # workers prefetch ahead of the loop
+    "end": (6, "inside", "full", {}, {}),  # at epoch 0's last batch, inside its `for`
+    "after": (6, "end", "sharded", {}, {}),
+    "persist": (8, "inside", "sharded", {"workers": 2, "persistent": True}, {"own_epoch": True}),  # workers reused
+    "nested": (3, "inside", "sharded", {}, {}),  # the loader inside a dict of the state
+    "break": (2, "break", "sharded", {}, {}),
+    "zip": (6, "end", "sharded", {}, {"zip_with": True}),  # two loaders: the second is never asked past its end
+    "peek": (3, "inside", "sharded", {}, {"peek_at": 1}),  # a look at a batch inside the `for`
 }
+
+
+def _habits(loop: dict, fabric) -> tuple[dict, dict]:
+    """The loop's habits with a second loader made for "zip_with", and what the state holds of it."""
+    if not loop.get("zip_with"):
+        return loop, {}
+    other = fabric.setup_dataloaders(DataLoader(TensorDataset(torch.arange(SAMPLES), _features()), PER_RANK, True))
+    return {**loop, "zip_with": other}, {"other": other}
 
 
 def _state(name: str, model, optimizer, loader) -> dict:
@@ -89,14 +105,17 @@ def _state(name: str, model, optimizer, loader) -> dict:
 def _save_body(rank: int, world: int, folder: str) -> dict:
     fabric, model, optimizer, loader = _loop(world)
     results = {"whole": _train(fabric, model, optimizer, loader, 0)}
-    for name, (stop, how, kind, options, own_epoch) in CASES.items():
+    fabric, model, optimizer, loader = _loop(world)
+    results["whole_peek"] = _train(fabric, model, optimizer, loader, 0, loop=CASES["peek"][4])
+    for name, (stop, how, kind, options, habits) in CASES.items():
         fabric, model, optimizer, loader = _loop(world, kind, **options)
-        state = _state(name, model, optimizer, loader)
+        loop, more = _habits(habits, fabric)
+        state = {**_state(name, model, optimizer, loader), **more}
 
         def save(epoch: int, name: str = name, fabric: Fabric = fabric, state: dict = state) -> None:
             fabric.save(f"{folder}/{name}", {**state, "epoch": epoch})
 
-        results[name] = _train(fabric, model, optimizer, loader, 0, stop, save, how, own_epoch)
+        results[name] = _train(fabric, model, optimizer, loader, 0, stop, save, how, loop)
     return results
 
 
@@ -126,19 +145,22 @@ def _resume_body(rank: int, world: int, folder: str, names: list[str]) -> dict:
     for name in names:
         chain = name.endswith("+1")  # one step, then saved again as "chain"
         name = name.removesuffix("+1")
-        _, _, kind, options, own_epoch = CASES.get(name, CASES["mid"])
+        _, _, kind, options, habits = CASES.get(name, CASES["mid"])
         fabric, model, optimizer, loader = _loop(world, kind, **options)
+        loop, more = _habits(habits, fabric)
+        loop = {key: value for key, value in loop.items() if key != "peek_at"}  # the look came before the save
         if name == "rollback":  # a loop that goes back to an earlier checkpoint in the middle of its own epoch
             _train(fabric, model, optimizer, loader, 0, 4, lambda epoch: None, "break")
             state = {**_state("mid", model, optimizer, loader), "epoch": 0}
             told = _loaded(fabric, f"{folder}/mid", state)
             fabric.save(f"{folder}/rollback", state)  # before any iter(): the position just loaded
         else:
-            state = {**_state(name, model, optimizer, loader), "epoch": 0}
+            state = {**_state(name, model, optimizer, loader), **more, "epoch": 0}
             told = _loaded(fabric, f"{folder}/{name.removeprefix('saved-')}", state)
         assert isinstance(loader.sampler, torch.utils.data.DistributedSampler)
-        if name == "nested":
+        if name == "nested":  # Fabric's load puts the inner DataLoader in the dict: the loop iterates that
             assert state["data"]["note"] == "kept", state
+            loader = state["data"]["train"]
         else:
             assert state["loader"] is loader  # resumed in place, not replaced by what was saved
         if chain:
@@ -148,7 +170,7 @@ def _resume_body(rank: int, world: int, folder: str, names: list[str]) -> dict:
 
             results["chain"] = _train(fabric, model, optimizer, loader, state["epoch"], 1, save)
             continue
-        steps = _train(fabric, model, optimizer, loader, state["epoch"], own_epoch=own_epoch)
+        steps = _train(fabric, model, optimizer, loader, state["epoch"], loop=loop)
         results[name] = {"steps": steps, "told": told}
     return results
 
@@ -184,12 +206,16 @@ def test_a_fabric_loop_resumes_its_dataloader_where_the_checkpoint_left_it(tmp_p
         assert saved[name] == whole[:stop], name
     names = [*CASES, "rollback"]
     same = run_ranks(_resume_body, 2, tmp_path, folder, names, env=LIGHTNING_ENV, timeout=300)[0]
+    assert saved["peek"] == saved["whole_peek"][:3]
     done = {name: stop for name, (stop, *_) in CASES.items()} | {"rollback": 3}
     for name, taken in done.items():
-        steps = same[name]["steps"]
-        assert [ids for ids, _ in steps] == [ids for ids, _ in whole[taken:]], name  # the same samples, step by step
-        for (_, loss), (_, expected) in zip(steps, whole[taken:]):
+        steps, uninterrupted = same[name]["steps"], saved["whole_peek" if name == "peek" else "whole"]
+        assert [ids for ids, _ in steps] == [ids for ids, _ in uninterrupted[taken:]], name  # the same samples
+        for (_, loss), (_, expected) in zip(steps, uninterrupted[taken:], strict=True):
             assert abs(loss - expected) <= 1e-9 * abs(expected), (name, loss, expected)
+    assert saved["whole_peek"][6:] != whole[6:]  # the look took an epoch of Fabric's count: the resume keeps it
+    nested = " ".join(same["nested"]["told"])
+    assert "puts the inner DataLoader back in place of the loader at 'data.train'" in nested, nested
     exact = "resumes epoch 0 at its next iter(), after its first 24 samples, exactly"
     assert any(exact in line for line in same["mid"]["told"]), same["mid"]["told"]
     assert any(exact in line for line in same["nested"]["told"]), same["nested"]["told"]

@@ -79,9 +79,10 @@ class Indexed(L.LightningModule):
         return torch.optim.Adam(self.parameters(), lr=1e-2)
 
 
-def _data(world: int) -> DataLoader:
+def _data(world: int, per_rank: int | None = None) -> DataLoader:
     x = torch.randn(SAMPLES, 5, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    return DataLoader(TensorDataset(x, torch.arange(SAMPLES)), batch_size=GLOBAL_BATCH // world, shuffle=True)
+    batch = per_rank or GLOBAL_BATCH // world
+    return DataLoader(TensorDataset(x, torch.arange(SAMPLES)), batch_size=batch, shuffle=True)
 
 
 def _fit(
@@ -94,9 +95,13 @@ def _fit(
     validate: bool = False,
     sigterm_at: int | None = None,
     sigterm_in_validation: int | None = None,
+    per_rank: int | None = None,
+    epoch_end_save: bool = False,
     **stop,
 ) -> dict:
-    """Fit to ``stop``; per step, the samples of every rank (sorted) and the mean loss."""
+    """Fit to ``stop``; per step, the samples of every rank (sorted) and the mean loss. ``per_rank``:
+    the per-rank batch (default: the global batch of 12 split); ``epoch_end_save``: ModelCheckpoint's
+    default, a save in ``on_train_epoch_end`` (which Lightning runs at a ``max_steps`` stop too)."""
     module = Indexed(sleep, fail_at, sigterm_at, sigterm_in_validation)
     trainer = L.Trainer(
         strategy=FSDPCustomStrategy(state_dict_type=state),
@@ -106,7 +111,9 @@ def _fit(
         enable_progress_bar=False,
         enable_model_summary=False,
         callbacks=[
-            ModelCheckpoint(
+            ModelCheckpoint(dirpath=root, save_last=True)
+            if epoch_end_save
+            else ModelCheckpoint(
                 dirpath=root, every_n_train_steps=GRID, save_top_k=-1, save_last=True, save_on_exception=True
             )
         ],
@@ -115,7 +122,7 @@ def _fit(
     exit_status = None
     try:
         validation = _data(world) if sigterm_in_validation is not None else None
-        trainer.fit(module, _data(world), validation, ckpt_path=ckpt)
+        trainer.fit(module, _data(world, per_rank), validation, ckpt_path=ckpt)
     except Interrupted:
         pass
     except SIGTERMException as stop_signal:
@@ -140,6 +147,7 @@ def _fit(
 
 STOPS = {  # how the first run stops, and how far the resumed one goes
     "max_steps": ({"max_steps": 5}, {"max_steps": 13}),
+    "max_steps, saved at the epoch's end hook": ({"max_steps": 3, "epoch_end_save": True}, {"max_steps": 13}),
     "max_epochs": ({"max_epochs": 1}, {"max_epochs": 2}),
     "max_time": ({"max_time": {"seconds": 2}, "max_steps": 13}, {"max_steps": 13}),
     "an exception": ({"max_steps": 13, "fail_at": 5}, {"max_steps": 13}),
@@ -161,6 +169,13 @@ def _stop_body(rank: int, world: int, root: str, phase: str) -> dict:
             sleep = 0.4 if name == "max_time" else 0.0  # a few steps into the first epoch of 8
             state = "full" if name == "max_steps" else "sharded"
             out[name] = _fit(world, f"{root}/{name}", sleep=sleep, state=state, **stop)
+    # a chain that changes the global batch: 2 ranks x 4 (1 step: 8 samples), 3 x 4 (1 step: 12), 2 x 4 to
+    # the epoch's end: the third resumes after 20 samples, not after whole batches of the second's 12
+    links = {"save": (None, {"max_steps": 1}), "resume": ("batch-1", {"max_steps": 2}), "chain": ("batch-2", {})}
+    previous, stop = links[phase]
+    ckpt = f"{root}/{previous}/last.ckpt" if previous else None
+    link = "batch-3" if phase == "chain" else f"batch-{1 + (phase == 'resume')}"
+    out[link] = _fit(world, f"{root}/{link}", ckpt, per_rank=4, **(stop or {"max_epochs": 1}))
     if phase == "chain":  # the third link: back at 2 ranks from the 3 ranks' stop
         out["chained"] = _fit(world, f"{root}/chain-end", f"{root}/chain/last.ckpt", max_steps=16)
         return out
@@ -201,6 +216,10 @@ def test_a_fit_stopped_off_the_checkpoint_grid_resumes_sample_by_sample(tmp_path
     chained = run_ranks(_stop_body, 2, tmp_path, str(tmp_path), "chain", env=LIGHTNING_ENV, timeout=300)[0]
     _assert_continues(saved["max_steps"], other["chain"], saved["uninterrupted"], "2 -> 3 ranks")
     _assert_continues(other["chain"], chained["chained"], saved["uninterrupted"], "2 -> 3 -> 2 ranks")
+    links = [saved["batch-1"], other["batch-2"], chained["batch-3"]]
+    assert [len(link["steps"]) for link in links] == [1, 1, 10], [len(link["steps"]) for link in links]
+    seen = sorted(i for link in links for ids, _ in link["steps"] for i in ids)
+    assert seen == list(range(SAMPLES)), sorted(set(range(SAMPLES)) - set(seen))  # each sample once
 
 
 def test_the_loop_state_of_a_stopped_epoch_is_reopened_and_only_then():
@@ -225,6 +244,11 @@ def test_the_loop_state_of_a_stopped_epoch_is_reopened_and_only_then():
     assert not reopen_stopped_epoch(checkpoint(1, is_last_batch=True), {"epoch": 0, "consumed_samples": 96})
     assert not reopen_stopped_epoch(checkpoint(0, is_last_batch=False), {"epoch": 0, "consumed_samples": 40})  # inside
     assert not reopen_stopped_epoch(checkpoint(1, is_last_batch=False), {"epoch": 0, "consumed_samples": 0})
+    at_epoch_end_hook = checkpoint(1, is_last_batch=False)  # ModelCheckpoint's on_train_epoch_end save
+    for progress in at_epoch_end_hook["loops"]["fit_loop"]["epoch_progress"].values():
+        progress["completed"] = 0
+    assert reopen_stopped_epoch(at_epoch_end_hook, {"epoch": 0, "consumed_samples": 40})
+    assert at_epoch_end_hook["loops"]["fit_loop"]["epoch_progress"]["current"]["processed"] == 0
 
 
 def test_a_resume_that_changes_the_global_batch_says_so():
