@@ -28,7 +28,7 @@ from lightning.fabric.strategies import ParallelStrategy
 from lightning.fabric.strategies.fsdp import FSDPStrategy as LightningFSDPStrategy
 from lightning.fabric.strategies.fsdp import _move_torchmetrics_to_device
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-from lightning.fabric.strategies.strategy import TBroadcast, _BackwardSyncControl
+from lightning.fabric.strategies.strategy import TBroadcast
 from lightning.fabric.utilities.types import _PATH, Optimizable, ReduceOp
 from torch import Tensor, nn
 from torch.optim import Optimizer
@@ -41,6 +41,7 @@ from fsdp_strategy.distributed import build_mesh, connect, mesh_shape, set_world
 from fsdp_strategy.distributed.tensor_parallel import ParallelMesh
 from fsdp_strategy.engine import get_scheduler, is_sharded, shard_with_options
 from fsdp_strategy.fabric_checkpoints import FabricCheckpoints
+from fsdp_strategy.fabric_setup import NoBackwardSync, sharded_with_optimizers
 from fsdp_strategy.options import check_fsdp_keywords
 from fsdp_strategy.precision import FSDPCustomFabricPrecision
 from fsdp_strategy.strategy_placement import PlacementNotice
@@ -133,7 +134,7 @@ class FSDPCustomFabricStrategy(StrategyArguments, LightningFSDPStrategy):
         self._checkpoints = FabricCheckpoints(self._writer, self._state_dict_type, self.broadcast)
         self._placement = PlacementNotice()  # how a whole-matrix optimizer places its parameters
         self._sigterm, self._said_preempted = FabricSigterm(), False  # ``preempted``
-        self._backward_sync_control = _NoSync()
+        self._backward_sync_control = NoBackwardSync()
         self._modules: list[nn.Module] = []  # every module this strategy sharded, closed at teardown
 
     # ---- Fabric plumbing ----------------------------------------------------------------
@@ -251,19 +252,7 @@ class FSDPCustomFabricStrategy(StrategyArguments, LightningFSDPStrategy):
         self, module: nn.Module, optimizers: list[Optimizer], scheduler: Any = None
     ) -> tuple[nn.Module, list[Optimizer], Any]:
         """Shard ``module`` and point each optimizer (created before, with no state yet) at its shards."""
-        for optimizer in optimizers:
-            if optimizer.state:
-                raise ValueError(
-                    f"{type(optimizer).__name__} already holds state for the unsharded parameters; set the model up "
-                    "first (fabric.setup_module), then create the optimizer and call fabric.setup_optimizers"
-                )
-        owners = {
-            id(p): (owner, name) for owner in module.modules() for name, p in owner._parameters.items() if p is not None
-        }
-        module = self.setup_module(module)
-        for optimizer in optimizers:
-            _point_at_shards(optimizer, owners)
-        return module, optimizers, scheduler
+        return sharded_with_optimizers(module, optimizers, self.setup_module), optimizers, scheduler
 
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         """Check that ``optimizer`` steps the shards (it was created after ``setup_module``)."""
@@ -403,28 +392,3 @@ class FSDPCustomFabricStrategy(StrategyArguments, LightningFSDPStrategy):
         for name, (description, init_params) in STRATEGY_VARIANTS.items():
             if name not in strategy_registry:
                 strategy_registry.register(name, cls, description=description, **init_params)
-
-
-class _NoSync(_BackwardSyncControl):
-    """``fabric.no_backward_sync``: the engine's ``no_sync`` (full gradients kept until a backward outside)."""
-
-    def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
-        if not enabled:
-            return nullcontext()
-        if not is_sharded(module):
-            raise TypeError(
-                f"no_backward_sync needs the module that fabric.setup returned, got {type(module).__name__}"
-            )
-        return get_scheduler(module).no_sync()
-
-
-def _point_at_shards(optimizer: Optimizer, owners: dict[int, tuple[nn.Module, str]]) -> None:
-    """Replace each parameter of ``optimizer`` that ``owners`` knows by what its module holds now
-    (its shard); a parameter used twice (tied) is listed once."""
-    for group in optimizer.param_groups:
-        replaced: dict[int, torch.Tensor] = {}
-        for param in group["params"]:
-            owner = owners.get(id(param))
-            now = owner[0]._parameters[owner[1]] if owner is not None else param
-            replaced.setdefault(id(now), now)
-        group["params"] = list(replaced.values())

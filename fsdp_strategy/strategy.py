@@ -46,7 +46,7 @@ from fsdp_strategy.config import BackwardPrefetch, CPUOffload, MixedPrecision, S
 from fsdp_strategy.distributed import build_mesh, connect, mesh_shape, set_world_ranks
 from fsdp_strategy.distributed.tensor_parallel import ParallelMesh
 from fsdp_strategy.engine import Scheduler, get_scheduler, is_sharded, shard_with_options
-from fsdp_strategy.engine.diagnosis import plural
+from fsdp_strategy.engine.diagnosis import count_of, plural
 from fsdp_strategy.engine.ledger import CommLedger
 from fsdp_strategy.options import check_fsdp_keywords
 from fsdp_strategy.precision import FSDPCustomPrecision
@@ -58,10 +58,6 @@ from fsdp_strategy.strategy_watchdog import RunWatchdog
 from fsdp_strategy.sync_batchnorm import convert_sync_batchnorm
 
 log = logging.getLogger(__name__)
-
-
-def _count(count: int) -> str:
-    return f"{count / 1e6:.1f} M" if count >= 100_000 else f"{count:,}"
 
 
 class FSDPCustomStrategy(StrategyArguments, LightningFSDPStrategy):
@@ -321,7 +317,7 @@ class FSDPCustomStrategy(StrategyArguments, LightningFSDPStrategy):
             f"{self._parallel.describe()}, "
             f"{plural(len(units), 'unit')} "
             f"({', '.join(unit.name for unit in units[:8])}{', ...' if len(units) > 8 else ''}); "
-            f"{_count(full_count)} parameters ({_count(trainable)} trainable), {_count(local)} in this rank's "
+            f"{count_of(full_count)} parameters ({count_of(trainable)} trainable), {count_of(local)} in this rank's "
             "shards (what Lightning's model summary counts)"
             + ("; shards offloaded to the CPU" if options.cpu_offload.offload_params else "")
         )

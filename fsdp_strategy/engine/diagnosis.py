@@ -168,3 +168,8 @@ def failure_message(headline: str, first: str | None, lines: list[str], dumps: l
 def plural(count: int, noun: str) -> str:
     """``1 rank``, ``2 ranks``: a count in a message."""
     return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
+def count_of(count: int) -> str:
+    """``12,345``, ``6.7 M``: a count of elements in a message."""
+    return f"{count / 1e6:.1f} M" if count >= 100_000 else f"{count:,}"

@@ -56,7 +56,8 @@ import torch
 from fsdp_strategy.engine import control
 from fsdp_strategy.engine.collectives import CommContext, CommGroup
 from fsdp_strategy.engine.muon_with_adamw import MuonWithAdamW
-from fsdp_strategy.engine.optimizer_probe import OTHERS_BUDGET, STEPS, Measured, measure, model_case, toy_shapes
+from fsdp_strategy.engine.optimizer_probe import OTHERS_BUDGET, Measured, measure, model_case, toy_shapes
+from fsdp_strategy.engine.optimizer_settings import STEPS, frozen, settings_of
 from fsdp_strategy.engine.param import ShardedParam
 from fsdp_strategy.options import UpdateKind
 
@@ -163,7 +164,7 @@ class OptimizerKinds:
         """After a step of a measured optimizer: its param group values then, to tell at the next step
         which ones were changed in between (by the user or a scheduler) from those its step changes."""
         if self.known(optimizer) is None:
-            self._after_step[optimizer] = _settings(optimizer)
+            self._after_step[optimizer] = settings_of(optimizer)
 
     def _changed_since_step(self, optimizer: torch.optim.Optimizer) -> list[str]:
         """The param group values changed since ``optimizer``'s last step, but a scheduler's
@@ -171,7 +172,7 @@ class OptimizerKinds:
         before = self._after_step.get(optimizer)
         if before is None:
             return []
-        now = _settings(optimizer)
+        now = settings_of(optimizer)
         if len(now) != len(before):
             return ["param groups"]
         if now[-1] != before[-1]:  # the optimizer's own attributes
@@ -235,7 +236,7 @@ class OptimizerKinds:
         """The measurement on small tensors, once per class, hyperparameters and kinds of tensors."""
         settings = {k: v for k, v in vars(optimizer).items() if k not in ("param_groups", "state") and not callable(v)}
         hyper = {k: v for k, v in group.items() if k != "params"}
-        key = (type(optimizer), _frozen(hyper), _frozen(settings), toy_shapes(group))
+        key = (type(optimizer), frozen(hyper), frozen(settings), toy_shapes(group))
         if key not in self._measured:
             self._measured[key] = measure(optimizer, group)
         return self._measured[key]
@@ -371,55 +372,3 @@ def _strictest(toy: Measured, models: list[Measured]) -> Measured:
     if not toy.ran:
         chosen = chosen._replace(reason=f"{chosen.reason}; on small tensors {toy.reason}, which it never holds")
     return chosen._replace(note=notes)
-
-
-SCHEDULED = frozenset(
-    {"lr", "initial_lr", "max_lr", "min_lr", "base_lr", "momentum", "betas", "base_momentum", "max_momentum"}
-)  # what torch's LR schedulers (and OneCycleLR's momentum cycle) write between steps: not measured again
-
-
-def _settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    """Per param group, its values but ``params`` and ``SCHEDULED``, then the optimizer's own scalar
-    and tensor attributes, each by its regime (``_regime``): what may switch a branch."""
-    groups = [
-        {key: _regime(value) for key, value in group.items() if key != "params" and key not in SCHEDULED}
-        for group in optimizer.param_groups
-    ]
-    attributes = {  # a number by its sign, an integer too (a step count a callback writes on it)
-        key: _regime(float(value) if isinstance(value, int) and not isinstance(value, bool) else value)
-        for key, value in vars(optimizer).items()
-        if key not in ("param_groups", "state", "defaults")
-        and (torch.is_tensor(value) or value is None or isinstance(value, (bool, int, float, str)))
-    }
-    return [*groups, attributes]
-
-
-def _regime(value: Any) -> Any:
-    """What a change of ``value`` between steps must be measured again for: a float by its sign (a
-    weight decay raised from 0 switches AdamS's branch; a decay schedule from 0.05 to 0.04 does not,
-    nor does NaN, equal to itself here); a tensor by identity and version (an in-place ``fill_``
-    counts, and nothing is read); anything else by value."""
-    if isinstance(value, float):
-        return "nan" if value != value else (value > 0) - (value < 0)
-    if torch.is_tensor(value):
-        return ("tensor", id(value), value._version)
-    if isinstance(value, (list, tuple)):
-        return tuple(_regime(item) for item in value)
-    return _frozen(value)
-
-
-def _frozen(value: Any) -> Any:
-    """A hashable stand-in for a hyperparameter value (tensors by value, containers by content)."""
-    if isinstance(value, dict):
-        return tuple(sorted((str(k), _frozen(v)) for k, v in value.items()))
-    if isinstance(value, (list, tuple)):
-        return tuple(_frozen(v) for v in value)
-    if torch.is_tensor(value):  # a hyperparameter by value; a large tensor (the model's) by its kind
-        if value.numel() > 64 or value.device.type == "meta":
-            return ("tensor", tuple(value.shape), str(value.dtype), id(value))
-        return ("tensor", tuple(value.detach().cpu().reshape(-1).tolist()))
-    try:
-        hash(value)
-    except TypeError:
-        return repr(value)
-    return value

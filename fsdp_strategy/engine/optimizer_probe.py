@@ -54,16 +54,13 @@ import torch
 
 from fsdp_strategy.engine.optimizer_copies import ProbeStopped, build, refuse_random_construction, torch_hooks
 from fsdp_strategy.engine.optimizer_copies import step as step_once
+from fsdp_strategy.engine.optimizer_settings import MAX_STEPS, STEPS, announced_steps, probe_steps
 from fsdp_strategy.engine.probe_compare import Difference, snapshot_difference, values_differ
 from fsdp_strategy.options import UpdateKind
 
 SHAPES = ((7, 6), (6,))  # a matrix whose rows split unevenly over 2 and 3 ranks, and a vector
 RANKS = 3  # the row blocks of the small tensors: shards over 3 ranks, zero-padded as the engine pads them
-STEPS = 8
 STEP_SCALES = (1.0, 50.0, 0.02, 1.0)  # a step with far larger gradients: clips and running statistics show
-MAX_STEPS = 2048  # the longest probe: an optimizer that changes its update after N steps is run past N
-OTHER_INTS = 64  # an integer hyperparameter not named as a step count (a history length; a dimension) runs at most this
-DELAY_WORDS = ("step", "freq", "interval", "iteration", "every", "warm")  # hyperparameters that count steps
 MODEL_BUDGET = 1 << 28  # elements x steps measured on the model's parameters per rank, beyond STEPS
 OTHERS_BUDGET = 1 << 22  # elements per rank of the parameters measured beside one of each shape, for STEPS
 
@@ -225,29 +222,6 @@ def _varied(start: torch.Tensor, grad: torch.Tensor, step: int) -> torch.Tensor:
 
 def _shapes(tensors: list[torch.Tensor]) -> str:
     return ", ".join("x".join(map(str, t.shape)) or "scalar" for t in tensors)
-
-
-def probe_steps(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> int:
-    """``announced_steps``, up to ``MAX_STEPS``."""
-    return min(announced_steps(optimizer, group), MAX_STEPS)
-
-
-def announced_steps(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> int:
-    """``STEPS``, or past the largest integer hyperparameter of the param group and of the optimizer
-    whose name counts steps (a preconditioner first computed at step 1000), and past any other
-    integer of the param group up to ``OTHER_INTS`` (a history of ``keep_num`` gradients; a dimension
-    such as ``max_precond_dim`` costs no more than that)."""
-
-    def counted(key: str, value: Any) -> int:
-        if not isinstance(value, int) or isinstance(value, bool):
-            return 0
-        return value if any(word in key.lower() for word in DELAY_WORDS) else min(value, OTHER_INTS)
-
-    counts = [counted(key, value) for key, value in group.items()]
-    counts += [
-        counted(key, value) for key, value in vars(optimizer).items() if any(w in key.lower() for w in DELAY_WORDS)
-    ]
-    return max([STEPS, *(count + 2 for count in counts if count)])
 
 
 def _moving(group: dict[str, Any]) -> dict[str, Any]:

@@ -42,6 +42,7 @@ from torch import nn
 
 from fsdp_strategy.engine import collectives, control
 from fsdp_strategy.engine.collectives import CommContext, CommGroup
+from fsdp_strategy.engine.diagnosis import count_of
 from fsdp_strategy.engine.param import ShardedParam
 from fsdp_strategy.engine.state_layout import StateEntry, entry_at_rest, entry_of_whole, later_layout
 
@@ -85,7 +86,7 @@ class WholeMatrixSteps:
         for param_id, rank in placed[1].items():
             counts[rank] += 1
             elements[rank] += math.prod(self._by_id[param_id].global_shape)
-        shares = ", ".join(f"rank {r} {n} ({_millions(e)} elements)" for r, (n, e) in enumerate(zip(counts, elements)))
+        shares = ", ".join(f"rank {r} {n} ({count_of(e)} elements)" for r, (n, e) in enumerate(zip(counts, elements)))
         return (
             f"{type(optimizer).__name__} steps each of its {len(placed[1])} sharded parameters whole on one rank of "
             f"the {self._comm.size} that shard it: {shares}; the other ranks' rows go there and back in two "
@@ -395,7 +396,3 @@ class WholeMatrixSteps:
                 if apart:
                     held[id(shard)] = apart
         return held
-
-
-def _millions(count: int) -> str:
-    return f"{count / 1e6:.1f} M" if count >= 100_000 else f"{count:,}"
