@@ -131,7 +131,7 @@ class FSDPCustomFabricStrategy(StrategyArguments, LightningFSDPStrategy):
         self._parallelize_fn = parallelize_fn
         self._writer = CheckpointWriter()
         self._watch = RunWatchdog(self._writer)  # a watchdog per run: started at setup, closed at teardown
-        self._checkpoints = FabricCheckpoints(self._writer, self._state_dict_type, self.broadcast)
+        self._checkpoints = FabricCheckpoints(self._writer, lambda: self._state_dict_type, self.broadcast)
         self._placement = PlacementNotice()  # how a whole-matrix optimizer places its parameters
         self._sigterm, self._said_preempted = FabricSigterm(), False  # ``preempted``
         self._backward_sync_control = NoBackwardSync()

@@ -37,8 +37,8 @@ class FabricCheckpoints:
     Costs: those of the checkpoint package (a sharded save writes each rank's shards; a full one
     gathers unit by unit to rank 0)."""
 
-    def __init__(self, writer: Any, state_dict_type: str, broadcast: Callable[[Any], Any]) -> None:
-        self._writer, self._state_dict_type, self._broadcast = writer, state_dict_type, broadcast
+    def __init__(self, writer: Any, layout: Callable[[], str], broadcast: Callable[[Any], Any]) -> None:
+        self._writer, self._layout, self._broadcast = writer, layout, broadcast  # layout(): "full" or "sharded"
 
     def process_dataloader(self, dataloader: DataLoader) -> DataLoader:
         """A dataloader with Fabric's DistributedSampler rebuilt around one that can resume inside an
@@ -62,13 +62,13 @@ class FabricCheckpoints:
                 "`FSDPCustomFabricStrategy.save_checkpoint(..., storage_options=...)` is not supported: the strategy "
                 "does not use a CheckpointIO (as Fabric's FSDPStrategy)"
             )
-        if filter is not None and self._state_dict_type == "sharded":
+        if filter is not None and self._layout() == "sharded":
             raise NotImplementedError("a filter is supported with state_dict_type='full' only (as Fabric's FSDP)")
         module_key, module = _the_module(state, "save")
         optimizers = {key: value for key, value in state.items() if isinstance(value, Optimizer)}
         rest = {key: _saved(key, value) for key, value in state.items() if key != module_key and key not in optimizers}
-        final, temporary = save_targets(path, self._state_dict_type, is_global_zero, self._broadcast)
-        if self._state_dict_type == "sharded":
+        final, temporary = save_targets(path, self._layout(), is_global_zero, self._broadcast)
+        if self._layout() == "sharded":
             keys = (module_key, list(optimizers))
             self._writer.save_sharded(final, temporary, module, list(optimizers.values()), rest, keys=keys)
             return

@@ -141,7 +141,7 @@ class FSDPCustomStrategy(StrategyArguments, LightningFSDPStrategy):
         self._ledger_global_step: int | None = None  # the global_step the ledger's count started at
         self._requeue = DeferredRequeue(self._writer.in_foreground)  # SLURM's signal, at an agreed step
         self._sigterm = AgreedSigterm()  # [Note: preemption at an agreed step]
-        self._checkpoints = TrainerCheckpoints(self._writer, self._state_dict_type, self.broadcast)
+        self._checkpoints = TrainerCheckpoints(self._writer, lambda: self._state_dict_type, self.broadcast)
         self._placement = PlacementNotice()  # how a whole-matrix optimizer places its parameters
 
     # ---- Lightning plumbing --------------------------------------------------------------

@@ -65,8 +65,8 @@ class TrainerCheckpoints:
     """Save, load and remove checkpoints for ``FSDPCustomStrategy`` (see checkpoint/), and carry the
     training data position through them. Costs: those of the checkpoint package."""
 
-    def __init__(self, writer: Any, state_dict_type: str, broadcast: Callable[[Any], Any]) -> None:
-        self._writer, self._state_dict_type, self._broadcast = writer, state_dict_type, broadcast
+    def __init__(self, writer: Any, layout: Callable[[], str], broadcast: Callable[[Any], Any]) -> None:
+        self._writer, self._layout, self._broadcast = writer, layout, broadcast  # layout(): "full" or "sharded"
         self.data_position: DataPosition | None = None  # the training dataloader's, once built
         self._data_position_to_load: dict | None = None  # from the checkpoint being resumed
         self.resume_notice = ExactResumeNotice()  # removed at the first batch and at teardown
@@ -75,7 +75,7 @@ class TrainerCheckpoints:
     def model_state(self, model: Any) -> dict[str, Any]:
         """Full: the gathered model state on rank 0 ({} elsewhere). Sharded: views of the shards."""
         assert model is not None
-        if self._state_dict_type == "sharded":
+        if self._layout() == "sharded":
             return sharded.model_state(model)
         return ckpt.full_state_dict(model, rank0_only=True)
 
@@ -83,7 +83,7 @@ class TrainerCheckpoints:
         """Full: the gathered optimizer state in torch's layout (as DDP writes it) on rank 0.
         Sharded: {} (the save writes each rank's shards itself)."""
         assert model is not None
-        if self._state_dict_type == "sharded":
+        if self._layout() == "sharded":
             return {}
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
@@ -130,7 +130,7 @@ class TrainerCheckpoints:
         """Write atomically to a local path or any fsspec URL: a temporary name, moved once every rank
         is done ([Note: atomic commit] in checkpoint/storage.py). Replaces only a checkpoint: anything
         else at ``filepath`` is an error on every rank before anything is written."""
-        if storage_options is not None and self._state_dict_type == "sharded":
+        if storage_options is not None and self._layout() == "sharded":
             raise TypeError(
                 "`FSDPCustomStrategy.save_checkpoint(..., storage_options=...)` is not supported with "
                 "state_dict_type='sharded': the sharded save does not use the CheckpointIO (as Lightning's FSDP)"
@@ -140,13 +140,13 @@ class TrainerCheckpoints:
         averaged = _averaging_callback(trainer)
         extra = {}
         if averaged is not None and "current_model_state" in checkpoint:  # [Note: sharded weight averaging]
-            if self._state_dict_type == "full":
+            if self._layout() == "full":
                 checkpoint["state_dict"] = averaging.full_average(model, averaged)
             else:
                 checkpoint.pop("current_model_state")  # the folder's "model": written below
                 extra = {averaging.AVERAGED_KEY: averaging.sharded_views(model, averaged)}
-        final, temporary = save_targets(filepath, self._state_dict_type, is_global_zero, self._broadcast)
-        if self._state_dict_type == "full":
+        final, temporary = save_targets(filepath, self._layout(), is_global_zero, self._broadcast)
+        if self._layout() == "full":
             self._writer.save_full(
                 final, temporary, lambda path: checkpoint_io.save_checkpoint(checkpoint, path, storage_options)
             )
