@@ -164,6 +164,26 @@ def reopen_stopped_epoch(checkpoint: dict[str, Any], position: dict[str, int]) -
     return True
 
 
+def complete_finished_epoch(checkpoint: dict[str, Any]) -> bool:
+    """A checkpoint saved in ``on_train_epoch_end`` after the epoch's last batch (ModelCheckpoint's
+    default save) counts that epoch processed but not completed. Lightning completes it on resume
+    only when ``max_epochs`` bounds the fit: bounded by ``max_steps`` alone, the resumed fit runs the
+    next epoch's samples under this epoch's number and skips most of the next (DDP alike). The epoch
+    is counted completed in ``checkpoint``'s loop state, as a save after its end hooks has it.
+    Returns whether it did. Costs: a look at a few counters."""
+    fit = checkpoint.get("loops", {}).get("fit_loop", {})
+    epochs, batches = fit.get("epoch_progress"), fit.get("epoch_loop.batch_progress")
+    if not epochs or not batches or not batches.get("is_last_batch"):
+        return False
+    total, current = epochs["total"], epochs["current"]
+    finished = total["processed"]
+    if finished < 1 or [total["ready"], total["started"]] != [finished] * 2 or total["completed"] != finished - 1:
+        return False
+    for progress in (total, current):
+        progress["completed"] = progress["processed"]
+    return True
+
+
 def describe_batch_change(saved: dict[str, int], batch_size: int, world_size: int) -> str | None:
     """What a resume at another number of ranks (or another per-rank batch) changes: the global batch
     of every step from here on, old beside new, and what to change to keep it; None if nothing does."""

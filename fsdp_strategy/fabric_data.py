@@ -6,10 +6,10 @@ Fabric's dataloader wrapper gives the sampler the number of ``iter()`` calls bef
 epoch; the loader's own ``__iter__`` does the same here (so a loader iterated without the wrapper, or
 one whose sampler the loop sets itself, runs the same epochs), and counts what each iteration hands
 to the loop. Fabric's ``save`` and ``load`` see the inner DataLoader only, so the position lives with
-it. Saved, it is the epoch of the loop's current iteration (the one that last handed out a batch or
-closed: a batch peeked at with ``next(iter(loader))`` inside the ``for`` is not the loop's once the
-loop takes its next batch) and the global samples the job took of it (those a resume into the epoch
-skipped included), with the epoch the ``iter()`` after it runs:
+it. Saved, it is the epoch of the loop's current iteration (the open one, else the one closed last: a
+batch peeked at with ``next(iter(loader))`` inside the ``for`` is not the loop's; one peeked at
+between epochs reads as an iteration left after one batch) and the global samples the job took of it
+(those a resume into the epoch skipped included), with the epoch the ``iter()`` after it runs:
 
 - an iteration still open (inside the ``for``; also at its last batch: the resumed ``for`` then ends
   at once, as it would have) resumes exactly there;
@@ -110,13 +110,23 @@ class LoopDataPosition(DataPosition):
         if self._resume is not None:  # loaded, not iterated since
             return {**self._resume, **job}
         following = self.iterations + self.epoch_offset
-        current = max([*self._open, *([self._closed] if self._closed else [])], key=lambda it: it.touched, default=None)
+        current = self._current()
         if current is None or current.state == FINISHED:
             return {"epoch": following, "consumed_samples": 0, "next_epoch": following + 1, "left": False, **job}
         taken = current.skipped + current.taken * self.batch_size * self.sampler.num_replicas
         consumed = min(taken, len(self.sampler.dataset))  # a short last batch
         left = current.state == LEFT
         return {"epoch": current.epoch, "consumed_samples": consumed, "next_epoch": following, "left": left, **job}
+
+    def _current(self) -> _Iteration | None:
+        """The loop's iteration: the open one that handed out a batch last, unless an iteration that
+        ran to its end closed after it (an open one kept in a variable is stale then); with none
+        open, the one closed last. A peek closed inside the ``for`` is not the loop's."""
+        running = max(self._open, key=lambda it: it.touched, default=None)
+        closed = self._closed
+        if running is None or (closed is not None and closed.state == FINISHED and closed.touched > running.touched):
+            return closed
+        return running
 
     def resume_loop(self, state: dict[str, Any]) -> None:
         """Make the loop's next ``iter()`` run ``state``'s epoch, after what it had taken of it, and

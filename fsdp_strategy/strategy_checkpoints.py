@@ -29,6 +29,7 @@ from fsdp_strategy.data import (
     DATA_POSITION_KEY,
     DataPosition,
     ExactResumeNotice,
+    complete_finished_epoch,
     describe_batch_change,
     make_resumable,
     recount_batches,
@@ -274,6 +275,8 @@ class TrainerCheckpoints:
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         if fitting and position is not None:
             reopen_stopped_epoch(checkpoint, position)  # [Note: an epoch stopped, not finished] in data.py
+        if fitting:
+            complete_finished_epoch(checkpoint)
         self._data_position_to_load = position if fitting else None
 
 

@@ -486,6 +486,15 @@ MUTATIONS = [
         ("tests/test_resume_stops.py::test_a_fit_stopped_off_the_checkpoint_grid_resumes_sample_by_sample",),
     ),
     Mutation(
+        "finished_epoch_left_processed",
+        "a checkpoint saved at on_train_epoch_end after the epoch's last batch, resumed by a fit bounded by "
+        "max_steps, runs the next epoch's samples under the finished epoch's number (Lightning's own behaviour)",
+        "fsdp_strategy/strategy_checkpoints.py",
+        "            complete_finished_epoch(checkpoint)\n",
+        "            pass\n",
+        ("tests/test_resume_stops.py::test_a_fit_stopped_off_the_checkpoint_grid_resumes_sample_by_sample",),
+    ),
+    Mutation(
         "resumed_skip_rounded_to_batches",
         "a Trainer resume at another global batch saves its position in whole batches of its own (samples skipped "
         "at the next resume)",

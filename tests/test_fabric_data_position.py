@@ -85,6 +85,7 @@ CASES = {  # name: (steps before the save, how it saves, state_dict_type, _loop'
     "break": (2, "break", "sharded", {}, {}),
     "zip": (6, "end", "sharded", {}, {"zip_with": True}),  # two loaders: the second is never asked past its end
     "peek": (3, "inside", "sharded", {}, {"peek_at": 1}),  # a look at a batch inside the `for`
+    "peek_save": (3, "inside", "sharded", {}, {"peek_at": 3}),  # ... right before the save
 }
 
 
@@ -105,8 +106,9 @@ def _state(name: str, model, optimizer, loader) -> dict:
 def _save_body(rank: int, world: int, folder: str) -> dict:
     fabric, model, optimizer, loader = _loop(world)
     results = {"whole": _train(fabric, model, optimizer, loader, 0)}
-    fabric, model, optimizer, loader = _loop(world)
-    results["whole_peek"] = _train(fabric, model, optimizer, loader, 0, loop=CASES["peek"][4])
+    for name in ("peek", "peek_save"):  # the uninterrupted loops with the same look
+        fabric, model, optimizer, loader = _loop(world)
+        results[f"whole_{name}"] = _train(fabric, model, optimizer, loader, 0, loop=CASES[name][4])
     for name, (stop, how, kind, options, habits) in CASES.items():
         fabric, model, optimizer, loader = _loop(world, kind, **options)
         loop, more = _habits(habits, fabric)
@@ -206,10 +208,10 @@ def test_a_fabric_loop_resumes_its_dataloader_where_the_checkpoint_left_it(tmp_p
         assert saved[name] == whole[:stop], name
     names = [*CASES, "rollback"]
     same = run_ranks(_resume_body, 2, tmp_path, folder, names, env=LIGHTNING_ENV, timeout=300)[0]
-    assert saved["peek"] == saved["whole_peek"][:3]
+    assert saved["peek"] == saved["whole_peek"][:3] and saved["peek_save"] == saved["whole_peek_save"][:3]
     done = {name: stop for name, (stop, *_) in CASES.items()} | {"rollback": 3}
     for name, taken in done.items():
-        steps, uninterrupted = same[name]["steps"], saved["whole_peek" if name == "peek" else "whole"]
+        steps, uninterrupted = same[name]["steps"], saved[f"whole_{name}" if name.startswith("peek") else "whole"]
         assert [ids for ids, _ in steps] == [ids for ids, _ in uninterrupted[taken:]], name  # the same samples
         for (_, loss), (_, expected) in zip(steps, uninterrupted[taken:], strict=True):
             assert abs(loss - expected) <= 1e-9 * abs(expected), (name, loss, expected)

@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from fsdp_strategy import FSDPCustomStrategy
 from fsdp_strategy.checkpoint.layout import shortened
-from fsdp_strategy.data import describe_batch_change, reopen_stopped_epoch
+from fsdp_strategy.data import complete_finished_epoch, describe_batch_change, reopen_stopped_epoch
 
 SAMPLES, GLOBAL_BATCH = 96, 12  # 8 steps per epoch at any world size that divides 12
 GRID = 50  # a periodic checkpoint every 50 steps: none before the stops below, so ``last`` is the fit's end
@@ -148,6 +148,10 @@ def _fit(
 STOPS = {  # how the first run stops, and how far the resumed one goes
     "max_steps": ({"max_steps": 5}, {"max_steps": 13}),
     "max_steps, saved at the epoch's end hook": ({"max_steps": 3, "epoch_end_save": True}, {"max_steps": 13}),
+    "max_steps at the epoch's last batch, saved at its end hook": (
+        {"max_steps": 8, "epoch_end_save": True},
+        {"max_steps": 13},
+    ),
     "max_epochs": ({"max_epochs": 1}, {"max_epochs": 2}),
     "max_time": ({"max_time": {"seconds": 2}, "max_steps": 13}, {"max_steps": 13}),
     "an exception": ({"max_steps": 13, "fail_at": 5}, {"max_steps": 13}),
@@ -222,7 +226,7 @@ def test_a_fit_stopped_off_the_checkpoint_grid_resumes_sample_by_sample(tmp_path
     assert seen == list(range(SAMPLES)), sorted(set(range(SAMPLES)) - set(seen))  # each sample once
 
 
-def test_the_loop_state_of_a_stopped_epoch_is_reopened_and_only_then():
+def test_the_loop_state_of_a_stopped_or_finished_epoch_is_corrected_and_only_then():
     def checkpoint(completed: int, is_last_batch: bool) -> dict:
         counts = {"ready": 1, "started": 1, "processed": completed, "completed": completed}
         epochs = {"total": dict(counts), "current": dict(counts)}
@@ -249,6 +253,13 @@ def test_the_loop_state_of_a_stopped_epoch_is_reopened_and_only_then():
         progress["completed"] = 0
     assert reopen_stopped_epoch(at_epoch_end_hook, {"epoch": 0, "consumed_samples": 40})
     assert at_epoch_end_hook["loops"]["fit_loop"]["epoch_progress"]["current"]["processed"] == 0
+    at_last_batch = checkpoint(1, is_last_batch=True)  # the same save after the epoch's last batch
+    for progress in at_last_batch["loops"]["fit_loop"]["epoch_progress"].values():
+        progress["completed"] = 0
+    assert complete_finished_epoch(at_last_batch)
+    assert at_last_batch["loops"]["fit_loop"]["epoch_progress"]["total"]["completed"] == 1
+    assert not complete_finished_epoch(checkpoint(1, is_last_batch=True))  # completed already
+    assert not complete_finished_epoch(at_epoch_end_hook)  # inside the epoch: reopened instead
 
 
 def test_a_resume_that_changes_the_global_batch_says_so():
