@@ -165,22 +165,27 @@ def reopen_stopped_epoch(checkpoint: dict[str, Any], position: dict[str, int]) -
 
 
 def complete_finished_epoch(checkpoint: dict[str, Any]) -> bool:
-    """A checkpoint saved in ``on_train_epoch_end`` after the epoch's last batch (ModelCheckpoint's
-    default save) counts that epoch processed but not completed. Lightning completes it on resume
-    only when ``max_epochs`` bounds the fit: bounded by ``max_steps`` alone, the resumed fit runs the
-    next epoch's samples under this epoch's number and skips most of the next (DDP alike). The epoch
-    is counted completed in ``checkpoint``'s loop state, as a save after its end hooks has it.
-    Returns whether it did. Costs: a look at a few counters."""
+    """[Note: an epoch finished, then resumed by steps] A checkpoint saved after an epoch's last
+    batch (ModelCheckpoint's default save in ``on_train_epoch_end``, or at the end of a fit stopped by
+    ``max_epochs``) keeps that epoch's batch counts. Resumed by a fit bounded by ``max_steps`` alone,
+    Lightning (DDP alike) runs one batch of the next epoch under the finished one's number, then
+    starts the epoch after it: most of the next epoch is never seen. The loop state is set to the next
+    epoch's start (the finished epoch completed, its batch counts of the current epoch cleared), as a
+    fit bounded by ``max_epochs`` reads it. Returns whether it did. Costs: a look at a few counters."""
     fit = checkpoint.get("loops", {}).get("fit_loop", {})
     epochs, batches = fit.get("epoch_progress"), fit.get("epoch_loop.batch_progress")
     if not epochs or not batches or not batches.get("is_last_batch"):
         return False
     total, current = epochs["total"], epochs["current"]
     finished = total["processed"]
-    if finished < 1 or [total["ready"], total["started"]] != [finished] * 2 or total["completed"] != finished - 1:
+    if finished < 1 or [total["ready"], total["started"]] != [finished] * 2 or total["completed"] < finished - 1:
         return False
     for progress in (total, current):
         progress["completed"] = progress["processed"]
+    batches["current"] = dict.fromkeys(batches["current"], 0)
+    batches["is_last_batch"] = False
+    if isinstance(checkpoint.get("epoch"), int):
+        checkpoint["epoch"] = finished
     return True
 
 

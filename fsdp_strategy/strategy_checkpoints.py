@@ -275,8 +275,8 @@ class TrainerCheckpoints:
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         if fitting and position is not None:
             reopen_stopped_epoch(checkpoint, position)  # [Note: an epoch stopped, not finished] in data.py
-        if fitting:
-            complete_finished_epoch(checkpoint)
+        if fitting and complete_finished_epoch(checkpoint) and position is not None:
+            position = {**position, "epoch": position["epoch"] + 1, "consumed_samples": 0}  # the next one's start
         self._data_position_to_load = position if fitting else None
 
 

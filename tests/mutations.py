@@ -73,9 +73,10 @@ MUTATIONS = [
         "optimizer_dropped_on_reshard",
         "the Trainer drops the optimizer state whenever a sharded checkpoint resumes at another world size",
         "fsdp_strategy/strategy_checkpoints.py",
-        "        if pending is None or not self.optimizers:\n            return\n",
-        "        if pending is None or not self.optimizers:\n            return\n"
-        "        if pending.meta is not None and pending.meta['world_size'] != self.world_size:\n            return\n",
+        "        if pending is None or not optimizers:\n            return\n",
+        "        if pending is None or not optimizers:\n            return\n"
+        "        if pending.meta is not None and pending.meta['world_size'] != __import__('torch').distributed"
+        ".get_world_size():\n            return\n",
         ("tests/test_resume.py::test_resume_on_another_world_size",),
     ),
     Mutation(
@@ -208,8 +209,8 @@ MUTATIONS = [
         "restore_after_setup_deferred",
         "a checkpoint restored after setup (the tuner's) is applied only at the next setup",
         "fsdp_strategy/strategy_checkpoints.py",
-        "        if pending is None or self.model is None or not is_sharded(self.model):\n            return\n",
-        "        if pending is None or self.model is None or is_sharded(self.model) or True:\n            return\n",
+        "        if pending is None or model is None or not is_sharded(model):\n            return\n",
+        "        if pending is None or model is None or is_sharded(model) or True:\n            return\n",
         ("tests/test_restore_anytime.py::test_a_restore_after_setup_is_in_effect_when_it_returns",),
     ),
     Mutation(
@@ -455,8 +456,8 @@ MUTATIONS = [
         "fabric_peek_taken_for_the_loop",
         "a batch peeked at inside a Fabric loop's `for` (next(iter(loader))) is taken for the loop's iteration",
         "fsdp_strategy/fabric_data.py",
-        "key=lambda it: it.touched",
-        "key=lambda it: it.epoch",
+        "(closed is not None and closed.state == FINISHED and closed.touched > running.touched)",
+        "(closed is not None and closed.touched > running.touched)",
         ("tests/test_fabric_data_position.py::test_a_fabric_loop_resumes_its_dataloader_where_the_checkpoint_left_it",),
     ),
     Mutation(
@@ -490,8 +491,8 @@ MUTATIONS = [
         "a checkpoint saved at on_train_epoch_end after the epoch's last batch, resumed by a fit bounded by "
         "max_steps, runs the next epoch's samples under the finished epoch's number (Lightning's own behaviour)",
         "fsdp_strategy/strategy_checkpoints.py",
-        "            complete_finished_epoch(checkpoint)\n",
-        "            pass\n",
+        "        if fitting and complete_finished_epoch(checkpoint) and position is not None:\n",
+        "        if False:\n",
         ("tests/test_resume_stops.py::test_a_fit_stopped_off_the_checkpoint_grid_resumes_sample_by_sample",),
     ),
     Mutation(

@@ -257,8 +257,8 @@ def test_the_loop_state_of_a_stopped_or_finished_epoch_is_corrected_and_only_the
     for progress in at_last_batch["loops"]["fit_loop"]["epoch_progress"].values():
         progress["completed"] = 0
     assert complete_finished_epoch(at_last_batch)
-    assert at_last_batch["loops"]["fit_loop"]["epoch_progress"]["total"]["completed"] == 1
-    assert not complete_finished_epoch(checkpoint(1, is_last_batch=True))  # completed already
+    assert at_last_batch["loops"]["fit_loop"]["epoch_progress"]["current"]["completed"] == 1
+    assert at_last_batch["loops"]["fit_loop"]["epoch_loop.batch_progress"]["is_last_batch"] is False
     assert not complete_finished_epoch(at_epoch_end_hook)  # inside the epoch: reopened instead
 
 
