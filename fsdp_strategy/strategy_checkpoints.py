@@ -72,6 +72,8 @@ class TrainerCheckpoints:
         self._data_position_to_load: dict | None = None  # from the checkpoint being resumed
         self.resume_notice = ExactResumeNotice()  # removed at the first batch and at teardown
         self._to_load: _CheckpointToLoad | None = None  # read by ``read``, applied in setup
+        self._setup: tuple[int, int] | None = None  # which setup of the training dataloaders was processed last
+        self._resumed_setup = False  # whether a data position was loaded into it
 
     def model_state(self, model: Any) -> dict[str, Any]:
         """Full: the gathered model state on rank 0 ({} elsewhere). Sharded: views of the shards."""
@@ -233,6 +235,11 @@ class TrainerCheckpoints:
         """Make the training dataloader resumable mid-epoch, also on another world size (data.py)."""
         if trainer is None or not trainer.training:
             return dataloader
+        setup = (id(trainer), id(trainer.fit_loop._combined_loader))  # one setup's loaders: the same
+        if setup == self._setup:  # [Note: one training dataloader positioned]
+            self._warn_other_loaders(dataloader)
+            return dataloader
+        self._setup, self._resumed_setup = setup, self._data_position_to_load is not None
         progress = trainer.fit_loop.epoch_loop.batch_progress
         loader, self.data_position = make_resumable(dataloader, lambda: progress.current.processed)
         if self._data_position_to_load is not None:
@@ -246,6 +253,20 @@ class TrainerCheckpoints:
                 self.resume_notice.install(self._data_position_to_load)
         self._data_position_to_load = None
         return loader
+
+    def _warn_other_loaders(self, dataloader: Any) -> None:
+        """[Note: one training dataloader positioned] A checkpoint holds one data position: that of
+        the first training dataloader (of a ``CombinedLoader``). The others are left as they are;
+        where a resume positioned the first, they start their epoch again (as under DDP), so the
+        resume is not exact and says so, with Lightning's own warning shown again."""
+        if not self._resumed_setup:
+            return
+        self.resume_notice.remove()
+        rank_zero_warn(
+            f"fsdp_custom: this fit has several training dataloaders; the checkpoint positions the first only, and "
+            f"this one ({type(dataloader).__name__}) starts its epoch again from its first batch: the samples of the "
+            "following steps differ from those of an uninterrupted run (the resume of the first is exact)"
+        )
 
     def _say_what_resumes(self, dataloader: Any, saved: dict[str, int], world_size: int) -> None:
         """Before a resumed fit: what differs from the run that saved (the global batch at another number

@@ -496,6 +496,18 @@ MUTATIONS = [
         ("tests/test_resume_stops.py::test_a_fit_stopped_off_the_checkpoint_grid_resumes_sample_by_sample",),
     ),
     Mutation(
+        "other_training_loaders_unsaid",
+        "with several training dataloaders, a resume positions one and says 'exactly' while the others restart "
+        "their epoch",
+        "fsdp_strategy/strategy_checkpoints.py",
+        "        if setup == self._setup:  # [Note: one training dataloader positioned]\n",
+        "        if False:\n",
+        (
+            "tests/test_resume_stops.py::"
+            "test_a_resume_with_several_training_dataloaders_says_only_the_first_is_positioned",
+        ),
+    ),
+    Mutation(
         "resumed_skip_rounded_to_batches",
         "a Trainer resume at another global batch saves its position in whole batches of its own (samples skipped "
         "at the next resume)",

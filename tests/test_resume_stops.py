@@ -319,3 +319,36 @@ def test_key_lists_in_errors_are_shortened():
         == "['layer.0', 'layer.1', 'layer.10', 'layer.11', 'layer.2', ... 7 more]"
     )
     assert shortened(["b", "a"]) == "['a', 'b']" and shortened([]) == "[]"
+
+
+class TwoLoaders(Indexed):
+    """Two training dataloaders (a CombinedLoader); the steps record the first one's samples."""
+
+    def training_step(self, batch, batch_idx):
+        return super().training_step(batch["a"], batch_idx)
+
+
+def _two_loaders_body(rank: int, world: int, root: str) -> list[str]:
+    told = []
+    for ckpt, steps in ((None, 3), (f"{root}/last.ckpt", 5)):
+        trainer = L.Trainer(
+            strategy=FSDPCustomStrategy(state_dict_type="sharded"),
+            accelerator="cpu",
+            devices=world,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=[ModelCheckpoint(dirpath=root, every_n_train_steps=GRID, save_last=True)],
+            max_steps=steps,
+        )
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(TwoLoaders(), {"a": _data(world), "b": _data(world)}, ckpt_path=ckpt)
+        told += [str(w.message) for w in caught if "fsdp_custom" in str(w.message)]
+    return told
+
+
+def test_a_resume_with_several_training_dataloaders_says_only_the_first_is_positioned(tmp_path):
+    told = run_ranks(_two_loaders_body, 2, tmp_path, str(tmp_path), env=LIGHTNING_ENV, timeout=300)[0]
+    several = [line for line in told if "several training dataloaders" in line]
+    assert len(several) == 1 and "starts its epoch again from its first batch" in several[0], told
