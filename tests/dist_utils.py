@@ -8,6 +8,7 @@ a rank still running at the deadline is killed and named.
 from __future__ import annotations
 
 import io
+import logging
 import multiprocessing as mp
 import os
 import queue as queue_module
@@ -160,3 +161,14 @@ def excerpt(text: str, chars: int = 4000) -> str:
     skipped = len(text) - start - len(head) - len(tail)
     before = f"[{start} characters before the first error]\n" if start else ""
     return f"{before}{head}\n[... {max(skipped, 0)} characters ...]\n{tail}"
+
+
+class LogLines(logging.Handler):
+    """Keeps the messages of the INFO records a logger hands it (Lightning's rank_zero_info lines)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())

@@ -4,12 +4,11 @@ the same and at another world size ([Note: a Fabric loop's data position] in dat
 
 from __future__ import annotations
 
-import logging
 import warnings
 
 import lightning_utilities.core.rank_zero
 import torch
-from dist_utils import run_ranks
+from dist_utils import LogLines, run_ranks
 from lightning.fabric import Fabric
 from test_strategy import LIGHTNING_ENV
 from torch import nn
@@ -121,18 +120,9 @@ def _save_body(rank: int, world: int, folder: str) -> dict:
     return results
 
 
-class _Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
 def _loaded(fabric: Fabric, path: str, state: dict) -> list[str]:
     """``fabric.load(path, state)``; what it told (Lightning's info lines and our warnings)."""
-    handler = _Records()
+    handler = LogLines()
     rank_zero_log = lightning_utilities.core.rank_zero.log  # the logger Lightning's rank_zero_info writes to
     rank_zero_log.addHandler(handler)
     with warnings.catch_warnings(record=True) as caught:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import logging
 import re
 import warnings
 
@@ -20,7 +19,7 @@ import lightning_utilities.core.rank_zero
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import run_ranks
+from dist_utils import LogLines, run_ranks
 from models import VOCAB, Block
 from oracle import PrecisionOracle
 from test_strategy import LIGHTNING_ENV, quiet_trainer
@@ -289,7 +288,7 @@ def _lightning_body(rank: int, world: int, root: str) -> dict:
             module = module_class()
             chosen = FSDPCustomStrategy(auto_wrap_policy={nn.Linear, Block}) if strategy == "fsdp" else DDP
             trainer = quiet_trainer(strategy=chosen, devices=world, max_steps=6, default_root_dir=root)
-            told = _InfoLines()
+            told = LogLines()
             lightning_utilities.core.rank_zero.log.addHandler(told)  # where Lightning's rank_zero_info writes
             try:
                 trainer.fit(module, DataLoader(TensorDataset(data), batch_size=2))
@@ -300,15 +299,6 @@ def _lightning_body(rank: int, world: int, root: str) -> dict:
             results[name, strategy] = (losses / world).tolist()
             results[name, strategy, "placed"] = [line for line in told.lines if "whole on one rank" in line]
     return results
-
-
-class _InfoLines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
 
 
 @pytest.mark.parametrize("world", [2, 3])
