@@ -70,7 +70,8 @@ class ResumableDistributedSampler(DistributedSampler):
         """The samples ``__iter__`` gives this rank now (the epoch's share, less a resume's skip), or
         in an epoch that skips ``skipped`` global samples."""
         skipped = self.skipped() if skipped is None else skipped
-        return len(self.dealt([0] * max(0, len(self.dataset) - skipped), [0])) // self.num_replicas
+        left, ranks = max(0, len(self.dataset) - skipped), self.num_replicas
+        return (left - left % ranks if self.drop_last else left + (-left) % ranks) // ranks  # as ``dealt`` deals
 
 
 DATA_POSITION_KEY = "fsdp_custom_data_position"  # a top-level checkpoint key: other strategies ignore it

@@ -18,6 +18,7 @@ def _dealt(samples: int, world: int, epoch: int, skip: int, shuffle: bool, drop_
         sampler.set_epoch(epoch)
         sampler.resume_from(epoch, skip)
         ranks.append(list(sampler))
+        assert len(ranks[-1]) == sampler.rank_length()  # what a resumed loop counts its batches from
     return ranks
 
 
