@@ -167,19 +167,22 @@ def reopen_stopped_epoch(checkpoint: dict[str, Any], position: dict[str, int]) -
 
 def complete_finished_epoch(checkpoint: dict[str, Any]) -> bool:
     """[Note: an epoch finished, then resumed by steps] A checkpoint saved after an epoch's last
-    batch (ModelCheckpoint's default save in ``on_train_epoch_end``, or at the end of a fit stopped by
-    ``max_epochs``) keeps that epoch's batch counts. Resumed by a fit bounded by ``max_steps`` alone,
-    Lightning (DDP alike) runs one batch of the next epoch under the finished one's number, then
-    starts the epoch after it: most of the next epoch is never seen. The loop state is set to the next
-    epoch's start (the finished epoch completed, its batch counts of the current epoch cleared), as a
-    fit bounded by ``max_epochs`` reads it. Returns whether it did. Costs: a look at a few counters."""
+    batch (ModelCheckpoint's default save in ``on_train_epoch_end``, at the end of a fit stopped by
+    ``max_epochs``, or a step-interval save at that batch) keeps that epoch's batch counts. Resumed by
+    a fit bounded by ``max_steps`` alone, Lightning (DDP alike) runs one batch of the next epoch under
+    the finished one's number, then starts the epoch after it: most of the next epoch is never seen.
+    The loop state is set to the next epoch's start (the finished epoch completed, its batch counts of
+    the current epoch cleared), as a fit bounded by ``max_epochs`` reads it. Returns whether it did.
+    Costs: a look at a few counters."""
     fit = checkpoint.get("loops", {}).get("fit_loop", {})
     epochs, batches = fit.get("epoch_progress"), fit.get("epoch_loop.batch_progress")
     if not epochs or not batches or not batches.get("is_last_batch"):
         return False
     total, current = epochs["total"], epochs["current"]
-    finished = total["processed"]
-    if finished < 1 or [total["ready"], total["started"]] != [finished] * 2 or total["completed"] < finished - 1:
+    finished = total["started"]
+    if total["ready"] == finished and total["processed"] == finished - 1 == total["completed"]:
+        _end_epoch_at_last_batch(fit)
+    if finished < 1 or [total["ready"], total["processed"]] != [finished] * 2 or total["completed"] < finished - 1:
         return False
     for progress in (total, current):
         progress["completed"] = progress["processed"]
@@ -188,6 +191,23 @@ def complete_finished_epoch(checkpoint: dict[str, Any]) -> bool:
     if isinstance(checkpoint.get("epoch"), int):
         checkpoint["epoch"] = finished
     return True
+
+
+def _end_epoch_at_last_batch(fit: dict[str, Any]) -> None:
+    """A checkpoint saved at an epoch's last batch (``on_train_batch_end``: a step-interval save) as the
+    same run saved in ``on_train_epoch_end`` has it: the batch completed, counted as stepped, the epoch
+    processed (those three counters are all that differ; an epoch-interval scheduler has already
+    stepped in both). Resumed as saved, Lightning (DDP alike) counts the epoch finished but never
+    the next one started, so every later checkpoint names one epoch too few and a resume from one of
+    them trains that epoch again."""
+    batches = fit["epoch_loop.batch_progress"]
+    for progress in (batches["total"], batches["current"]):
+        progress["completed"] = progress["processed"]
+    stepped = fit.get("epoch_loop.state_dict", {})
+    if isinstance(stepped.get("_batches_that_stepped"), int):
+        stepped["_batches_that_stepped"] += 1
+    for progress in fit["epoch_progress"].values():
+        progress["processed"] += 1
 
 
 def describe_batch_change(saved: dict[str, int], batch_size: int, world_size: int) -> str | None:

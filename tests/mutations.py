@@ -496,6 +496,15 @@ MUTATIONS = [
         ("tests/test_resume_stops.py::test_a_fit_stopped_off_the_checkpoint_grid_resumes_sample_by_sample",),
     ),
     Mutation(
+        "batch_end_save_left_unfinished",
+        "a periodic checkpoint saved at an epoch's last batch is resumed as Lightning counts it: the next epoch "
+        "never counted as started, so a resume from that epoch's own checkpoint trains it again",
+        "fsdp_strategy/data.py",
+        "        _end_epoch_at_last_batch(fit)\n",
+        "        pass\n",
+        ("tests/test_resume_stops.py::test_a_fit_stopped_off_the_checkpoint_grid_resumes_sample_by_sample",),
+    ),
+    Mutation(
         "other_training_loaders_unsaid",
         "with several training dataloaders, a resume positions one and says 'exactly' while the others restart "
         "their epoch",

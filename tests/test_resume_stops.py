@@ -97,11 +97,13 @@ def _fit(
     sigterm_in_validation: int | None = None,
     per_rank: int | None = None,
     epoch_end_save: bool = False,
+    grid: int = GRID,
     **stop,
 ) -> dict:
     """Fit to ``stop``; per step, the samples of every rank (sorted) and the mean loss. ``per_rank``:
     the per-rank batch (default: the global batch of 12 split); ``epoch_end_save``: ModelCheckpoint's
-    default, a save in ``on_train_epoch_end`` (which Lightning runs at a ``max_steps`` stop too)."""
+    default, a save in ``on_train_epoch_end`` (which Lightning runs at a ``max_steps`` stop too); ``grid``:
+    the steps between periodic checkpoints."""
     module = Indexed(sleep, fail_at, sigterm_at, sigterm_in_validation)
     trainer = L.Trainer(
         strategy=FSDPCustomStrategy(state_dict_type=state),
@@ -114,7 +116,7 @@ def _fit(
             ModelCheckpoint(dirpath=root, save_last=True)
             if epoch_end_save
             else ModelCheckpoint(
-                dirpath=root, every_n_train_steps=GRID, save_top_k=-1, save_last=True, save_on_exception=True
+                dirpath=root, every_n_train_steps=grid, save_top_k=-1, save_last=True, save_on_exception=True
             )
         ],
         **stop,
@@ -153,6 +155,9 @@ STOPS = {  # how the first run stops, and how far the resumed one goes
         {"max_steps": 13},
     ),
     "max_epochs": ({"max_epochs": 1}, {"max_epochs": 2}),
+    # saved in on_train_batch_end of the epoch's last batch, resumed to the next epoch's last batch (saved
+    # there too), and that resumed again below: Lightning alone counted the second epoch as never started
+    "a periodic save at the epoch's last batch": ({"max_steps": 8, "grid": 8}, {"max_steps": 16, "grid": 8}),
     "max_time": ({"max_time": {"seconds": 2}, "max_steps": 13}, {"max_steps": 13}),
     "an exception": ({"max_steps": 13, "fail_at": 5}, {"max_steps": 13}),
     "a SIGTERM to one rank": ({"max_steps": 13, "sigterm_at": 4}, {"max_steps": 13}),
@@ -168,7 +173,7 @@ def _stop_body(rank: int, world: int, root: str, phase: str) -> dict:
     warnings.filterwarnings("ignore")
     out = {}
     if phase == "save":
-        out["uninterrupted"] = _fit(world, f"{root}/uninterrupted", max_steps=16)
+        out["uninterrupted"] = _fit(world, f"{root}/uninterrupted", max_steps=20)
         for name, (stop, _) in STOPS.items():
             sleep = 0.4 if name == "max_time" else 0.0  # a few steps into the first epoch of 8
             state = "full" if name == "max_steps" else "sharded"
@@ -187,6 +192,9 @@ def _stop_body(rank: int, world: int, root: str, phase: str) -> dict:
         out[(name, "resumed")] = _fit(world, f"{root}/{name}-{world}", f"{root}/{name}/last.ckpt", **further)
     if phase == "resume":  # the second link of a chain: stopped again inside the next epoch
         out["chain"] = _fit(world, f"{root}/chain", f"{root}/max_steps/last.ckpt", max_steps=10)
+    else:  # the periodic save at the second epoch's last batch, resumed
+        hop = f"{root}/a periodic save at the epoch's last batch-{world}/last.ckpt"
+        out["second hop"] = _fit(world, f"{root}/second hop", hop, max_steps=20, grid=8)
     return out
 
 
@@ -218,6 +226,8 @@ def test_a_fit_stopped_off_the_checkpoint_grid_resumes_sample_by_sample(tmp_path
         for world, resumed in ((2, saved[(name, "resumed")]), (3, other[(name, "resumed")])):
             _assert_continues(saved[name], resumed, saved["uninterrupted"], f"{name} resumed at world {world}")
     chained = run_ranks(_stop_body, 2, tmp_path, str(tmp_path), "chain", env=LIGHTNING_ENV, timeout=300)[0]
+    periodic = saved[("a periodic save at the epoch's last batch", "resumed")]
+    _assert_continues(periodic, saved["second hop"], saved["uninterrupted"], "a periodic save resumed twice")
     _assert_continues(saved["max_steps"], other["chain"], saved["uninterrupted"], "2 -> 3 ranks")
     _assert_continues(other["chain"], chained["chained"], saved["uninterrupted"], "2 -> 3 -> 2 ranks")
     links = [saved["batch-1"], other["batch-2"], chained["batch-3"]]
@@ -260,6 +270,16 @@ def test_the_loop_state_of_a_stopped_or_finished_epoch_is_corrected_and_only_the
     assert at_last_batch["loops"]["fit_loop"]["epoch_progress"]["current"]["completed"] == 1
     assert at_last_batch["loops"]["fit_loop"]["epoch_loop.batch_progress"]["is_last_batch"] is False
     assert not complete_finished_epoch(at_epoch_end_hook)  # inside the epoch: reopened instead
+    at_batch_end = checkpoint(0, is_last_batch=True)  # a periodic save in on_train_batch_end of the last batch
+    fit = at_batch_end["loops"]["fit_loop"]
+    for counts in ("total", "current"):
+        fit["epoch_loop.batch_progress"][counts] = {"ready": 8, "started": 8, "processed": 8, "completed": 7}
+    fit["epoch_loop.state_dict"] = {"_batches_that_stepped": 7}
+    assert complete_finished_epoch(at_batch_end)
+    assert fit["epoch_progress"]["total"] == dict.fromkeys(("ready", "started", "processed", "completed"), 1)
+    assert fit["epoch_loop.batch_progress"]["total"]["completed"] == 8
+    assert (fit["epoch_loop.state_dict"]["_batches_that_stepped"], at_batch_end["epoch"]) == (8, 1)
+    assert not complete_finished_epoch(checkpoint(0, is_last_batch=False))  # a periodic save inside the epoch
 
 
 def test_a_resume_that_changes_the_global_batch_says_so():
