@@ -139,7 +139,19 @@ class StrategyArguments:
     under Lightning's names (read-only views of the sharding options) and private ones. Every bad
     value is refused when the strategy is constructed with an error naming the argument, the value
     and what is accepted. The arguments, as ``FSDPCustomStrategy`` takes them
-    (``FSDPCustomFabricStrategy``'s differences are on its own page):
+    (``FSDPCustomFabricStrategy``'s differences are on its own page). What ``sharding_strategy``
+    shards, and what it costs per step:
+
+    | `sharding_strategy` | parameters | gradients, optimizer state | per step |
+    |---|---|---|---|
+    | `"FULL_SHARD"` (default) | sharded: gathered per unit, freed after use | sharded | 2 all-gathers, reduce-scatter |
+    | `"SHARD_GRAD_OP"` | sharded: gathered in forward, kept until backward | sharded | all-gather, reduce-scatter |
+    | `"NO_SHARD"` | replicated (nothing gathered or copied) | replicated | all-reduce, as DDP |
+    | `"HYBRID_SHARD"` | FULL_SHARD in a shard group, replicated across | the same | + all-reduce across |
+    | `"_HYBRID_SHARD_ZERO2"` | SHARD_GRAD_OP in a shard group, replicated across | the same | + all-reduce across |
+
+    Costs: per rank, 1/N of parameters, gradients and optimizer state at rest, plus the units
+    gathered at the moment (the running one, the root and one prefetched).
 
     Args:
         accelerator: set by the Trainer (``Trainer(accelerator=...)``).
@@ -184,7 +196,7 @@ class StrategyArguments:
             (``fsdp_strategy.wrap``: by qualified name; a name the model lacks is an error). Parameter
             names do not change. On a model that already has checkpointed layers: a warning, and the
             policy is ignored (as Lightning).
-        sharding_strategy: what is sharded (the table of ``FSDPCustomStrategy``): a name in any case, our
+        sharding_strategy: what is sharded (the table above): a name in any case, our
             ``ShardingStrategy`` or torch's.
         state_dict_type: ``"full"`` (default: one file in Lightning's layout, gathered unit by unit
             to rank 0) or ``"sharded"`` (a folder each rank writes its shards into; loads at any world

@@ -28,7 +28,6 @@ from lightning.fabric.strategies import ParallelStrategy
 from lightning.fabric.strategies.fsdp import FSDPStrategy as LightningFSDPStrategy
 from lightning.fabric.strategies.fsdp import _move_torchmetrics_to_device
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-from lightning.fabric.strategies.strategy import TBroadcast
 from lightning.fabric.utilities.types import _PATH, Optimizable, ReduceOp
 from torch import Tensor, nn
 from torch.optim import Optimizer
@@ -37,7 +36,7 @@ from torch.utils.data import DataLoader
 from fsdp_strategy.arguments import STRATEGY_VARIANTS, StrategyArguments, apply_recomputation
 from fsdp_strategy.checkpoint.writer import CheckpointWriter
 from fsdp_strategy.config import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
-from fsdp_strategy.distributed import build_mesh, connect, mesh_shape, set_world_ranks
+from fsdp_strategy.distributed import set_world_ranks
 from fsdp_strategy.distributed.tensor_parallel import ParallelMesh
 from fsdp_strategy.engine import get_scheduler, is_sharded, shard_with_options
 from fsdp_strategy.fabric_checkpoints import FabricCheckpoints
@@ -46,12 +45,13 @@ from fsdp_strategy.options import check_fsdp_keywords
 from fsdp_strategy.precision import FSDPCustomFabricPrecision
 from fsdp_strategy.strategy_placement import PlacementNotice
 from fsdp_strategy.strategy_preemption import FabricSigterm
+from fsdp_strategy.strategy_processes import WatchedProcesses
 from fsdp_strategy.strategy_watchdog import RunWatchdog
 
 log = logging.getLogger(__name__)
 
 
-class FSDPCustomFabricStrategy(StrategyArguments, LightningFSDPStrategy):
+class FSDPCustomFabricStrategy(StrategyArguments, WatchedProcesses, LightningFSDPStrategy):
     """Fabric strategy: Fully Sharded Data Parallel on this package's engine.
 
     A subclass of Fabric's ``FSDPStrategy`` (its constructor and FSDP1 machinery are not used:
@@ -83,6 +83,8 @@ class FSDPCustomFabricStrategy(StrategyArguments, LightningFSDPStrategy):
     ``auto_wrap_policy="auto"`` is refused here: plan first with ``fsdp_strategy.plan`` and pass its
     ``strategy_kwargs``.
     """
+
+    _launcher_class = _SubprocessScriptLauncher  # Fabric's
 
     def __init__(
         self,
@@ -157,17 +159,6 @@ class FSDPCustomFabricStrategy(StrategyArguments, LightningFSDPStrategy):
         return len(self.parallel_devices) if self.parallel_devices is not None else 0
 
     @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """Over every rank; in a 2-D run over "data_parallel" (tensor-parallel peers read the same rows)."""
-        return self._parallel.sampler_kwargs(self.num_nodes * self.num_processes, self.global_rank)
-
-    @property
-    def device_mesh(self) -> Any:
-        """The ``("data_parallel", "tensor_parallel")`` mesh of a 2-D run (after launch), else the
-        hybrid strategies' ``(replicate, shard)`` mesh, else None."""
-        return self._parallel.mesh if self._parallel.active else self._device_mesh
-
-    @property
     def process_group_backend(self) -> str | None:
         return self._process_group_backend
 
@@ -201,28 +192,12 @@ class FSDPCustomFabricStrategy(StrategyArguments, LightningFSDPStrategy):
         """The module set up last (the watchdog hooks attach to it)."""
         return self._modules[-1] if self._modules else None
 
-    def _configure_launcher(self) -> None:
-        """Lightning's script launcher in every process, as DDP: under torchrun, SLURM or in the ranks
-        Lightning's launcher starts it starts nothing, but sets the thread count DDP gives each rank
-        (CPUs / processes per node, unless OMP_NUM_THREADS is set), which only rank 0 got before."""
-        assert self.cluster_environment is not None
-        self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-
     def setup_environment(self) -> None:
-        """Set ranks, check the mesh against the world size, create the process group(s)."""
+        """Set ranks, check the mesh against the world size, create the process group(s) and start the
+        watchdog on them (strategy_processes.py)."""
         ParallelStrategy.setup_environment(self)  # not Fabric FSDPStrategy's (it creates the group its way)
-        set_world_ranks(self)
-        self._device_mesh = mesh_shape(self._device_mesh, self.sharding_strategy, self.num_nodes, self.num_processes)
-        assert self.cluster_environment is not None
-        self._process_group_backend = connect(
-            self.cluster_environment, self._process_group_backend, self.root_device, self._timeout
-        )
-        self._watch.start(self.collective_timeout, self.node_rank, None)
-        self._device_mesh = build_mesh(self._device_mesh, self.root_device.type)
-        if self._parallel.active:
-            mesh = self._parallel.build(self.num_nodes, self.num_processes, self.root_device)
-            if self._watch.dog is not None:  # reports name a rank's place: "rank 3 (data 1, tensor 1; ...)"
-                self._watch.dog.name_places(tuple(mesh.shape))
+        self._set_ranks_and_mesh_shape()
+        self._open_process_groups(None)
         self.precision.attach(self.root_device.type)
 
     # ---- modules and optimizers -----------------------------------------------------------
@@ -355,18 +330,6 @@ class FSDPCustomFabricStrategy(StrategyArguments, LightningFSDPStrategy):
 
     def all_reduce(self, tensor: Tensor, group: Any = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:
         return self.reduce(tensor, group, reduce_op)
-
-    def barrier(self, name: str | None = None) -> None:
-        """Wait for every rank, watched ([Note: watchdog])."""
-        self._watch.barrier(name, self.root_device)
-
-    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        """Rank ``src``'s ``obj`` on every rank, watched."""
-        return self._watch.broadcast(obj, src)
-
-    def reduce(self, tensor: Tensor | Any, group: Any = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:
-        """Lightning's reduce over ``group``, watched."""
-        return self._watch.reduce(tensor, group, reduce_op)
 
     def preempted(self) -> bool:
         """Whether any rank received SIGTERM (a preemption, a time limit, an eviction): True on every

@@ -123,6 +123,18 @@ class AgreedSigterm:
             and all(_padded(getattr(loader, "sampler", None)) for loader in loaders)
         )
 
+    def before_evaluation_batch(self, dog: Watchdog | None) -> None:
+        """An evaluation batch's start: a boundary where ``start_evaluation`` said the batches are."""
+        if self.in_evaluation:
+            self.at_boundary("before this evaluation batch", dog)
+
+    def end_evaluation(self, trainer: Any, dog: Watchdog | None) -> None:
+        """An evaluation ends: back to training's boundaries; the end of ``validate``, ``test`` or
+        ``predict`` is a boundary itself (a validation inside ``fit`` goes on to training's)."""
+        self.in_evaluation = False
+        if trainer.state.fn != TrainerFn.FITTING:
+            self.at_boundary("at the end of this evaluation", dog)
+
     def at_step_start(self, global_step: int, dog: Watchdog | None) -> None:
         """At a training batch's start: a boundary where it begins an optimizer step (the first batch of
         the run, or the first after a step); a micro-batch that goes on accumulating is none (a stop
@@ -242,3 +254,46 @@ def _padded(sampler: Any) -> bool:
 
 def _nothing() -> None:
     """Lightning's per-batch SIGTERM broadcast, switched off while ``AgreedSigterm`` holds the signal."""
+
+
+class AgreedStopHooks:
+    """The Trainer strategy's stage hooks that move SIGTERM's boundaries ([Note: preemption at an
+    agreed step]): a base class of ``FSDPCustomStrategy``, before Lightning's, that reads its
+    ``_sigterm`` (an ``AgreedSigterm``) and its watchdog part ``_watch``. Costs: see the note."""
+
+    def on_validation_start(self) -> None:
+        """Hold SIGTERM back to agreed batch boundaries, from ``fit``'s sanity check on, and between
+        validation batches where every rank runs as many."""
+        self._sigterm.start_evaluation(self.lightning_module.trainer, self.lightning_module.trainer.val_dataloaders)
+        super().on_validation_start()
+
+    def on_validation_end(self) -> None:
+        """Back to training's boundaries; at the end of ``validate``, a boundary."""
+        self._sigterm.end_evaluation(self.lightning_module.trainer, self._watch.dog)
+        super().on_validation_end()
+
+    def on_test_start(self) -> None:
+        """As ``on_validation_start``."""
+        self._sigterm.start_evaluation(self.lightning_module.trainer, self.lightning_module.trainer.test_dataloaders)
+        super().on_test_start()
+
+    def on_test_end(self) -> None:
+        """As ``on_validation_end``."""
+        self._sigterm.end_evaluation(self.lightning_module.trainer, self._watch.dog)
+        super().on_test_end()
+
+    def on_predict_start(self) -> None:
+        """As ``on_validation_start`` (Lightning's predict sampler pads nothing: no batch is a boundary)."""
+        trainer = self.lightning_module.trainer
+        self._sigterm.start_evaluation(trainer, trainer.predict_dataloaders)
+        super().on_predict_start()
+
+    def on_predict_end(self) -> None:
+        """As ``on_validation_end``."""
+        self._sigterm.end_evaluation(self.lightning_module.trainer, self._watch.dog)
+        super().on_predict_end()
+
+    def on_train_end(self) -> None:
+        """A SIGTERM received in the last batch or validation stops every rank here, together."""
+        self._sigterm.at_boundary("at the end of training", self._watch.dog)
+        super().on_train_end()

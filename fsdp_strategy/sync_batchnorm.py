@@ -122,3 +122,15 @@ def convert_sync_batchnorm(module: nn.Module, process_group: Any = None) -> nn.M
         if replaced is not child:
             setattr(module, name, replaced)
     return module
+
+
+def apply_layer_sync(layer_sync: Any, model: nn.Module) -> nn.Module:
+    """``Trainer(sync_batchnorm=True)``: our SyncBatchNorm (torch's refuses CPU tensors); any
+    other ``LayerSync`` plugin (``layer_sync``) is applied as given. Not reverted at teardown: the
+    layers hold sharded parameters, and ours is plain BatchNorm outside training. Costs: a walk
+    over the modules."""
+    from lightning.pytorch.plugins import TorchSyncBatchNorm
+
+    if type(layer_sync) is TorchSyncBatchNorm:
+        return convert_sync_batchnorm(model)
+    return layer_sync.apply(model)
