@@ -209,6 +209,7 @@ class FSDPCustomStrategy(StrategyArguments, WatchedProcesses, AgreedStopHooks, L
         assert self.accelerator is not None and self.model is not None
         self.accelerator.setup(trainer)
         self._sigterm.hold_from_registration(trainer)  # [Note: preemption at an agreed step]
+        self._checkpoints.end_dataloader_setup()
         self._parallel.refuse_checkpoint_callbacks(trainer.checkpoint_callbacks)
         if not is_sharded(self.model):  # validate/test after fit reuse the sharded model
             if trainer.state.fn == TrainerFn.FITTING and self._layer_sync is not None:
@@ -358,11 +359,11 @@ class FSDPCustomStrategy(StrategyArguments, WatchedProcesses, AgreedStopHooks, L
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """Start the ledger's count at the first batch of each optimizer step (under gradient
-        accumulation a step's micro-batches are counted together); a resume's hidden warning shows
-        again; SIGTERM and SLURM's requeue signal are acted on here, between two batches."""
+        accumulation a step's micro-batches are counted together); the dataloaders' setup has ended;
+        SIGTERM and SLURM's requeue signal are acted on here, between two batches."""
         global_step = self.lightning_module.trainer.global_step
         self._sigterm.at_step_start(global_step, self._watch.dog)
-        self._checkpoints.resume_notice.remove()  # the epoch loop has checked the dataloader by now
+        self._checkpoints.end_dataloader_setup()
         self._requeue.at_batch_start(global_step)
         self.scheduler.observer.at_step(global_step)  # the flight recorder names steps as the trainer does
         if global_step != self._ledger_global_step:

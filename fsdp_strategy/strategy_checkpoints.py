@@ -72,7 +72,7 @@ class TrainerCheckpoints:
         self._data_position_to_load: dict | None = None  # from the checkpoint being resumed
         self.resume_notice = ExactResumeNotice()  # removed at the first batch and at teardown
         self._to_load: _CheckpointToLoad | None = None  # read by ``read``, applied in setup
-        self._setup: tuple[int, int] | None = None  # which setup of the training dataloaders was processed last
+        self._setup_open = False  # a setup of the training dataloaders is being processed ([Note: ...] below)
         self._resumed_setup = False  # whether a data position was loaded into it
 
     def model_state(self, model: Any) -> dict[str, Any]:
@@ -235,11 +235,10 @@ class TrainerCheckpoints:
         """Make the training dataloader resumable mid-epoch, also on another world size (data.py)."""
         if trainer is None or not trainer.training:
             return dataloader
-        setup = (id(trainer), id(trainer.fit_loop._combined_loader))  # one setup's loaders: the same
-        if setup == self._setup:  # [Note: one training dataloader positioned]
+        if self._setup_open:  # [Note: one training dataloader positioned]
             self._warn_other_loaders(dataloader)
             return dataloader
-        self._setup, self._resumed_setup = setup, self._data_position_to_load is not None
+        self._setup_open, self._resumed_setup = True, self._data_position_to_load is not None
         progress = trainer.fit_loop.epoch_loop.batch_progress
         loader, self.data_position = make_resumable(dataloader, lambda: progress.current.processed)
         if self._data_position_to_load is not None:
@@ -253,6 +252,15 @@ class TrainerCheckpoints:
                 self.resume_notice.install(self._data_position_to_load)
         self._data_position_to_load = None
         return loader
+
+    def end_dataloader_setup(self) -> None:
+        """A stage's setup or a training batch began: the training dataloaders processed next are a
+        new setup (a second ``fit``, the fit after an LR finder's run, a reload), whose first is
+        positioned. Lightning processes one setup's loaders together, before any batch; it has no
+        hook between two setups (and resets its own ``CombinedLoader`` to None before each). A
+        resume's hidden warning shows again (the epoch loop has checked the dataloader by then)."""
+        self._setup_open = False
+        self.resume_notice.remove()
 
     def _warn_other_loaders(self, dataloader: Any) -> None:
         """[Note: one training dataloader positioned] A checkpoint holds one data position: that of

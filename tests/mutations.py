@@ -505,6 +505,15 @@ MUTATIONS = [
         ("tests/test_resume_stops.py::test_a_fit_stopped_off_the_checkpoint_grid_resumes_sample_by_sample",),
     ),
     Mutation(
+        "dataloader_setup_kept_across_fits",
+        "a second fit on one Trainer (or the fit after an LR finder's run) takes its training dataloader for "
+        "another loader of the first fit's setup: never positioned, its checkpoints keep the first fit's position",
+        "fsdp_strategy/strategy_checkpoints.py",
+        "        self._setup_open = False\n        self.resume_notice.remove()\n",
+        "        self.resume_notice.remove()\n",
+        ("tests/test_resume_stops.py::test_a_second_fit_and_a_fit_after_the_lr_finder_are_positioned",),
+    ),
+    Mutation(
         "other_training_loaders_unsaid",
         "with several training dataloaders, a resume positions one and says 'exactly' while the others restart "
         "their epoch",

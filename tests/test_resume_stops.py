@@ -85,27 +85,11 @@ def _data(world: int, per_rank: int | None = None) -> DataLoader:
     return DataLoader(TensorDataset(x, torch.arange(SAMPLES)), batch_size=batch, shuffle=True)
 
 
-def _fit(
-    world: int,
-    root: str,
-    ckpt: str | None = None,
-    sleep: float = 0.0,
-    state: str = "sharded",
-    fail_at: int | None = None,
-    validate: bool = False,
-    sigterm_at: int | None = None,
-    sigterm_in_validation: int | None = None,
-    per_rank: int | None = None,
-    epoch_end_save: bool = False,
-    grid: int = GRID,
-    **stop,
-) -> dict:
-    """Fit to ``stop``; per step, the samples of every rank (sorted) and the mean loss. ``per_rank``:
-    the per-rank batch (default: the global batch of 12 split); ``epoch_end_save``: ModelCheckpoint's
-    default, a save in ``on_train_epoch_end`` (which Lightning runs at a ``max_steps`` stop too); ``grid``:
-    the steps between periodic checkpoints."""
-    module = Indexed(sleep, fail_at, sigterm_at, sigterm_in_validation)
-    trainer = L.Trainer(
+def _trainer(world: int, root: str, state: str = "sharded", epoch_end_save: bool = False, grid: int = GRID, **stop):
+    """A Trainer of ``world`` ranks saving into ``root``: ``epoch_end_save``: ModelCheckpoint's default, a
+    save in ``on_train_epoch_end`` (which Lightning runs at a ``max_steps`` stop too); else one every
+    ``grid`` steps, on an exception and ``last``."""
+    return L.Trainer(
         strategy=FSDPCustomStrategy(state_dict_type=state),
         accelerator="cpu",
         devices=world,
@@ -121,6 +105,40 @@ def _fit(
         ],
         **stop,
     )
+
+
+def _result(module: Indexed, trainer: L.Trainer, world: int, exit_status: int | None = None) -> dict:
+    """Per step of ``module``'s fit, the samples of every rank (sorted) and the mean loss; where it started."""
+    everyone = [None] * world
+    dist.all_gather_object(everyone, module.steps)
+    steps = []
+    for at_step in zip(*everyone):
+        steps.append((sorted(i for ids, _ in at_step for i in ids), sum(loss for _, loss in at_step) / world))
+    return {
+        "steps": steps,
+        "global_step": trainer.global_step,
+        "start": module.start,
+        "exit_status": exit_status,
+        "validated": module.validated,
+    }
+
+
+def _fit(
+    world: int,
+    root: str,
+    ckpt: str | None = None,
+    sleep: float = 0.0,
+    fail_at: int | None = None,
+    validate: bool = False,
+    sigterm_at: int | None = None,
+    sigterm_in_validation: int | None = None,
+    per_rank: int | None = None,
+    **trainer_options,
+) -> dict:
+    """Fit to the stop in ``trainer_options`` (with ``_trainer``'s options); ``per_rank``: the per-rank
+    batch (default: the global batch of 12 split); the ``_result``."""
+    module = Indexed(sleep, fail_at, sigterm_at, sigterm_in_validation)
+    trainer = _trainer(world, root, **trainer_options)
     exit_status = None
     try:
         validation = _data(world) if sigterm_in_validation is not None else None
@@ -132,19 +150,7 @@ def _fit(
     if validate:  # a validation after the fit, then the checkpoint saved last
         trainer.validate(module, _data(world), verbose=False)
         trainer.save_checkpoint(f"{root}/last.ckpt")
-    everyone = [None] * world
-    dist.all_gather_object(everyone, module.steps)
-    steps = []
-    for at_step in zip(*everyone):
-        steps.append((sorted(i for ids, _ in at_step for i in ids), sum(loss for _, loss in at_step) / world))
-    validated = module.validated
-    return {
-        "steps": steps,
-        "global_step": trainer.global_step,
-        "start": module.start,
-        "exit_status": exit_status,
-        "validated": validated,
-    }
+    return _result(module, trainer, world, exit_status)
 
 
 STOPS = {  # how the first run stops, and how far the resumed one goes
@@ -372,3 +378,39 @@ def test_a_resume_with_several_training_dataloaders_says_only_the_first_is_posit
     told = run_ranks(_two_loaders_body, 2, tmp_path, str(tmp_path), env=LIGHTNING_ENV, timeout=300)[0]
     several = [line for line in told if "several training dataloaders" in line]
     assert len(several) == 1 and "starts its epoch again from its first batch" in several[0], told
+
+
+def _second_fit_body(rank: int, world: int, root: str) -> dict:
+    """Fits after the first on one Trainer: a second ``fit`` (its periodic save at step 12 resumed by
+    a new Trainer), and the ``fit`` after an LR finder's run (its ``max_steps`` stop resumed)."""
+    from lightning.pytorch.tuner import Tuner
+
+    warnings.filterwarnings("ignore")
+    out = {"uninterrupted": _fit(world, f"{root}/uninterrupted", max_steps=16)}
+    module, trainer = Indexed(), _trainer(world, f"{root}/twice", max_epochs=1, grid=4)
+    trainer.fit(module, _data(world))
+    trainer.fit_loop.max_epochs = 2
+    module.steps = []
+    trainer.fit(module, _data(world))
+    out["second fit"] = _result(module, trainer, world)
+    saved = f"{root}/twice/epoch=1-step=12.ckpt"
+    out["second fit, resumed"] = _fit(world, f"{root}/twice-resumed", saved, max_steps=16)
+    module, trainer = Indexed(), _trainer(world, f"{root}/tuned", max_steps=5)
+    Tuner(trainer).lr_find(module, _data(world), num_training=3, update_attr=False)
+    module.steps = []
+    trainer.fit(module, _data(world))
+    out["after lr_find"] = _result(module, trainer, world)
+    out["after lr_find, resumed"] = _fit(world, f"{root}/tuned-resumed", f"{root}/tuned/last.ckpt", max_steps=13)
+    return out
+
+
+def test_a_second_fit_and_a_fit_after_the_lr_finder_are_positioned(tmp_path):
+    """Lightning resets its CombinedLoader before each fit and after an LR finder's run: the training
+    dataloader of each such fit is positioned anew, and its checkpoints resume sample by sample."""
+    out = run_ranks(_second_fit_body, 2, tmp_path, str(tmp_path), env=LIGHTNING_ENV, timeout=300)[0]
+    uninterrupted = out["uninterrupted"]
+    second, resumed = out["second fit"], out["second fit, resumed"]
+    assert second["start"] == 8 and resumed["start"] == 12 and len(resumed["steps"]) == 4, resumed["start"]
+    ids = [ids for ids, _ in second["steps"][:4] + resumed["steps"]]  # a second fit has new optimizers: ids only
+    assert ids == [ids for ids, _ in uninterrupted["steps"][8:16]], "a second fit's checkpoint"
+    _assert_continues(out["after lr_find"], out["after lr_find, resumed"], uninterrupted, "a fit after lr_find")
