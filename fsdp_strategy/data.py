@@ -93,10 +93,11 @@ class DataPosition:
         self.drop_last = drop_last  # the DataLoader's: a short last batch is dropped
         self.skipped_batches = 0  # of consumed_batches(): those that stand for a resume's skip (recount_batches)
 
-    def state_dict(self) -> dict[str, int]:
+    def state_dict(self, pending_batches: int = 0) -> dict[str, int]:
         """The epoch and the global samples the whole job has consumed of it (what a resume into it
-        skipped, plus what this job took since), with the batch that took them."""
-        sampler, batches = self.sampler, self.consumed_batches()
+        skipped, plus what this job took since), with the batch that took them; less the
+        ``pending_batches`` of an optimizer step not yet taken ([Note: a step half accumulated])."""
+        sampler, batches = self.sampler, self.consumed_batches() - pending_batches
         skipped = sampler.skipped()
         if skipped:
             batches -= self.skipped_batches
@@ -115,6 +116,32 @@ class DataPosition:
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Skip what a checkpoint says was consumed when its epoch is iterated next."""
         self.sampler.resume_from(state["epoch"], state["consumed_samples"])
+
+
+UNAPPLIED = (  # [Note: a step half accumulated], where the batches of the step are not known (Fabric, manual)
+    "the gradients of the backward(s) since the last optimizer step are not in the checkpoint, and the resumed loop "
+    "goes on with the next batch, so its first optimizer step lacks them and differs from the uninterrupted run's; "
+    "save right after optimizer.step()"
+)
+
+
+def pending_batches(trainer: Any) -> int:
+    """[Note: a step half accumulated] The training batches of the current epoch taken since the last
+    optimizer step: under ``accumulate_grad_batches``, a checkpoint saved between two of a step's
+    micro-batches (a ``ModelCheckpoint`` monitoring a validation run there, ``save_on_exception``, a
+    periodic save after a resume into another folder) holds the weights before the step, not the
+    gradients of its micro-batches taken so far. Its data position is set back by them: a resume
+    takes them again and steps as the uninterrupted run does (the batch counts of the epoch follow
+    the position, ``recount_batches``). Lightning steps after every ``accumulate_grad_batches``
+    batches of an epoch and at its last. Costs: a few attribute reads."""
+    accumulate = getattr(trainer, "accumulate_grad_batches", 1)  # 1 also without a trainer
+    if accumulate == 1:
+        return 0
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    processed = progress.current.processed
+    if progress.is_last_batch or processed >= trainer.num_training_batches:
+        return 0
+    return processed % accumulate
 
 
 def make_resumable(dataloader: Any, consumed_batches: Callable[[], int]) -> tuple[Any, DataPosition | None]:

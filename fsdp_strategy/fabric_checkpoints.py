@@ -26,8 +26,8 @@ from torch.utils.data import DataLoader
 from fsdp_strategy.checkpoint import full, layout, sharded_load, storage
 from fsdp_strategy.checkpoint.layout import CheckpointError
 from fsdp_strategy.checkpoint.writer import save_targets
-from fsdp_strategy.data import describe_batch_change
-from fsdp_strategy.engine import is_sharded
+from fsdp_strategy.data import UNAPPLIED, describe_batch_change
+from fsdp_strategy.engine import get_scheduler, is_sharded
 from fsdp_strategy.fabric_data import LoopDataPosition, make_loop_resumable
 
 
@@ -66,7 +66,12 @@ class FabricCheckpoints:
             raise NotImplementedError("a filter is supported with state_dict_type='full' only (as Fabric's FSDP)")
         module_key, module = _the_module(state, "save")
         optimizers = {key: value for key, value in state.items() if isinstance(value, Optimizer)}
-        rest = {key: _saved(key, value) for key, value in state.items() if key != module_key and key not in optimizers}
+        unapplied = get_scheduler(module).optimizer_steps.unapplied_gradients()  # [Note: a step half accumulated]
+        rest = {
+            key: _saved(key, value, unapplied)
+            for key, value in state.items()
+            if key != module_key and key not in optimizers
+        }
         final, temporary = save_targets(path, self._layout(), is_global_zero, self._broadcast)
         if self._layout() == "sharded":
             keys = (module_key, list(optimizers))
@@ -129,16 +134,17 @@ class FabricCheckpoints:
 LOADER_KEY = "fsdp_custom_dataloader"  # a saved dataloader's entry: its position, or its epochs begun
 
 
-def _saved(key: str, value: Any) -> Any:
+def _saved(key: str, value: Any, unapplied: bool) -> Any:
     """What ``fabric.save`` writes for one entry of the state besides the model and optimizers: a
     stateful object's state; a dataloader's position, also inside dicts and lists ([Note: a Fabric
-    loop's data position]); anything else as it is."""
+    loop's data position]), saying whether the model held ``unapplied`` gradients; anything else as
+    it is."""
     if isinstance(value, _Stateful) and not isinstance(value, DataLoader):
         return value.state_dict()
-    return apply_to_collection(value, DataLoader, _loader_entry, key)
+    return apply_to_collection(value, DataLoader, _loader_entry, key, unapplied)
 
 
-def _loader_entry(loader: DataLoader, key: str) -> dict[str, Any]:
+def _loader_entry(loader: DataLoader, key: str, unapplied: bool) -> dict[str, Any]:
     position: LoopDataPosition | None = getattr(loader, "_data_position", None)
     if position is None:
         rank_zero_warn(
@@ -147,7 +153,12 @@ def _loader_entry(loader: DataLoader, key: str) -> dict[str, Any]:
             "start of an epoch as a new one"
         )
         return {LOADER_KEY: None}
-    return {LOADER_KEY: position.loop_state()}
+    if unapplied:
+        rank_zero_warn(
+            f"fsdp_custom: saving the position of {key!r} after a backward whose gradients no optimizer step has "
+            f"applied yet (an accumulation under way): {UNAPPLIED}"
+        )
+    return {LOADER_KEY: {**position.loop_state(), "unapplied_gradients": unapplied}}
 
 
 def _holds_loader(value: Any) -> bool:
@@ -204,6 +215,11 @@ def _resume_loader(key: str, loader: DataLoader, saved: Any) -> None:
         rank_zero_info(
             f"fsdp_custom: the dataloader {key!r} {where} (a checkpoint that does not say whether its loop had "
             "left that epoch by a `break`: if it had, the loop continues it instead of the next epoch)"
+        )
+    elif state.get("unapplied_gradients"):
+        rank_zero_warn(
+            f"fsdp_custom: the dataloader {key!r} {where}; the checkpoint was saved inside an accumulated "
+            f"optimizer step: {UNAPPLIED}"
         )
     else:
         rank_zero_info(f"fsdp_custom: the dataloader {key!r} {where}, exactly where the checkpoint left it")

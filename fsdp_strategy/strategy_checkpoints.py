@@ -27,15 +27,17 @@ from fsdp_strategy.checkpoint.storage import Location
 from fsdp_strategy.checkpoint.writer import save_targets
 from fsdp_strategy.data import (
     DATA_POSITION_KEY,
+    UNAPPLIED,
     DataPosition,
     ExactResumeNotice,
     complete_finished_epoch,
     describe_batch_change,
     make_resumable,
+    pending_batches,
     recount_batches,
     reopen_stopped_epoch,
 )
-from fsdp_strategy.engine import is_sharded
+from fsdp_strategy.engine import get_scheduler, is_sharded
 
 
 @dataclass
@@ -139,7 +141,11 @@ class TrainerCheckpoints:
                 "state_dict_type='sharded': the sharded save does not use the CheckpointIO (as Lightning's FSDP)"
             )
         if self.data_position is not None and "loops" in checkpoint:
-            checkpoint[DATA_POSITION_KEY] = self.data_position.state_dict()
+            pending = pending_batches(trainer)  # [Note: a step half accumulated]
+            position = self.data_position.state_dict(pending)
+            if not pending and model is not None and get_scheduler(model).optimizer_steps.unapplied_gradients():
+                position["unapplied_gradients"] = True  # a manual optimization's accumulation: said at the resume
+            checkpoint[DATA_POSITION_KEY] = position
         averaged = _averaging_callback(trainer)
         extra = {}
         if averaged is not None and "current_model_state" in checkpoint:  # [Note: sharded weight averaging]
@@ -248,7 +254,9 @@ class TrainerCheckpoints:
             consumed = self._data_position_to_load["consumed_samples"]
             recount_batches(progress, consumed, self.data_position, len(loader))
             # a checkpoint from the epoch's last batch resumes at the next epoch's start: nothing to say
-            if consumed and not progress.is_last_batch:
+            if self._data_position_to_load.get("unapplied_gradients"):
+                rank_zero_warn(f"fsdp_custom: the checkpoint was saved inside an optimizer step: {UNAPPLIED}")
+            elif consumed and not progress.is_last_batch:
                 self.resume_notice.install(self._data_position_to_load)
         self._data_position_to_load = None
         return loader

@@ -514,6 +514,25 @@ MUTATIONS = [
         ("tests/test_resume_stops.py::test_a_second_fit_and_a_fit_after_the_lr_finder_are_positioned",),
     ),
     Mutation(
+        "half_step_not_replayed",
+        "a checkpoint saved between the micro-batches of an accumulated step resumes after them: their gradients, "
+        "not in the checkpoint, are lost and the step differs from the uninterrupted run's",
+        "fsdp_strategy/data.py",
+        "    return processed % accumulate\n",
+        "    return 0\n",
+        (
+            "tests/test_resume_stops.py::test_a_checkpoint_inside_an_accumulated_step_resumes_at_the_steps_first_micro_batch",
+        ),
+    ),
+    Mutation(
+        "unapplied_gradients_unsaid",
+        "a Fabric save between a backward and its optimizer step is resumed as 'exactly where the checkpoint left it'",
+        "fsdp_strategy/engine/optimizer_steps.py",
+        "        self._backward_since_step = True\n",
+        "        self._backward_since_step = False\n",
+        ("tests/test_fabric_data_position.py::test_a_save_inside_an_accumulated_step_says_the_resume_is_not_exact",),
+    ),
+    Mutation(
         "other_training_loaders_unsaid",
         "with several training dataloaders, a resume positions one and says 'exactly' while the others restart "
         "their epoch",

@@ -414,3 +414,82 @@ def test_a_second_fit_and_a_fit_after_the_lr_finder_are_positioned(tmp_path):
     ids = [ids for ids, _ in second["steps"][:4] + resumed["steps"]]  # a second fit has new optimizers: ids only
     assert ids == [ids for ids, _ in uninterrupted["steps"][8:16]], "a second fit's checkpoint"
     _assert_continues(out["after lr_find"], out["after lr_find, resumed"], uninterrupted, "a fit after lr_find")
+
+
+class StopsInsideAStep(Indexed):
+    """Raises in epoch 0's sixth training batch: under ``accumulate_grad_batches=2``, after the first
+    micro-batch of the third optimizer step (its gradient not yet applied)."""
+
+    def training_step(self, batch, batch_idx):
+        if (self.current_epoch, batch_idx) == (0, 5):
+            raise Interrupted("inside an optimizer step")
+        return super().training_step(batch, batch_idx)
+
+
+def _half_step_body(rank: int, world: int, root: str) -> dict:
+    warnings.filterwarnings("ignore")
+    out = {}
+    for name, module, ckpt in (
+        ("uninterrupted", Indexed(), None),
+        ("stopped", StopsInsideAStep(), None),
+        ("resumed", Indexed(), f"{root}/stopped/last.ckpt"),  # save_on_exception's, at global step 2
+    ):
+        trainer = _trainer(world, f"{root}/{name}", accumulate_grad_batches=2, max_steps=8)
+        try:
+            trainer.fit(module, _data(world), ckpt_path=ckpt)
+        except Interrupted:
+            pass
+        out[name] = _result(module, trainer, world)
+        out[name]["stepped"] = trainer.fit_loop.epoch_loop._batches_that_stepped  # the loggers' step
+    return out
+
+
+def test_a_checkpoint_inside_an_accumulated_step_resumes_at_the_steps_first_micro_batch(tmp_path):
+    """[Note: a step half accumulated] in data.py: the checkpoint holds the weights before the step;
+    its micro-batches taken so far are taken again, so every step equals the uninterrupted run's."""
+    out = run_ranks(_half_step_body, 2, tmp_path, str(tmp_path), env=LIGHTNING_ENV, timeout=300)[0]
+    whole, stopped, resumed = out["uninterrupted"], out["stopped"], out["resumed"]
+    assert (len(whole["steps"]), stopped["global_step"], len(stopped["steps"])) == (16, 2, 5)
+    expected = whole["steps"][4:]  # from the third step's first micro-batch (the fifth batch)
+    assert [ids for ids, _ in resumed["steps"]] == [ids for ids, _ in expected]
+    assert [loss for _, loss in resumed["steps"]] == pytest.approx([loss for _, loss in expected], rel=1e-9)
+    assert (resumed["global_step"], resumed["stepped"]) == (whole["global_step"], whole["stepped"])
+
+
+class ManualAccumulation(Indexed):
+    """Manual optimization that steps after every second batch; ``fail``: raises in the third batch,
+    after its backward (the step's gradients so far not applied)."""
+
+    def __init__(self, fail: bool = False) -> None:
+        super().__init__()
+        self.automatic_optimization, self.fail = False, fail
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.manual_backward(loss)
+        if self.fail and batch_idx == 2:
+            raise Interrupted("inside a manual optimizer step")
+        if batch_idx % 2 == 1:
+            self.optimizers().step()
+            self.optimizers().zero_grad()
+
+
+def _manual_half_step_body(rank: int, world: int, root: str) -> list[str]:
+    told = []
+    for ckpt in (None, f"{root}/last.ckpt"):  # save_on_exception's, after the third batch's backward
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                _trainer(world, root, max_steps=3).fit(ManualAccumulation(ckpt is None), _data(world), ckpt_path=ckpt)
+            except Interrupted:
+                pass
+        told = [str(w.message) for w in caught if "fsdp_custom" in str(w.message)]
+    return told
+
+
+def test_a_manual_optimization_save_inside_a_step_says_the_resume_is_not_exact(tmp_path):
+    """[Note: a step half accumulated]: the batches of a manual optimization's step are not known, so
+    the resume says what differs instead of "exactly"."""
+    told = run_ranks(_manual_half_step_body, 2, tmp_path, str(tmp_path), env=LIGHTNING_ENV, timeout=300)[0]
+    said = " ".join(told)
+    assert "saved inside an optimizer step: the gradients of the backward(s) since the last" in said, told

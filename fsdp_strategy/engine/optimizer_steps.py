@@ -60,8 +60,22 @@ class OptimizerSteps:
         self._stepping: dict[int, list[FSDPUnit]] = {}  # optimizer id -> gathered units its step changes
         self._checked_groups: set[int] = set()  # ids of this model's optimizers stepping now, not torch's own
         self._active: set[int] = set()  # ids of this model's optimizers stepping now
+        self._backward_since_step = False  # a backward finished, and no optimizer of this model stepped since
         self._handles: list[Any] = []
         self.open()
+
+    def backward_finished(self) -> None:
+        """A backward of this model finished: its gradients wait for an optimizer step."""
+        self._backward_since_step = True
+
+    def unapplied_gradients(self) -> bool:
+        """Whether this model holds gradients of a backward that no optimizer step has applied yet (an
+        accumulation under way): what a checkpoint saved now does not hold. Gradients set to None
+        (``zero_grad``) count as none. Costs: a look at each parameter's ``grad`` when a backward
+        finished since the last step."""
+        return self._backward_since_step and any(
+            p.sharded.grad is not None for unit in self._units for p in unit.params
+        )
 
     @property
     def whole_matrix(self) -> WholeMatrixSteps | None:
@@ -200,6 +214,7 @@ class OptimizerSteps:
         if id(optimizer) not in self._active:
             return  # another model's optimizer (an FSDP2 one's parameters may hold no storage)
         self._active.discard(id(optimizer))
+        self._backward_since_step = False
         if self._whole_matrix is not None:
             self._whole_matrix.after_update(optimizer)
         if id(optimizer) in self._checked_groups:

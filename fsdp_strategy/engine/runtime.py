@@ -267,6 +267,7 @@ class Scheduler:
             unit.end_backward(backward.create_graph)
         self._order.commit(("backward", backward.index))
         self.step.backward = None
+        self.optimizer_steps.backward_finished()
 
     # ---- schedule ----------------------------------------------------------------------
 
