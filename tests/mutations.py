@@ -533,6 +533,16 @@ MUTATIONS = [
         ("tests/test_fabric_data_position.py::test_a_save_inside_an_accumulated_step_says_the_resume_is_not_exact",),
     ),
     Mutation(
+        "zero_grad_misses_the_stash",
+        "a zero_grad between no_sync micro-batches leaves their stashed gradients, added back at the reduction",
+        "fsdp_strategy/engine/param.py",
+        "        return grad is None or grad is not marked() or grad._version != version\n",
+        "        return False\n",
+        (
+            "tests/test_accumulation_and_clipping.py::test_zero_grad_between_micro_batches_discards_what_no_sync_accumulated",
+        ),
+    ),
+    Mutation(
         "other_training_loaders_unsaid",
         "with several training dataloaders, a resume positions one and says 'exactly' while the others restart "
         "their epoch",

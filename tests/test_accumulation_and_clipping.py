@@ -102,3 +102,47 @@ def test_each_optimizer_is_clipped_by_its_own_norm(tmp_path):
         for norm, ref in zip(result["norms"], result["ref_norms"]):
             assert abs(norm - ref) <= 1e-5 * ref
         assert all(n > 0.2 for n in result["ref_norms"])  # both clips are active
+
+
+ZEROINGS = {  # how the gradients are zeroed between a no_sync micro-batch and the synced one
+    "none": lambda net, optimizer: None,
+    "module": lambda net, optimizer: net.zero_grad(),
+    "optimizer in place": lambda net, optimizer: optimizer.zero_grad(set_to_none=False),
+    "one block": lambda net, optimizer: net.blocks[0].zero_grad(),
+}
+
+
+def _zero_grad_body(rank: int, world: int) -> dict:
+    errors = {}
+    for name, zero in ZEROINGS.items():
+        torch.manual_seed(0)
+        model = Dense()
+        reference = copy.deepcopy(model)
+        shard_model(model, auto_wrap_policy={MLPBlock, nn.Embedding})
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+        ref_optimizer = torch.optim.SGD(reference.parameters(), lr=0.5, momentum=0.9)
+        generator = torch.Generator().manual_seed(5)
+        for step in range(3):
+            for micro in range(2):  # the first under no_sync, then a zeroing, then the synced one
+                batches = [torch.randint(0, VOCAB, (2, 6), generator=generator) for _ in range(world)]
+                with get_scheduler(model).no_sync() if micro == 0 else torch.enable_grad():
+                    _loss(model, batches[rank], rank, step).backward()
+                for other in range(world):  # DDP's semantics: the ranks' gradients averaged
+                    (_loss(reference, batches[other], other, step) / world).backward()
+                if micro == 0 and step > 0:
+                    zero(model, optimizer)
+                    zero(reference, ref_optimizer)
+            optimizer.step()
+            optimizer.zero_grad()
+            ref_optimizer.step()
+            ref_optimizer.zero_grad()
+        errors[name] = weight_error(model, reference)
+    return errors
+
+
+def test_zero_grad_between_micro_batches_discards_what_no_sync_accumulated(tmp_path):
+    """[Note: zero_grad under no_sync] in engine/param.py: a ``zero_grad`` of the module, an optimizer (to
+    None or in place) or one block after a ``no_sync`` micro-batch discards its gradients, as in one
+    process and DDP."""
+    for errors in run_ranks(_zero_grad_body, 2, tmp_path):
+        assert all(error < 1e-5 for error in errors.values()), errors

@@ -104,6 +104,7 @@ class ShardedParam:
         self.unsharded = nn.Parameter(self._wrapped(self._full), requires_grad=requires_grad)
         self._agreed_requires_grad = requires_grad  # [Note: requires_grad on either side]
         self.stashed_grad: torch.Tensor | None = None  # no_sync: the full gradient so far, in reduce dtype
+        self._stash_mark: tuple[weakref.ref, int] | None = None  # sharded.grad and its version at the stash
         self._filled_version = 0  # the full parameter's version counter when it was last filled
         self.free_unsharded()
 
@@ -271,7 +272,24 @@ class ShardedParam:
             self.stashed_grad += grad.detach()
             return 0
         self.stashed_grad = grad.detach().to(dtype if grad.is_floating_point() else grad.dtype)  # complex stays
+        if self.sharded.grad is None:  # [Note: zero_grad under no_sync]: a gradient for zero_grad to clear
+            self.sharded.grad = torch.zeros_like(self.sharded)
+        self._stash_mark = (weakref.ref(self.sharded.grad), self.sharded.grad._version)
         return self.stashed_nbytes
+
+    def stash_cleared(self) -> bool:
+        """[Note: zero_grad under no_sync] Whether the gradients were zeroed since the stash began:
+        ``zero_grad`` (to None, or in place) of the module, a submodule or an optimizer, between the
+        micro-batches of a ``no_sync`` accumulation. The stash, a gradient of the full parameter no
+        optimizer sees, is then void, as the accumulated ``grad`` of one process or DDP would be: a
+        ``stash_grad`` keeps the parameter's ``grad`` (zeros if it had none: 1/N of the full
+        gradient's bytes, which the reduction allocates anyway; an optimizer stepping inside
+        ``no_sync`` sees zeros, not None) and its version, and the next stash or reduction checks
+        them. Costs: per parameter and micro-batch, a weak reference and a version read."""
+        if self.stashed_grad is None or self._stash_mark is None:
+            return False
+        grad, (marked, version) = self.sharded.grad, self._stash_mark
+        return grad is None or grad is not marked() or grad._version != version
 
     def take_grad_rows(self, out: torch.Tensor) -> bool:
         """Write the full gradient (stashed + current) into ``out`` (this parameter's ``(N, shard_numel)``

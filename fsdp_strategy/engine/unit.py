@@ -332,6 +332,7 @@ class FSDPUnit:
 
     def stash_grads(self) -> None:
         """no_sync: keep each full gradient (summed in ``reduce_dtype``) for the next reduction."""
+        self._drop_cleared_stashes()
         for param in self.params:
             if param.trainable:
                 self.memory.allocated(self.name, param.stash_grad(self._reduce_dtype), "stashed_grads")
@@ -341,6 +342,7 @@ class FSDPUnit:
     def reduce_grads(self) -> buffers.PendingReduce | None:
         """Start ONE reduction of the trainable parameters' full gradients (buffers.py:
         ``start_reduce``) and drop the frozen ones'. None without trainable parameters."""
+        self._drop_cleared_stashes()
         params = []
         for param in self.params:
             if param.trainable:
@@ -348,6 +350,14 @@ class FSDPUnit:
             else:
                 param.drop_grads()
         return buffers.start_reduce(self._reduce, params) if params else None
+
+    def _drop_cleared_stashes(self) -> None:
+        """Discard the stashed gradients whose parameters' gradients were zeroed since ([Note:
+        zero_grad under no_sync] in param.py)."""
+        cleared = [param for param in self.params if param.stash_cleared()]
+        self.memory.freed(self.name, sum(param.stashed_nbytes for param in cleared), "stashed_grads")
+        for param in cleared:
+            param.stashed_grad = None
 
     def drop_grads(self) -> None:
         """Discard every full and stashed gradient of the unit (a failed iteration)."""
