@@ -76,6 +76,7 @@ class TrainerCheckpoints:
         self._to_load: _CheckpointToLoad | None = None  # read by ``read``, applied in setup
         self._setup_open = False  # a setup of the training dataloaders is being processed ([Note: ...] below)
         self._resumed_setup = False  # whether a data position was loaded into it
+        self._unstepped_epoch: int | None = None  # resumed before this epoch's end hooks ran
 
     def model_state(self, model: Any) -> dict[str, Any]:
         """Full: the gathered model state on rank 0 ({} elsewhere). Sharded: views of the shards."""
@@ -245,6 +246,7 @@ class TrainerCheckpoints:
             self._warn_other_loaders(dataloader)
             return dataloader
         self._setup_open, self._resumed_setup = True, self._data_position_to_load is not None
+        self._say_unstepped_plateau(trainer)
         progress = trainer.fit_loop.epoch_loop.batch_progress
         loader, self.data_position = make_resumable(dataloader, lambda: progress.current.processed)
         if self._data_position_to_load is not None:
@@ -312,9 +314,29 @@ class TrainerCheckpoints:
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         if fitting and position is not None:
             reopen_stopped_epoch(checkpoint, position)  # [Note: an epoch stopped, not finished] in data.py
-        if fitting and complete_finished_epoch(checkpoint) and position is not None:
-            position = {**position, "epoch": position["epoch"] + 1, "consumed_samples": 0}  # the next one's start
+        epochs = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_progress", {}).get("total", {})
+        ended_early = epochs.get("completed", 0) < epochs.get("started", 0)  # before the epoch's end hooks
+        self._unstepped_epoch = None
+        if fitting and complete_finished_epoch(checkpoint):
+            self._unstepped_epoch = epochs["started"] - 1 if ended_early else None
+            if position is not None:
+                position = {**position, "epoch": position["epoch"] + 1, "consumed_samples": 0}  # the next one's start
         self._data_position_to_load = position if fitting else None
+
+    def _say_unstepped_plateau(self, trainer: Any) -> None:
+        """A checkpoint written before its epoch's end hooks (at its last batch, or in
+        ``on_train_epoch_end``) resumes at the next epoch: Lightning steps an epoch-interval
+        ``ReduceLROnPlateau`` after those hooks, on a metric the checkpoint does not hold, and its
+        resume (DDP alike) never takes that step. Said, since the learning rate may then differ."""
+        configs = [c for c in trainer.lr_scheduler_configs if c.reduce_on_plateau and c.interval == "epoch"]
+        if self._unstepped_epoch is not None and configs:
+            rank_zero_warn(
+                f"fsdp_custom: the checkpoint was saved before epoch {self._unstepped_epoch}'s end hooks: its "
+                f"ReduceLROnPlateau (monitor={configs[0].monitor!r}) is not stepped for that epoch, as Lightning "
+                "steps it after them on a metric the checkpoint does not hold (DDP alike); where that step would "
+                "have lowered the learning rate, the steps after the resume differ from the uninterrupted run's"
+            )
+        self._unstepped_epoch = None
 
 
 def _refuse_other_optimizers(pending: _CheckpointToLoad, trainer: Any, optimizers: list) -> None:

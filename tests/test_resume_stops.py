@@ -493,3 +493,30 @@ def test_a_manual_optimization_save_inside_a_step_says_the_resume_is_not_exact(t
     told = run_ranks(_manual_half_step_body, 2, tmp_path, str(tmp_path), env=LIGHTNING_ENV, timeout=300)[0]
     said = " ".join(told)
     assert "saved inside an optimizer step: the gradients of the backward(s) since the last" in said, told
+
+
+class Plateau(Indexed):
+    """Adam under an epoch-interval ReduceLROnPlateau on the logged training loss."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss, on_epoch=True, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.Adam(self.parameters(), lr=1e-2)
+        scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, patience=0)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "monitor": "train_loss"}}
+
+
+def _plateau_body(rank: int, world: int, root: str) -> list[str]:
+    _trainer(world, root, max_steps=8, grid=8).fit(Plateau(), _data(world))  # saved at epoch 0's last batch
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _trainer(world, root, max_steps=10).fit(Plateau(), _data(world), ckpt_path=f"{root}/epoch=0-step=8.ckpt")
+    return [str(w.message) for w in caught if "fsdp_custom" in str(w.message)]
+
+
+def test_a_resume_that_skips_a_plateau_schedulers_step_says_so(tmp_path):
+    told = run_ranks(_plateau_body, 2, tmp_path, str(tmp_path), env=LIGHTNING_ENV, timeout=300)[0]
+    assert any("before epoch 0's end hooks: its ReduceLROnPlateau (monitor='train_loss')" in line for line in told)
