@@ -491,7 +491,7 @@ MUTATIONS = [
         "a checkpoint saved at on_train_epoch_end after the epoch's last batch, resumed by a fit bounded by "
         "max_steps, runs the next epoch's samples under the finished epoch's number (Lightning's own behaviour)",
         "fsdp_strategy/strategy_checkpoints.py",
-        "        if fitting and complete_finished_epoch(checkpoint) and position is not None:\n",
+        "        if fitting and complete_finished_epoch(checkpoint):\n",
         "        if False:\n",
         ("tests/test_resume_stops.py::test_a_fit_stopped_off_the_checkpoint_grid_resumes_sample_by_sample",),
     ),
@@ -547,7 +547,7 @@ MUTATIONS = [
         "with several training dataloaders, a resume positions one and says 'exactly' while the others restart "
         "their epoch",
         "fsdp_strategy/strategy_checkpoints.py",
-        "        if setup == self._setup:  # [Note: one training dataloader positioned]\n",
+        "        if self._setup_open:  # [Note: one training dataloader positioned]\n",
         "        if False:\n",
         (
             "tests/test_resume_stops.py::"

@@ -87,7 +87,8 @@ def test_a_rank_due_to_end_whose_launcher_exited_ends_three_seconds_later():
     parent process changes, the deadline moves to ORPHAN_GRACE s from now, never later."""
     import threading
 
-    from fsdp_strategy.engine.watchdog import ORPHAN_GRACE, Watchdog
+    from fsdp_strategy.engine.watch_limits import ORPHAN_GRACE
+    from fsdp_strategy.engine.watchdog import Watchdog
 
     dog = Watchdog.__new__(Watchdog)
     dog._lock, dog._launcher, dog._end_at, dog._end_why = threading.Lock(), 100, None, ""

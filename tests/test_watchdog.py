@@ -22,7 +22,7 @@ from models import Block, TiedLM
 from torch import nn
 
 from fsdp_strategy.checkpoint import full_state_dict, load_folder, save_folder
-from fsdp_strategy.engine import CollectiveError, check_collective_timeout, diagnosis, shard_model, watchdog
+from fsdp_strategy.engine import CollectiveError, check_collective_timeout, diagnosis, shard_model, watch_limits
 from fsdp_strategy.engine.channel import StoreChannel, StoreLost
 from fsdp_strategy.engine.collectives import CommContext, CommGroup, all_gather, all_reduce, reduce_scatter
 from fsdp_strategy.engine.diagnosis import Peer, PeerState
@@ -152,8 +152,8 @@ def _limits_body(rank: int, world: int) -> dict:
 def test_the_default_collective_limit_is_the_process_groups_timeout(tmp_path):
     # dist_utils creates the group with a 90 s timeout; blocking calls get it plus a margin
     result = run_ranks(_limits_body, 2, tmp_path)[0]
-    assert tuple(result["default"]) == (90.0, 90.0 + watchdog.CONTROL_MARGIN)
-    assert tuple(result["explicit"]) == (1.5, 90.0 + watchdog.CONTROL_MARGIN)  # blocking calls keep the group's
+    assert tuple(result["default"]) == (90.0, 90.0 + watch_limits.CONTROL_MARGIN)
+    assert tuple(result["explicit"]) == (1.5, 90.0 + watch_limits.CONTROL_MARGIN)  # blocking calls keep the group's
     assert result["unlimited"].collective == float("inf")
 
 

@@ -25,7 +25,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 
 from fsdp_strategy.config import ShardingStrategy
 from fsdp_strategy.distributed import rendezvous
-from fsdp_strategy.engine import watchdog
+from fsdp_strategy.engine import flight
 from fsdp_strategy.options import init_process_group_kwargs
 
 
@@ -61,7 +61,7 @@ def connect(
     backend = backend or _get_default_process_group_backend_for_device(root_device)
     created_here = not _distributed_is_initialized()
     if "nccl" in backend:
-        watchdog.enable_nccl_flight_recorder()
+        flight.enable_nccl_flight_recorder()
     kwargs = init_process_group_kwargs(root_device, timeout)
     on_attempt_store = created_here and rendezvous.shares_agent_store()
     if on_attempt_store:

@@ -24,6 +24,7 @@ device and is read by the watchdog from pinned memory once its event has passed:
 
 from __future__ import annotations
 
+import os
 import time
 import zlib
 from collections import deque
@@ -68,6 +69,13 @@ class CollectiveRecord:
     def waited(self) -> float:
         """Seconds since it was issued (monotonic)."""
         return time.monotonic() - self.started
+
+    def poll_completed(self) -> bool:
+        """Whether its device-side work (NCCL) has completed; then ``ended`` is set and the work let go."""
+        if self.work is None or not self.work.is_completed():
+            return False
+        self.ended, self.work = time.time(), None
+        return True
 
 
 class FlightRecorder:
@@ -131,3 +139,10 @@ def stamp_exact(dtype: torch.dtype, ranks: int) -> bool:
     if not dtype.is_floating_point:
         return True
     return ranks <= 2 / torch.finfo(dtype).eps
+
+
+def enable_nccl_flight_recorder() -> None:
+    """Turn on torch's own NCCL flight recorder and its dump on timeout, unless the user set them.
+    Must run before the NCCL process group is created. Costs: torch's ring of 2,000 entries."""
+    os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
+    os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")

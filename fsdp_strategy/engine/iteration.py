@@ -1,7 +1,19 @@
 """What the Scheduler tracks of one iteration (``Step``) and of one backward pass in it
 (``BackwardPass``), and the autograd function that fires a unit's post-backward (each unit's own
 state is in state.py; what outlives an iteration, the prefetch order and the reduction order, is in
-order.py and reductions.py)."""
+order.py and reductions.py).
+
+One iteration, as the Scheduler (runtime.py) runs it:
+- the root's outermost forward pre-hook starts it (resetting a failed previous one);
+- a unit's forward pre-hook gathers it, prefetches the next unit ([Note: prefetch from the
+  previous run]) and, with grad enabled, applies ``PostBackward`` to its inputs that require
+  grad; its post-hook reshards it by policy and hooks its outputs for backward;
+- the pre-backward hook (on the outputs) gathers it again and prefetches;
+- ``PostBackward`` fires when the gradients of the unit's forward inputs are computed
+  ([Note: post-backward every rank agrees on] in reductions.py) and reduces and reshards the unit;
+- a callback queued at the end of every backward reduces, in one fixed unit order, the units
+  that ran in this backward without a post-backward, settles every reduction and reshards.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +24,7 @@ from typing import Any
 
 import torch
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
+from torch.utils._pytree import tree_map
 
 
 class PostBackward(torch.autograd.Function):
@@ -58,3 +71,15 @@ class Step:
 def autograd_running() -> bool:
     """Whether autograd's engine is running a backward on this thread."""
     return torch._C._current_graph_task_id() != -1
+
+
+def cast_inputs(args: tuple, kwargs: dict, dtype: torch.dtype | None) -> tuple[tuple, dict]:
+    """The root forward's floating-point tensor inputs (at any depth) cast to ``dtype``, the
+    ``param_dtype`` of mixed precision (None: as they are). Costs: one cast per such tensor."""
+    if dtype is None:
+        return args, kwargs
+
+    def cast(value: Any) -> Any:
+        return value.to(dtype) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+
+    return tree_map(cast, args), tree_map(cast, kwargs)

@@ -13,6 +13,7 @@ unit, changes to its full parameters are written back; after it, the unit is gat
 from __future__ import annotations
 
 import weakref
+from collections.abc import Mapping
 from typing import Any
 
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
@@ -63,6 +64,24 @@ class OptimizerSteps:
         self._backward_since_step = False  # a backward finished, and no optimizer of this model stepped since
         self._handles: list[Any] = []
         self.open()
+
+    @classmethod
+    def of(
+        cls,
+        units: list[FSDPUnit],
+        device_layer: DeviceLayer,
+        comm: Any,
+        device: Any,
+        optimizer_updates: Mapping[type, UpdateKind] | None,
+    ) -> OptimizerSteps:
+        """The steps of ``units``' parameters: with a shard group of two or more, whole-matrix placement
+        and the param groups' agreement over it; the kinds declared by ``optimizer_updates``."""
+        shard_comm, params = units[0].shard_comm, [p for unit in units for p in unit.params]
+        sharded = shard_comm.size > 1
+        whole = WholeMatrixSteps(params, shard_comm, comm, device) if sharded else None
+        agreement = GroupAgreement(shard_comm, comm, device) if sharded else None
+        kinds = OptimizerKinds(optimizer_updates or {}, shard_comm, comm, params, device)
+        return cls(units, device_layer, kinds, whole, agreement)
 
     def backward_finished(self) -> None:
         """A backward of this model finished: its gradients wait for an optimizer step."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -276,6 +277,16 @@ class ShardedParam:
             self.sharded.grad = torch.zeros_like(self.sharded)
         self._stash_mark = (weakref.ref(self.sharded.grad), self.sharded.grad._version)
         return self.stashed_nbytes
+
+    def register_grad_hooks(self, on_full: Callable, on_shard: Callable) -> None:
+        """Hooks after a gradient accumulates into the full parameter (``on_full``) and, unless they
+        are one tensor, into the shard (``on_shard``: a use of the shard outside its unit), kept when
+        the parameter is unfrozen later ([Note: a backward no unit hook sees] in runtime.py)."""
+        for tensor, hook in ((self.unsharded, on_full), (None if self.aliased else self.sharded, on_shard)):
+            if tensor is not None:
+                trainable = tensor.requires_grad
+                tensor.requires_grad_(True).register_post_accumulate_grad_hook(hook)
+                tensor.requires_grad_(trainable)
 
     def stash_cleared(self) -> bool:
         """[Note: zero_grad under no_sync] Whether the gradients were zeroed since the stash began:

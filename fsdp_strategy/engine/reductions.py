@@ -1,10 +1,9 @@
 """Reductions: the gradient reductions of one backward, issued in the Scheduler's order and settled.
 
-The Scheduler decides which unit reduces when ([Note: post-backward every rank agrees on] in
-runtime.py); this keeps what is in flight: at most one reduction beyond the one just issued
-([Note: bounded prefetch]), the gradients of parameters this rank did not use until every rank's
-usage flag is known ([Note: usage flags] in buffers.py), and whether ``no_sync`` accumulation holds
-the reductions back.
+The Scheduler decides which unit reduces when, in the order below; this keeps what is in flight: at
+most one reduction beyond the one just issued ([Note: bounded prefetch]), the gradients of
+parameters this rank did not use until every rank's usage flag is known ([Note: usage flags] in
+buffers.py), and whether ``no_sync`` accumulation holds the reductions back.
 
 [Note: replicas reduce behind compute]
 On HYBRID_SHARD a unit's reduce-scatter is followed by an all-reduce across replicas (between
@@ -13,6 +12,22 @@ FSDP2 avoids: it is issued when the reduce-scatter is done (at the next unit's r
 waited for one reduction later, or at the end of backward, so the backward of the units between
 runs while it is on the wire. In flight at most: one reduce-scatter and one all-reduce beyond the
 reduction just issued (one unit's reduce buffers more than without replicas).
+
+[Note: post-backward every rank agrees on]
+Which parameters get gradients may differ between ranks (an expert without tokens, a head
+chosen per batch), but the path of the graph through the units does not: the gradients of a
+unit's inputs are computed at the same point of every rank's backward, after every node of the
+unit's forward that reads its weights. A unit is ready there (at its k-th post-backward if it
+ran k times) and reduces every trainable parameter, with zeros and usage flags where this
+rank has no gradient ([Note: usage flags]). Reductions are issued in one order on every rank:
+the reverse of the order in which units first ran forward (with grad) since they were last
+reduced; a ready unit waits for the units before it, and the end-of-backward callback issues
+whatever is left in that order (units whose inputs need no grad, like the first unit and the
+root), then the units backward reached that forward did not list (in unit order). A unit that
+backward does not reach on some ranks is therefore still reduced in the same place everywhere
+(it only delays the reductions after it on those ranks). A unit that runs forward on some
+ranks only, or that backward reaches on some ranks only under FULL_SHARD (its gather in
+backward is a collective), cannot be supported by any FSDP: the ranks' collectives differ.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 import signal
 import sys
@@ -64,6 +65,36 @@ class Reports:
         self.dump_path = ""  # this rank's ring, written when it fails
         self.abort_seen: str | None = None  # another rank's first report, as the watchdog's thread read it
         self.layout: tuple[int, int] | None = None  # (data_parallel, tensor_parallel) of a 2-D run, to name places
+
+    def publish_raised(self, error: BaseException) -> None:
+        """Publish this rank's own exception, naming the rank by its place on a 2-D run."""
+        self.check_store_host()
+        place = diagnosis.coordinates(self.rank, self.layout).removesuffix("; ")
+        name = f"rank {self.rank} ({place})" if place else f"rank {self.rank}"
+        self.publish(f"{name} raised {diagnosis.first_line(error)}", None, "raised")
+
+    def publish_outside(self, abort: str, limit: float) -> None:
+        """Another rank stopped the job (``abort``: its report) while this one is outside every
+        collective: publish where this rank is (for that rank's message) and warn here that it goes on
+        until its next collective, or ``limit`` seconds without one."""
+        latest = self.recorder.latest()
+        doing = f"its last collective: {latest.describe()}" if latest is not None else "no collective issued"
+        place, stack = main_thread_place()
+        self.publish(
+            f"rank {self.rank} was not waiting in a collective of the engine: it was in {place} ({doing})",
+            None,
+            "outside",
+        )
+        log.warning(
+            "fsdp_custom: rank %d (node %d) is outside every collective, in %s, while the job stopped: %s. It goes "
+            "on and stops at its next collective%s. Its stack:\n%s",
+            self.rank,
+            self.node,
+            place,
+            (abort.splitlines() or [""])[0].removeprefix("fsdp_custom: "),
+            f" (or in {limit:g} s if it issues none)" if math.isfinite(limit) else "",
+            stack.rstrip(),
+        )
 
     def publish(self, reason: str, record: CollectiveRecord | None, kind: str = "failed") -> None:
         """Write this rank's report (``kind``: "failed", "raised" or "outside") and, first wins, the abort key."""

@@ -23,32 +23,7 @@ The functions one weight gradient passes through, in order:
 6. ``Scheduler.clip_grad_norm_`` may scale it; the optimizer steps on ``sharded``
    (optimizer_steps.py keeps a unit gathered at that moment right).
 
-One iteration:
-- the root's outermost forward pre-hook starts it (resetting a failed previous one);
-- a unit's forward pre-hook gathers it, prefetches the next unit ([Note: prefetch from the
-  previous run]) and, with grad enabled, applies ``PostBackward`` to its inputs that require
-  grad; its post-hook reshards it by policy and hooks its outputs for backward;
-- the pre-backward hook (on the outputs) gathers it again and prefetches;
-- ``PostBackward`` fires when the gradients of the unit's forward inputs are computed
-  ([Note: post-backward every rank agrees on]) and reduces and reshards the unit;
-- a callback queued at the end of every backward reduces, in one fixed unit order, the units
-  that ran in this backward without a post-backward, settles every reduction and reshards.
-
-[Note: post-backward every rank agrees on]
-Which parameters get gradients may differ between ranks (an expert without tokens, a head
-chosen per batch), but the path of the graph through the units does not: the gradients of a
-unit's inputs are computed at the same point of every rank's backward, after every node of the
-unit's forward that reads its weights. A unit is ready there (at its k-th post-backward if it
-ran k times) and reduces every trainable parameter, with zeros and usage flags where this
-rank has no gradient ([Note: usage flags]). Reductions are issued in one order on every rank:
-the reverse of the order in which units first ran forward (with grad) since they were last
-reduced; a ready unit waits for the units before it, and the end-of-backward callback issues
-whatever is left in that order (units whose inputs need no grad, like the first unit and the
-root), then the units backward reached that forward did not list (in unit order). A unit that
-backward does not reach on some ranks is therefore still reduced in the same place everywhere
-(it only delays the reductions after it on those ranks). A unit that runs forward on some
-ranks only, or that backward reaches on some ranks only under FULL_SHARD (its gather in
-backward is a collective), cannot be supported by any FSDP: the ranks' collectives differ.
+One iteration, hook by hook: iteration.py.
 """
 
 from __future__ import annotations
@@ -63,35 +38,25 @@ from typing import Any
 import torch
 import torch._dynamo
 from torch import nn
-from torch.utils._pytree import tree_map
 
 from fsdp_strategy.config import BackwardPrefetch, MixedPrecision, ShardingStrategy
 from fsdp_strategy.engine.accounting import MemoryAccount
 from fsdp_strategy.engine.clipping import clip_grad_norm
 from fsdp_strategy.engine.collectives import CommContext
-from fsdp_strategy.engine.group_agreement import GroupAgreement
 from fsdp_strategy.engine.guard import shard_used_by
-from fsdp_strategy.engine.iteration import BackwardPass, Step, autograd_running
-from fsdp_strategy.engine.optimizer_kinds import OptimizerKinds
+from fsdp_strategy.engine.iteration import BackwardPass, Step, autograd_running, cast_inputs
 from fsdp_strategy.engine.optimizer_steps import OptimizerSteps
 from fsdp_strategy.engine.order import ExecutionOrder, Prefetch
 from fsdp_strategy.engine.param import ShardedParam
 from fsdp_strategy.engine.reductions import Reductions, check_no_late_grads
 from fsdp_strategy.engine.replica_agreement import ReplicaAgreement
 from fsdp_strategy.engine.state import AfterPostBackward, Frame, UnitState
+from fsdp_strategy.engine.tensor_parallel import DOUBLE_BACKWARD_WITH_TENSOR_PARALLEL
 from fsdp_strategy.engine.trace import traced
 from fsdp_strategy.engine.unit import FSDPUnit
-from fsdp_strategy.engine.whole_matrix import WholeMatrixSteps
 from fsdp_strategy.options import UpdateKind
 
 log = logging.getLogger(__name__)
-
-DOUBLE_BACKWARD_WITH_TENSOR_PARALLEL = (
-    "fsdp_custom: a backward with create_graph=True (a gradient penalty, higher-order gradients) on a model with "
-    "tensor-parallel parameters is refused: torch 2.13's tensor parallel fails in a double backward on its own "
-    "('got mixed torch.Tensor and DTensor') and FSDP2 with it too. Train a model that needs a double backward "
-    "without a tensor-parallel plan (data parallel and sharding only: tensor_parallel_size=1)"
-)
 
 
 class Scheduler:
@@ -139,13 +104,8 @@ class Scheduler:
         self.lost_edits = units[0].lost_edits  # [Note: edits while gathered] in edits.py
         self._lower_param_dtype = any(p.param_dtype != p.sharded.dtype for unit in units for p in unit.params)
         self.reductions = Reductions(self.device_layer)  # the gradient reductions in flight (reductions.py)
-        shard_comm = units[0].shard_comm
-        params = [p for unit in units for p in unit.params]
-        sharded = shard_comm.size > 1
-        whole = WholeMatrixSteps(params, shard_comm, comm, device) if sharded else None
-        agreement = GroupAgreement(shard_comm, comm, device) if sharded else None
-        kinds = OptimizerKinds(optimizer_updates or {}, shard_comm, comm, params, device)
-        self.optimizer_steps = OptimizerSteps(units, self.device_layer, kinds, whole, agreement)
+        params = self.sharded_params()
+        self.optimizer_steps = OptimizerSteps.of(units, self.device_layer, comm, device, optimizer_updates)
         self.replicas = ReplicaAgreement.of(params, comm, device)  # [Note: TP replicas agree]; None without TP
         self.tensor_parallel = any(param.tp is not None for param in params)  # a 2-D (data x tensor) model
         self.hook_handles: list[Any] = list(guards)  # every module hook the engine registered on the model
@@ -161,14 +121,8 @@ class Scheduler:
             post = torch._dynamo.disable(functools.partial(self._post_forward, unit, state, backward), recursive=True)
             self.hook_handles.append(unit.module.register_forward_pre_hook(pre, with_kwargs=True, prepend=True))
             self.hook_handles.append(unit.module.register_forward_hook(post, always_call=True))
-            for param in unit.params:  # [Note: a backward no unit hook sees]; kept when it is unfrozen later
-                trainable = param.unsharded.requires_grad
-                param.unsharded.requires_grad_(True).register_post_accumulate_grad_hook(self._grad_accumulated)
-                param.unsharded.requires_grad_(trainable)
-                if not param.aliased:
-                    trainable = param.sharded.requires_grad
-                    param.sharded.requires_grad_(True).register_post_accumulate_grad_hook(shard_used_by(param))
-                    param.sharded.requires_grad_(trainable)
+            for param in unit.params:  # [Note: a backward no unit hook sees]
+                param.register_grad_hooks(self._grad_accumulated, shard_used_by(param))
 
     @traced("pre_forward")
     def _pre_forward(self, unit: FSDPUnit, state: UnitState, module: nn.Module, args: tuple, kwargs: dict) -> Any:
@@ -292,16 +246,7 @@ class Scheduler:
         self.observer.recorder.iteration += 1
         self.step = Step(forward_phase=("forward", torch.is_grad_enabled()))
         self._order.start(self.step.forward_phase)
-        dtype = self.mixed_precision.param_dtype
-        if dtype is not None:
-
-            def cast(value: Any) -> Any:
-                if isinstance(value, torch.Tensor) and value.is_floating_point():
-                    return value.to(dtype)
-                return value
-
-            args, kwargs = tree_map(cast, args), tree_map(cast, kwargs)
-        return args, kwargs
+        return cast_inputs(args, kwargs, self.mixed_precision.param_dtype)
 
     def _end_forward(self) -> None:
         """The outermost root forward returned: free what was prefetched and did not run."""

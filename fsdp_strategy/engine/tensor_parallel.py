@@ -249,3 +249,11 @@ def _checksum(tensor: torch.Tensor) -> torch.Tensor:
         weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device)
         return (flat.to(torch.float64) * weights).sum()
     return flat.to(torch.float64).sum()
+
+
+DOUBLE_BACKWARD_WITH_TENSOR_PARALLEL = (
+    "fsdp_custom: a backward with create_graph=True (a gradient penalty, higher-order gradients) on a model with "
+    "tensor-parallel parameters is refused: torch 2.13's tensor parallel fails in a double backward on its own "
+    "('got mixed torch.Tensor and DTensor') and FSDP2 with it too. Train a model that needs a double backward "
+    "without a tensor-parallel plan (data parallel and sharding only: tensor_parallel_size=1)"
+)

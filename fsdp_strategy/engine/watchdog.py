@@ -49,25 +49,28 @@ import sys
 import threading
 import time
 from collections import deque
-from datetime import timedelta
-from typing import Any, NamedTuple, NoReturn
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 
 from fsdp_strategy.engine.channel import StoreChannel, StoreLost
 from fsdp_strategy.engine.device import DeviceLayer, HostCopy
-from fsdp_strategy.engine.diagnosis import PeerLiveness, coordinates, first_line
+from fsdp_strategy.engine.diagnosis import PeerLiveness, first_line
 from fsdp_strategy.engine.flight import CollectiveRecord, FlightRecorder
-from fsdp_strategy.engine.reports import Reports, main_thread_place
+from fsdp_strategy.engine.reports import Reports
+from fsdp_strategy.engine.watch_limits import (
+    HEARTBEAT,
+    ORPHAN_GRACE,
+    PEER_CHECK_AFTER,
+    POLL,
+    SILENCE,
+    Limits,
+    flush_and_exit,
+    limits_for,
+)
 
 log = logging.getLogger(__name__)
-
-POLL = timedelta(seconds=0.2)
-HEARTBEAT = 1.0  # seconds between heartbeats
-SILENCE = 60.0  # seconds without a heartbeat after which a rank on another host, waited on, is taken for dead
-PEER_CHECK_AFTER = 2.0  # a wait this old makes the thread look at the peers (then every as many seconds)
-CONTROL_MARGIN = 30.0  # seconds the thread gives a blocking call beyond the process group's timeout
 
 
 class CollectiveError(RuntimeError):
@@ -75,40 +78,6 @@ class CollectiveError(RuntimeError):
 
     The message names the rank at fault and where every rank was ([Note: watchdog]).
     """
-
-
-class Limits(NamedTuple):
-    """Seconds a call may wait before the watchdog stops the job (``math.inf``: no limit)."""
-
-    collective: float  # the engine's collectives: ``collective_timeout``
-    control: float  # blocking control-plane calls: past the process group's own timeout
-
-
-def process_group_timeout(group: Any = None) -> float:
-    """Seconds of ``group``'s (default: the default group's) own timeout, torch's default if unknown."""
-    group = group or dist.group.WORLD
-    for device in ("cpu", "cuda"):
-        try:
-            return group._get_backend(torch.device(device)).options._timeout.total_seconds()
-        except (RuntimeError, AttributeError, ValueError):
-            continue
-    return dist.default_pg_timeout.total_seconds()
-
-
-def limits_for(collective_timeout: float | None) -> Limits:
-    """The limits of the default group: ``collective_timeout`` (None: the group's own timeout)."""
-    group_timeout = process_group_timeout()
-    collective = group_timeout if collective_timeout is None else collective_timeout
-    return Limits(collective, max(collective, group_timeout) + CONTROL_MARGIN)
-
-
-def _flush_and_exit() -> NoReturn:
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:
-            pass
-    os._exit(1)
 
 
 class Watchdog:
@@ -211,10 +180,7 @@ class Watchdog:
                 return
             self.reported_own = True
             self._end_at = None  # alive and unwinding: no deadline from another rank's report stays
-        self.reports.check_store_host()
-        place = coordinates(self.rank, self.reports.layout).removesuffix("; ")
-        name = f"rank {self.rank} ({place})" if place else f"rank {self.rank}"
-        self.reports.publish(f"{name} raised {first_line(error)}", None, "raised")
+        self.reports.publish_raised(error)
 
     def name_places(self, layout: tuple[int, int]) -> None:
         """Name each rank in reports by where it is on a 2-D run's ``(data_parallel, tensor_parallel)``
@@ -328,7 +294,7 @@ class Watchdog:
                 self.peer_lost = lost
 
     def _check_watched(self) -> None:
-        while self._watched and (self._watched[0].ended is not None or _completed(self._watched[0])):
+        while self._watched and (self._watched[0].ended is not None or self._watched[0].poll_completed()):
             self._watched.popleft()
         if not self._watched or self.error is not None:
             return
@@ -354,25 +320,8 @@ class Watchdog:
         if self._outside_published or self.reported_own or self.recorder.waiting is not None:
             return
         self._outside_published = True
-        latest = self.recorder.latest()
-        doing = f"its last collective: {latest.describe()}" if latest is not None else "no collective issued"
-        place, stack = main_thread_place()
-        self.reports.publish(
-            f"rank {self.rank} was not waiting in a collective of the engine: it was in {place} ({doing})",
-            None,
-            "outside",
-        )
         limit = self.limits.collective
-        log.warning(
-            "fsdp_custom: rank %d (node %d) is outside every collective, in %s, while the job stopped: %s. It goes "
-            "on and stops at its next collective%s. Its stack:\n%s",
-            self.rank,
-            self.node,
-            place,
-            (self.abort.splitlines() or [""])[0].removeprefix("fsdp_custom: "),
-            f" (or in {limit:g} s if it issues none)" if math.isfinite(limit) else "",
-            stack.rstrip(),
-        )
+        self.reports.publish_outside(self.abort, limit)
         with self._lock:  # unless this rank raised meanwhile: alive and unwinding, it is not ended
             if not self.reported_own and self.error is None:
                 self._end_after(self.abort, limit, f"this rank issued no collective for {limit:g} s after it")
@@ -427,7 +376,7 @@ class Watchdog:
         """End a wedged process at once; otherwise stop the thread before the interpreter tears down
         what its store calls use (a thread left running can abort the exit in C++)."""
         if self.error is not None:
-            _flush_and_exit()
+            flush_and_exit()
         self.stop()
         self._thread.join(timeout=10.0)
 
@@ -440,27 +389,10 @@ class Watchdog:
     def _end(reason: str, why: str) -> NoReturn:
         reason = reason.removeprefix("fsdp_custom: ")
         sys.stderr.write(f"fsdp_custom: ending this process ({why}): {reason}\n")
-        _flush_and_exit()
+        flush_and_exit()
 
     def stop(self) -> None:
         """Stop the thread (the process group is going away, or a new run starts); a store call in
         flight ends within its timeout and is not retried."""
         self._stop.set()
         self._channel.close()
-
-
-ORPHAN_GRACE = 3.0  # seconds a failed job's rank outside every collective outlives the process that started it
-
-
-def _completed(record: CollectiveRecord) -> bool:
-    if record.work is None or not record.work.is_completed():
-        return False
-    record.ended, record.work = time.time(), None
-    return True
-
-
-def enable_nccl_flight_recorder() -> None:
-    """Turn on torch's own NCCL flight recorder and its dump on timeout, unless the user set them.
-    Must run before the NCCL process group is created. Costs: torch's ring of 2,000 entries."""
-    os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
-    os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
