@@ -76,6 +76,7 @@ class TrainerCheckpoints:
         self._to_load: _CheckpointToLoad | None = None  # read by ``read``, applied in setup
         self._setup_open = False  # a setup of the training dataloaders is being processed ([Note: ...] below)
         self._resumed_setup = False  # whether a data position was loaded into it
+        self._several_loaders = False  # the setup has several training dataloaders: no position saved
         self._unstepped_epoch: int | None = None  # resumed before this epoch's end hooks ran
 
     def model_state(self, model: Any) -> dict[str, Any]:
@@ -141,7 +142,7 @@ class TrainerCheckpoints:
                 "`FSDPCustomStrategy.save_checkpoint(..., storage_options=...)` is not supported with "
                 "state_dict_type='sharded': the sharded save does not use the CheckpointIO (as Lightning's FSDP)"
             )
-        if self.data_position is not None and "loops" in checkpoint:
+        if self.data_position is not None and "loops" in checkpoint and not self._several_loaders:
             pending = pending_batches(trainer)  # [Note: a step half accumulated]
             position = self.data_position.state_dict(pending)
             if not pending and model is not None and get_scheduler(model).optimizer_steps.unapplied_gradients():
@@ -242,10 +243,11 @@ class TrainerCheckpoints:
         """Make the training dataloader resumable mid-epoch, also on another world size (data.py)."""
         if trainer is None or not trainer.training:
             return dataloader
-        if self._setup_open:  # [Note: one training dataloader positioned]
-            self._warn_other_loaders(dataloader)
+        if self._setup_open:  # [Note: several training dataloaders]
+            self._warn_other_loaders()
             return dataloader
         self._setup_open, self._resumed_setup = True, self._data_position_to_load is not None
+        self._several_loaders = False
         self._say_unstepped_plateau(trainer)
         progress = trainer.fit_loop.epoch_loop.batch_progress
         loader, self.data_position = make_resumable(dataloader, lambda: progress.current.processed)
@@ -272,18 +274,21 @@ class TrainerCheckpoints:
         self._setup_open = False
         self.resume_notice.remove()
 
-    def _warn_other_loaders(self, dataloader: Any) -> None:
-        """[Note: one training dataloader positioned] A checkpoint holds one data position: that of
-        the first training dataloader (of a ``CombinedLoader``). The others are left as they are;
-        where a resume positioned the first, they start their epoch again (as under DDP), so the
-        resume is not exact and says so, with Lightning's own warning shown again."""
-        if not self._resumed_setup:
+    def _warn_other_loaders(self) -> None:
+        """[Note: several training dataloaders] A fit with several training dataloaders (a
+        ``CombinedLoader``) saves no data position: its loaders' positions do not follow from the
+        epoch's batch count alone (in ``max_size_cycle`` a shorter one starts again within the
+        epoch), so a resume from inside an epoch starts each again from its first batch, as under
+        DDP, and Lightning's warning says so (shown again here if a position, of an older
+        checkpoint, was applied to the first). Said once per setup."""
+        if self._several_loaders:
             return
+        self._several_loaders = True
         self.resume_notice.remove()
         rank_zero_warn(
-            f"fsdp_custom: this fit has several training dataloaders; the checkpoint positions the first only, and "
-            f"this one ({type(dataloader).__name__}) starts its epoch again from its first batch: the samples of the "
-            "following steps differ from those of an uninterrupted run (the resume of the first is exact)"
+            "fsdp_custom: this fit has several training dataloaders: its checkpoints hold no data position, so a "
+            "resume from inside an epoch starts each of them again from its first batch (as under DDP): the samples "
+            "of the steps after it differ from those of an uninterrupted run"
         )
 
     def _say_what_resumes(self, dataloader: Any, saved: dict[str, int], world_size: int) -> None:

@@ -544,15 +544,12 @@ MUTATIONS = [
     ),
     Mutation(
         "other_training_loaders_unsaid",
-        "with several training dataloaders, a resume positions one and says 'exactly' while the others restart "
-        "their epoch",
+        "a fit with several training dataloaders saves the first one's position: cycling inside the epoch, it "
+        "is applied past its end at a resume, which skips the rest of the epoch and says 'exactly'",
         "fsdp_strategy/strategy_checkpoints.py",
-        "        if self._setup_open:  # [Note: one training dataloader positioned]\n",
-        "        if False:\n",
-        (
-            "tests/test_resume_stops.py::"
-            "test_a_resume_with_several_training_dataloaders_says_only_the_first_is_positioned",
-        ),
+        "        self._several_loaders = True\n",
+        "        self._several_loaders = False\n",
+        ("tests/test_resume_stops.py::test_a_fit_with_several_training_dataloaders_saves_no_position_and_says_so",),
     ),
     Mutation(
         "resumed_skip_rounded_to_batches",

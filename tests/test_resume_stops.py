@@ -15,10 +15,11 @@ import time
 import warnings
 
 import lightning as L
+import lightning_utilities.core.rank_zero
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import run_ranks
+from dist_utils import LogLines, run_ranks
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from test_strategy import LIGHTNING_ENV, quiet_trainer
@@ -79,10 +80,10 @@ class Indexed(L.LightningModule):
         return torch.optim.Adam(self.parameters(), lr=1e-2)
 
 
-def _data(world: int, per_rank: int | None = None) -> DataLoader:
-    x = torch.randn(SAMPLES, 5, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+def _data(world: int, per_rank: int | None = None, samples: int = SAMPLES) -> DataLoader:
+    x = torch.randn(samples, 5, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     batch = per_rank or GLOBAL_BATCH // world
-    return DataLoader(TensorDataset(x, torch.arange(SAMPLES)), batch_size=batch, shuffle=True)
+    return DataLoader(TensorDataset(x, torch.arange(samples)), batch_size=batch, shuffle=True)
 
 
 def _trainer(world: int, root: str, state: str = "sharded", epoch_end_save: bool = False, grid: int = GRID, **stop):
@@ -354,30 +355,33 @@ class TwoLoaders(Indexed):
         return super().training_step(batch["a"], batch_idx)
 
 
-def _two_loaders_body(rank: int, world: int, root: str) -> list[str]:
-    told = []
-    for ckpt, steps in ((None, 3), (f"{root}/last.ckpt", 5)):
-        trainer = L.Trainer(
-            strategy=FSDPCustomStrategy(state_dict_type="sharded"),
-            accelerator="cpu",
-            devices=world,
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            callbacks=[ModelCheckpoint(dirpath=root, every_n_train_steps=GRID, save_last=True)],
-            max_steps=steps,
-        )
+def _two_loaders_body(rank: int, world: int, root: str) -> dict:
+    """Two loaders in Lightning's default ``max_size_cycle``: "a" (48 samples, 4 steps) starts again
+    inside the epoch of "b" (96, 8 steps). Stopped at step 6 ("a" in its second cycle), resumed."""
+    out = {}
+    for name, ckpt, steps in (("stopped", None, 6), ("resumed", f"{root}/last.ckpt", 10)):
+        handler = LogLines()
+        lightning_utilities.core.rank_zero.log.addHandler(handler)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            trainer.fit(TwoLoaders(), {"a": _data(world), "b": _data(world)}, ckpt_path=ckpt)
-        told += [str(w.message) for w in caught if "fsdp_custom" in str(w.message)]
-    return told
+            loaders = {"a": _data(world, samples=48), "b": _data(world)}
+            _trainer(world, root, "full", max_steps=steps).fit(TwoLoaders(), loaders, ckpt_path=ckpt)
+        lightning_utilities.core.rank_zero.log.removeHandler(handler)
+        out[name] = handler.lines + [str(w.message) for w in caught]
+    out["saved"] = sorted(torch.load(f"{root}/last.ckpt", weights_only=False))
+    return out
 
 
-def test_a_resume_with_several_training_dataloaders_says_only_the_first_is_positioned(tmp_path):
-    told = run_ranks(_two_loaders_body, 2, tmp_path, str(tmp_path), env=LIGHTNING_ENV, timeout=300)[0]
-    several = [line for line in told if "several training dataloaders" in line]
-    assert len(several) == 1 and "starts its epoch again from its first batch" in several[0], told
+def test_a_fit_with_several_training_dataloaders_saves_no_position_and_says_so(tmp_path):
+    """[Note: several training dataloaders]: no position (a first loader's, cycling inside the epoch, was
+    applied past its end: the rest of the epoch skipped, "exactly" printed); the resume says what differs."""
+    out = run_ranks(_two_loaders_body, 2, tmp_path, str(tmp_path), env=LIGHTNING_ENV, timeout=300)[0]
+    assert "fsdp_custom_data_position" not in out["saved"], out["saved"]
+    for name in ("stopped", "resumed"):
+        several = [line for line in out[name] if "several training dataloaders" in line]
+        assert len(several) == 1 and "starts each of them again from its first batch" in several[0], out[name]
+    resumed = " ".join(out["resumed"])
+    assert "exactly" not in resumed and "your dataloader is not resumable" in resumed, out["resumed"]
 
 
 def _second_fit_body(rank: int, world: int, root: str) -> dict:
