@@ -63,7 +63,7 @@ class WatchedProcesses:
             return None
         mesh = self._parallel.build(self.num_nodes, self.num_processes, device)
         if self._watch.dog is not None:
-            self._watch.dog.name_places(tuple(mesh.shape))
+            self._watch.dog.reports.layout = tuple(mesh.shape)  # "rank 3 (data 1, tensor 1; node 0, ...)"
         return mesh
 
     def barrier(self, name: str | None = None) -> None:

@@ -543,6 +543,15 @@ MUTATIONS = [
         ),
     ),
     Mutation(
+        "raised_ranks_stop_each_other",
+        "when every rank raised, another rank's report stops this rank's on_exception collectives (the "
+        "save_on_exception checkpoint fails by a race)",
+        "fsdp_strategy/engine/watchdog.py",
+        "        if self.abort is not None and not (self.reported_own and self._abort_raised):\n",
+        "        if self.abort is not None:\n",
+        ("tests/test_watchdog.py::test_ranks_that_all_raised_run_their_exception_handlers_collectives_together",),
+    ),
+    Mutation(
         "other_training_loaders_unsaid",
         "a fit with several training dataloaders saves the first one's position: cycling inside the epoch, it "
         "is applied past its end at a resume, which skips the rest of the epoch and says 'exactly'",

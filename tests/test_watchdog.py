@@ -181,6 +181,30 @@ def test_a_rank_outside_collectives_goes_on_and_its_next_collective_raises_at_on
     assert "First report: rank 1 raised ValueError: a failure of rank 1's own" in first["error"]
 
 
+def _every_rank_raised_body(rank: int, world: int) -> dict:
+    dog = Watchdog.start()
+    comm, ctx = CommGroup.of(dist.group.WORLD), CommContext(CollectiveMonitor(watchdog=dog))
+    all_reduce(torch.ones(4), comm, ctx, "warm-up").wait()
+    if rank == 0:
+        dog.report_exception(ValueError("the same failing step"))
+    else:
+        time.sleep(3)  # rank 0's report is read by now
+        dog.report_exception(ValueError("the same failing step"))
+    try:  # what every rank's on_exception does together: save_on_exception's collectives
+        all_reduce(torch.ones(4), comm, ctx, "on_exception").wait()
+    except CollectiveError as error:
+        return {"error": str(error)}
+    return {"error": None, "stopped": dog.abort is not None if rank == 1 else None}
+
+
+def test_ranks_that_all_raised_run_their_exception_handlers_collectives_together(tmp_path):
+    """Every rank raised (the same failing step): another rank's report does not stop this rank's
+    collectives in ``on_exception`` (a checkpoint ``save_on_exception`` writes); it did, by a race."""
+    results = run_ranks(_every_rank_raised_body, 2, tmp_path, timeout=60)
+    assert [result["error"] for result in results] == [None, None], results
+    assert results[1]["stopped"], results  # rank 1 had read rank 0's report before its collective
+
+
 def _stopped_peer_body(rank: int, world: int) -> str:
     comm, ctx = CommGroup.of(dist.group.WORLD), CommContext(CollectiveMonitor(watchdog=Watchdog.start(2.0)))
     pids = [None] * world

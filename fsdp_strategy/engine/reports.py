@@ -106,7 +106,7 @@ class Reports:
         try:
             self.channel.set(f"report/{self.rank}", json.dumps(report))
             if kind != "outside":
-                self.channel.set_first("abort", json.dumps({"rank": self.rank, "reason": reason}))
+                self.channel.set_first("abort", json.dumps({"rank": self.rank, "reason": reason, "kind": kind}))
         except StoreLost as error:  # the store's host is gone: the report stays local
             log.debug("fsdp_custom watchdog: cannot publish: %s", error)
 

@@ -19,7 +19,8 @@ from what the ranks published, with diagnosis.py's sentences):
   of another rank's report, of a peer this rank waits on having died (its process gone on this
   host, or on another host its heartbeat silent for ``SILENCE`` s), of an error of the wait, or
   of the wait outliving its limit. A collective issued after another rank's report raises at
-  once. On NCCL ``wait()`` only orders streams; the thread watches the oldest unfinished
+  once, unless both ranks raised exceptions of their own (their ``on_exception`` runs together).
+  On NCCL ``wait()`` only orders streams; the thread watches the oldest unfinished
   collective (and blocking calls) and reads the order stamps ([Note: order stamps]) once their
   event has passed; there it ends the process, since the host cannot be unblocked otherwise.
 - Never ended for another's failure: a rank outside every collective when another rank reports
@@ -103,6 +104,7 @@ class Watchdog:
         self._lock = threading.Lock()
         self.error: CollectiveError | None = None  # this rank's failure; every later collective raises it again
         self.abort: str | None = None  # another rank's first report, seen by the thread
+        self._abort_raised = False  # ... was an exception that rank raised (not a failed collective)
         self.peer_lost: str | None = None  # a rank this one waits on has died, seen by the thread
         self.reported_own = False  # this rank published an exception of its own
         self._channel = channel
@@ -182,11 +184,6 @@ class Watchdog:
             self._end_at = None  # alive and unwinding: no deadline from another rank's report stays
         self.reports.publish_raised(error)
 
-    def name_places(self, layout: tuple[int, int]) -> None:
-        """Name each rank in reports by where it is on a 2-D run's ``(data_parallel, tensor_parallel)``
-        ``layout`` as well: "rank 3 (data 1, tensor 1; node 0, ...)"."""
-        self.reports.layout = layout
-
     def fail(self, record: CollectiveRecord | None, reason: str, cause: BaseException | None = None) -> NoReturn:
         """Publish, diagnose, and raise the ``CollectiveError`` of this rank's failure."""
         if self.error is None:
@@ -199,15 +196,16 @@ class Watchdog:
         raise self.error from cause
 
     def _stopped_by(self) -> str | None:
-        if self.abort is not None:
+        """Another rank's report, unless both raised exceptions of their own (their ``on_exception``
+        work, ``save_on_exception``'s collectives, goes on together); a peer that died."""
+        if self.abort is not None and not (self.reported_own and self._abort_raised):
             return "another rank stopped the job"
         return self.peer_lost
 
     @staticmethod
     def _over_limit(record: CollectiveRecord) -> str | None:
-        if record.limit is None or record.waited() <= record.limit:
-            return None
-        return f"it waited {record.waited():.1f} s (collective_timeout={record.limit:g} s)"
+        over = record.limit is not None and record.waited() > record.limit
+        return f"it waited {record.waited():.1f} s (collective_timeout={record.limit:g} s)" if over else None
 
     def _end_after(self, reason: Any, seconds: float, why: str) -> None:
         """Set the deadline to end this process for ``reason`` in ``seconds``; ``why`` says what
@@ -267,6 +265,7 @@ class Watchdog:
             if first["rank"] != self.rank:
                 with self._lock:
                     self.abort = self.reports.abort_seen = first["reason"]
+                    self._abort_raised = first.get("kind") == "raised"
 
     def _check_device(self) -> None:
         while self._unverified and self._unverified[0][1].landed():
