@@ -552,6 +552,14 @@ MUTATIONS = [
         ("tests/test_watchdog.py::test_ranks_that_all_raised_run_their_exception_handlers_collectives_together",),
     ),
     Mutation(
+        "double_backward_inside_the_root_passes",
+        "a gradient penalty through tensor-parallel layers inside the root's forward (one unit) trains wrong",
+        "fsdp_strategy/engine/tensor_parallel.py",
+        "        if torch.is_grad_enabled():\n            raise RuntimeError(DOUBLE_BACKWARD_WITH_TENSOR_PARALLEL)\n",
+        "        return None\n",
+        ("tests/test_tensor_parallel.py::test_what_breaks_two_dimensional_training_in_use_is_named",),
+    ),
+    Mutation(
         "other_training_loaders_unsaid",
         "a fit with several training dataloaders saves the first one's position: cycling inside the epoch, it "
         "is applied past its end at a resume, which skips the rest of the epoch and says 'exactly'",

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_utils import run_ranks
+from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, loss_parallel, parallelize_module
@@ -162,7 +163,6 @@ def _attempt(build) -> str:
 
 
 def _refusals(rank: int, world: int) -> dict[str, str]:
-    from torch import nn
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("data_parallel", "tensor_parallel"))
@@ -683,10 +683,27 @@ def _error_of(run) -> str:
     return "no error"
 
 
+class PenalizedLM(nn.Module):
+    """A loss with a gradient penalty on the embeddings computed inside the forward, as a Trainer's
+    ``training_step`` does inside the root's forward: ``torch.autograd.grad`` passes no unit's hook."""
+
+    def __init__(self, lm: TinyLM) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        embedded = self.lm.tok(tokens)
+        hidden = embedded
+        for layer in self.lm.layers:
+            hidden = layer(hidden)
+        loss = lm_loss(self.lm.out(self.lm.norm(hidden)), targets)
+        (grad,) = torch.autograd.grad(loss, embedded, create_graph=True)
+        return loss + grad.pow(2).sum()
+
+
 def _misuses(rank: int, world: int) -> dict[str, str]:
     """A plan whose norms lack their SequenceParallel style (replicas train apart), a plan applied
     after sharding, a parameter replaced after sharding, and a double backward of a 2-D model."""
-    from torch import nn
 
     mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("data_parallel", "tensor_parallel"))
     data = mesh["data_parallel"].get_group()
@@ -722,7 +739,13 @@ def _misuses(rank: int, world: int) -> dict[str, str]:
         grads = torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad], create_graph=True)
         sum(g.pow(2).sum() for g in grads).backward()
 
-    cases = (forgotten_norms, plan_after_sharding, replaced_after_sharding, double_backward)
+    def penalty_inside_the_root() -> None:  # the whole model one unit, the penalty inside its forward
+        torch.manual_seed(0)
+        model = PenalizedLM(parallelize(TinyLM(), mesh["tensor_parallel"]))
+        shard_model(model, process_group=data)
+        model(tokens, targets).backward()
+
+    cases = (forgotten_norms, plan_after_sharding, replaced_after_sharding, double_backward, penalty_inside_the_root)
     return {case.__name__: _error_of(case) for case in cases}
 
 
@@ -731,7 +754,8 @@ def test_what_breaks_two_dimensional_training_in_use_is_named(tmp_path):
     computes its weight's gradient from its part of the sequence. Every healthy case above runs the
     same check (no false alarm in fp32, float64, bf16, offload, accumulation). A plan applied after
     sharding, a parameter replaced after it, and a double backward (which torch's tensor parallel
-    fails alone) are refused, naming the fix."""
+    fails alone; also one inside the root's forward, which passes no unit's hook) are refused,
+    naming the fix."""
     for told in run_ranks(_misuses, 2, tmp_path):
         norms = told["forgotten_norms"]
         assert "layers.0.norm.weight, layers.0.norm.bias" in norms, norms
@@ -743,5 +767,5 @@ def test_what_breaks_two_dimensional_training_in_use_is_named(tmp_path):
         replaced = told["replaced_after_sharding"]
         assert "'out.weight'" in replaced and "now a Parameter" in replaced, replaced
         assert "replaced after the model was sharded" in replaced, replaced
-        assert "create_graph=True" in told["double_backward"], told["double_backward"]
-        assert "tensor_parallel_size=1" in told["double_backward"], told["double_backward"]
+        for case in ("double_backward", "penalty_inside_the_root"):
+            assert "create_graph=True" in told[case] and "tensor_parallel_size=1" in told[case], told[case]

@@ -51,7 +51,7 @@ from fsdp_strategy.engine.param import ShardedParam
 from fsdp_strategy.engine.reductions import Reductions, check_no_late_grads
 from fsdp_strategy.engine.replica_agreement import ReplicaAgreement
 from fsdp_strategy.engine.state import AfterPostBackward, Frame, UnitState
-from fsdp_strategy.engine.tensor_parallel import DOUBLE_BACKWARD_WITH_TENSOR_PARALLEL
+from fsdp_strategy.engine.tensor_parallel import DOUBLE_BACKWARD_WITH_TENSOR_PARALLEL, refuse_double_backward_through
 from fsdp_strategy.engine.trace import traced
 from fsdp_strategy.engine.unit import FSDPUnit
 from fsdp_strategy.options import UpdateKind
@@ -123,6 +123,8 @@ class Scheduler:
             self.hook_handles.append(unit.module.register_forward_hook(post, always_call=True))
             for param in unit.params:  # [Note: a backward no unit hook sees]
                 param.register_grad_hooks(self._grad_accumulated, shard_used_by(param))
+        owners = {id(use.module): use.module for p in self.sharded_params() if p.tp is not None for use in p.uses}
+        self.hook_handles += refuse_double_backward_through(owners.values())  # [Note: a double backward through TP]
 
     @traced("pre_forward")
     def _pre_forward(self, unit: FSDPUnit, state: UnitState, module: nn.Module, args: tuple, kwargs: dict) -> Any:

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.utils._pytree import tree_leaves
 
 from fsdp_strategy.engine.collectives import CommGroup
 
@@ -257,3 +258,26 @@ DOUBLE_BACKWARD_WITH_TENSOR_PARALLEL = (
     "('got mixed torch.Tensor and DTensor') and FSDP2 with it too. Train a model that needs a double backward "
     "without a tensor-parallel plan (data parallel and sharding only: tensor_parallel_size=1)"
 )
+
+
+def refuse_double_backward_through(modules: Iterable[nn.Module]) -> list[Any]:
+    """[Note: a double backward through tensor parallel] A backward with ``create_graph=True`` that
+    passes no unit's output hook (a gradient penalty computed inside the root's forward: a Trainer's
+    ``training_step`` with the whole model one unit, ``torch.autograd.grad`` of an activation) is
+    refused where it passes a module holding tensor-parallel parameters: forward hooks on those
+    modules put, while grad is enabled, a hook on each output tensor that raises in a backward run
+    with grad enabled. Returns the hooks' handles. Costs: one tensor hook per output of such a
+    module per forward with grad."""
+
+    def check(grad: torch.Tensor) -> None:
+        if torch.is_grad_enabled():
+            raise RuntimeError(DOUBLE_BACKWARD_WITH_TENSOR_PARALLEL)
+
+    @torch._dynamo.disable
+    def hook(module: nn.Module, args: Any, output: Any) -> None:
+        if torch.is_grad_enabled():
+            for tensor in tree_leaves(output):
+                if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                    tensor.register_hook(check)
+
+    return [module.register_forward_hook(hook) for module in modules]
