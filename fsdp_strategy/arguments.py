@@ -267,6 +267,9 @@ class StrategyArguments:
     def _take_arguments(self, arguments: Mapping[str, Any], async_save: bool = False) -> None:
         """Check ``arguments`` (the constructor's ``locals()``) and keep them; a bad one raises
         naming the argument, the value and what is accepted."""
+        if arguments.get("auto_wrap_policy") == "auto":  # refused with tensor parallel before the budget is read
+            sizes = arguments.get("data_parallel_size"), arguments.get("tensor_parallel_size")
+            check_parallel_sizes(*sizes, hybrid=False, device_mesh=None, budget=True)
         self._budget = BudgetRequest.from_arguments(arguments)
         if self._budget is not None:
             arguments = {**arguments, "auto_wrap_policy": None}  # chosen before the model is sharded

@@ -322,6 +322,11 @@ def test_the_setup_line_says_that_shards_are_offloaded(tmp_path):
             ValueError,
             "tensor_parallel_size=2 with a hybrid sharding_strategy.*'FULL_SHARD'",
         ),
+        (  # named first, before the budget the memory plan would ask for
+            {"tensor_parallel_size": 2, "auto_wrap_policy": "auto"},
+            ValueError,
+            "tensor_parallel_size=2 with auto_wrap_policy='auto' is not supported",
+        ),
         ({"limit_all_gathers": False}, ValueError, "limit_all_gathers=False has no meaning.*one all-gather ahead"),
         ({"use_orig_params": False}, ValueError, "use_orig_params=False has no meaning.*flat parameters"),
         ({"use_orig_params": 1}, ValueError, "use_orig_params=1 has no meaning"),  # True itself, as FSDP's bool
