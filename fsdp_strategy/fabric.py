@@ -36,7 +36,6 @@ from torch.utils.data import DataLoader
 from fsdp_strategy.arguments import STRATEGY_VARIANTS, StrategyArguments, apply_recomputation
 from fsdp_strategy.checkpoint.writer import CheckpointWriter
 from fsdp_strategy.config import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
-from fsdp_strategy.distributed import set_world_ranks
 from fsdp_strategy.distributed.tensor_parallel import ParallelMesh
 from fsdp_strategy.engine import get_scheduler, is_sharded, shard_with_options
 from fsdp_strategy.fabric_checkpoints import FabricCheckpoints
@@ -142,25 +141,12 @@ class FSDPCustomFabricStrategy(StrategyArguments, WatchedProcesses, LightningFSD
     # ---- Fabric plumbing ----------------------------------------------------------------
 
     @property
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
     def num_nodes(self) -> int:
         return self._num_nodes
 
     @num_nodes.setter
     def num_nodes(self, num_nodes: int) -> None:
         self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    def process_group_backend(self) -> str | None:
-        return self._process_group_backend
 
     @property
     def checkpoint_io(self) -> CheckpointIO:
@@ -245,13 +231,7 @@ class FSDPCustomFabricStrategy(StrategyArguments, WatchedProcesses, LightningFSD
         self.setup_environment()
 
     def _set_world_ranks(self) -> None:
-        set_world_ranks(self)
-
-    def _get_process_group_backend(self) -> str:
-        """The backend in use (or about to be: gloo on a CPU, nccl on CUDA), as Fabric's."""
-        from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device
-
-        return self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        self.set_world_ranks()
 
     def module_to_device(self, module: nn.Module) -> None:
         """Nothing: ``setup_module`` moves each unit's shards to the device as it shards them."""

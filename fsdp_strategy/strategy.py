@@ -41,7 +41,6 @@ from fsdp_strategy.arguments import (
 )
 from fsdp_strategy.checkpoint.writer import CheckpointWriter
 from fsdp_strategy.config import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
-from fsdp_strategy.distributed import set_world_ranks
 from fsdp_strategy.distributed.tensor_parallel import ParallelMesh
 from fsdp_strategy.engine import Scheduler, get_scheduler, is_sharded, shard_with_options
 from fsdp_strategy.engine.ledger import CommLedger
@@ -191,9 +190,6 @@ class FSDPCustomStrategy(StrategyArguments, WatchedProcesses, AgreedStopHooks, L
         if mesh is not None and module is not None:  # configure_model reads it (ModelParallelStrategy's place)
             module._device_mesh = mesh
 
-    def set_world_ranks(self) -> None:
-        set_world_ranks(self)
-
     @contextmanager
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
         """Create the model on the meta device (``empty_init``) or the CPU; setup shards it to the device."""
@@ -240,6 +236,10 @@ class FSDPCustomStrategy(StrategyArguments, WatchedProcesses, AgreedStopHooks, L
         offloaded, layout = options.cpu_offload.offload_params, self._parallel.describe()
         rank_zero_info(describe_sharding(model, self.sharding_strategy.value, self.world_size, layout, offloaded))
         return model
+
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        """Lightning's base one (its FSDPStrategy's adds FSDP1's flat-parameter checks), fresh each stage."""
+        ParallelStrategy.setup_optimizers(self, trainer)
 
     @contextmanager
     def model_sharded_context(self) -> Generator[None, None, None]:

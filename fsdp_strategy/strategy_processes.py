@@ -6,13 +6,17 @@ started on them, the sampler's replicas over them, and Lightning's ``barrier``, 
 
 A base class of both strategies, before Lightning's: it reads the strategy's own attributes
 (``cluster_environment``, the watchdog part ``_watch``, the 2-D mesh ``_parallel``, ...), as
-Lightning's ``ParallelStrategy`` methods it replaces do.
+Lightning's ``ParallelStrategy`` methods it replaces do. It also defines the plain accessors
+Lightning's ``FSDPStrategy`` defines (``root_device``, ...), so that nothing of ours falls back to
+that class (tests/test_lightning_compat.py).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
+from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.strategies.strategy import TBroadcast
 from torch import Tensor
@@ -25,6 +29,34 @@ class WatchedProcesses:
     group's rendezvous and the watchdog's thread at setup; per watched call, a few host reads."""
 
     _launcher_class: type  # Lightning's ``_SubprocessScriptLauncher``: the Trainer's, or Fabric's
+
+    @property
+    def root_device(self) -> torch.device:
+        """This rank's device."""
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        """Processes per node (the devices given)."""
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def process_group_backend(self) -> str | None:
+        """The backend of the process group once created (None before)."""
+        return self._process_group_backend
+
+    def _get_process_group_backend(self) -> str:
+        """The backend in use (or about to be: gloo on a CPU, nccl on CUDA), as Lightning's."""
+        return self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+
+    def _determine_device_ids(self) -> list[int] | None:
+        """The rank's device index on an accelerator, else None (Lightning's barrier asks; ours is watched)."""
+        return None if self.root_device.type == "cpu" else [self.root_device.index]
+
+    def set_world_ranks(self) -> None:
+        """Global rank and world size from the node rank, local rank and processes per node."""
+        set_world_ranks(self)
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -46,7 +78,7 @@ class WatchedProcesses:
 
     def _set_ranks_and_mesh_shape(self) -> None:
         """Set the ranks, and check the mesh against the world size (before any process group exists)."""
-        set_world_ranks(self)
+        self.set_world_ranks()
         self._device_mesh = mesh_shape(self._device_mesh, self.sharding_strategy, self.num_nodes, self.num_processes)
 
     def _open_process_groups(self, dump_dir: str | None) -> Any:

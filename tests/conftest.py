@@ -38,6 +38,16 @@ def _in_own_folder(tmp_path, monkeypatch):
     (the restarted rank is then told "run ID ... is in use"), which no user's launcher does."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("WANDB_SERVICE", raising=False)
+    for name in LAUNCH_VARIABLES:  # restored after the test: [Note: a clean launch environment]
+        monkeypatch.delenv(name, raising=False)
+
+
+LAUNCH_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK", "GLOBAL_RANK", "WORLD_SIZE", "RANK")
+"""[Note: a clean launch environment] An in-process Trainer or Fabric run sets these in the test
+process's environment (Lightning's launcher exports them); a later test that starts a job inherited
+them, and with LOCAL_RANK set Lightning's launcher takes the job for an already launched rank and
+starts no other: rank 0 waited for rank 1 for ever (test_fabric's dead-rank job after
+test_strategy). Each test starts without them, and what a test sets is undone after it."""
 
 
 def pytest_report_header(config) -> str:
