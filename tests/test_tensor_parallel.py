@@ -745,7 +745,22 @@ def _misuses(rank: int, world: int) -> dict[str, str]:
         shard_model(model, process_group=data)
         model(tokens, targets).backward()
 
-    cases = (forgotten_norms, plan_after_sharding, replaced_after_sharding, double_backward, penalty_inside_the_root)
+    def double_backward_past_the_plan() -> None:  # its path reaches no tensor-parallel module: the unit refuses
+        torch.manual_seed(0)
+        lm = parallelize(TinyLM(), mesh["tensor_parallel"])
+        model = nn.Sequential(lm, nn.Linear(lm.out.out_features, lm.out.out_features))
+        shard_model(model, auto_wrap_policy={Block}, process_group=data)
+        (grad,) = torch.autograd.grad(lm_loss(model(tokens), targets), [model[1].weight], create_graph=True)
+        grad.pow(2).sum().backward()
+
+    cases = (
+        forgotten_norms,
+        plan_after_sharding,
+        replaced_after_sharding,
+        double_backward,
+        penalty_inside_the_root,
+        double_backward_past_the_plan,
+    )
     return {case.__name__: _error_of(case) for case in cases}
 
 
@@ -767,5 +782,5 @@ def test_what_breaks_two_dimensional_training_in_use_is_named(tmp_path):
         replaced = told["replaced_after_sharding"]
         assert "'out.weight'" in replaced and "now a Parameter" in replaced, replaced
         assert "replaced after the model was sharded" in replaced, replaced
-        for case in ("double_backward", "penalty_inside_the_root"):
+        for case in ("double_backward", "penalty_inside_the_root", "double_backward_past_the_plan"):
             assert "create_graph=True" in told[case] and "tensor_parallel_size=1" in told[case], told[case]
