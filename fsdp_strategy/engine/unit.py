@@ -355,9 +355,10 @@ class FSDPUnit:
         """Discard the stashed gradients whose parameters' gradients were zeroed since ([Note:
         zero_grad under no_sync] in param.py)."""
         cleared = [param for param in self.params if param.stash_cleared()]
-        self.memory.freed(self.name, sum(param.stashed_nbytes for param in cleared), "stashed_grads")
-        for param in cleared:
-            param.stashed_grad = None
+        if cleared:  # rare: the common reduction only looks (no stash, or one still current)
+            self.memory.freed(self.name, sum(param.stashed_nbytes for param in cleared), "stashed_grads")
+            for param in cleared:
+                param.stashed_grad = None
 
     def drop_grads(self) -> None:
         """Discard every full and stashed gradient of the unit (a failed iteration)."""
