@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -35,6 +35,7 @@ class ResumableDistributedSampler(DistributedSampler):
 
     skip = 0  # global samples of ``skip_epoch`` already consumed (see [Note: global sample order])
     skip_epoch = -1
+    skip_taken = False  # the skipped epoch's first pass has begun: a second pass of it is whole
 
     def epoch_order(self) -> list[int]:
         """The epoch's order over the dataset (shuffled with ``seed + epoch``), before padding."""
@@ -53,14 +54,15 @@ class ResumableDistributedSampler(DistributedSampler):
 
     def __iter__(self) -> Iterator[int]:
         order = self.epoch_order()
-        start = self.skipped()
+        start = 0 if self.skip_taken else self.skipped()  # [Note: several training dataloaders]: a cycle
+        self.skip_taken = self.skip_taken or self.epoch == self.skip_epoch
         # cut before padding: at another world size the padding differs, and the rest is each untaken sample once
         rest = self.dealt(order[start:], order)
         return iter(rest[self.rank :: self.num_replicas])
 
     def resume_from(self, epoch: int, consumed: int) -> None:
         """Skip the first ``consumed`` global samples when ``epoch`` is iterated next."""
-        self.skip_epoch, self.skip = epoch, consumed
+        self.skip_epoch, self.skip, self.skip_taken = epoch, consumed, False
 
     def skipped(self) -> int:
         """The global samples the current epoch's iteration skips (a resume into it), else 0."""
@@ -78,44 +80,30 @@ DATA_POSITION_KEY = "fsdp_custom_data_position"  # a top-level checkpoint key: o
 
 
 class DataPosition:
-    """Where the training epoch stands, as a checkpoint records it and a resume applies it."""
+    """One training dataloader's place in its epoch: its resumable sampler and its batches."""
 
-    def __init__(
-        self,
-        sampler: ResumableDistributedSampler,
-        batch_size: int,
-        consumed_batches: Callable[[], int],
-        drop_last: bool = False,
-    ):
+    def __init__(self, sampler: ResumableDistributedSampler, batch_size: int, drop_last: bool = False):
         self.sampler = sampler
         self.batch_size = batch_size
-        self.consumed_batches = consumed_batches
         self.drop_last = drop_last  # the DataLoader's: a short last batch is dropped
-        self.skipped_batches = 0  # of consumed_batches(): those that stand for a resume's skip (recount_batches)
-
-    def state_dict(self, pending_batches: int = 0) -> dict[str, int]:
-        """The epoch and the global samples the whole job has consumed of it (what a resume into it
-        skipped, plus what this job took since), with the batch that took them; less the
-        ``pending_batches`` of an optimizer step not yet taken ([Note: a step half accumulated])."""
-        sampler, batches = self.sampler, self.consumed_batches() - pending_batches
-        skipped = sampler.skipped()
-        if skipped:
-            batches -= self.skipped_batches
-        return {
-            "epoch": sampler.epoch,
-            "consumed_samples": skipped + batches * self.batch_size * sampler.num_replicas,
-            "world_size": sampler.num_replicas,
-            "batch_size": self.batch_size,
-        }
 
     def batches(self, skipped: int = 0) -> int:
         """This rank's batches of an epoch that skips ``skipped`` global samples."""
         samples = self.sampler.rank_length(skipped)
         return samples // self.batch_size if self.drop_last else math.ceil(samples / self.batch_size)
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Skip what a checkpoint says was consumed when its epoch is iterated next."""
-        self.sampler.resume_from(state["epoch"], state["consumed_samples"])
+    def samples_taken(self, batches: int, mode: str) -> int:
+        """The global samples of this loader's current pass that ``batches`` batches of the epoch took
+        (counted since a resume into it, which skipped ``sampler.skipped()``), the loader iterated by
+        a ``CombinedLoader`` in ``mode`` ([Note: several training dataloaders])."""
+        sampler = self.sampler
+        skipped, step = sampler.skipped(), self.batch_size * sampler.num_replicas
+        first = self.batches(skipped)  # the resumed pass
+        if mode == "max_size_cycle" and batches > first:  # a shorter loader cycled: later passes are whole
+            return (batches - first) % max(1, self.batches()) * step
+        if mode == "max_size":  # a shorter loader ran out and waits for the epoch's end
+            batches = min(batches, first)
+        return min(skipped + batches * step, len(sampler.dataset))  # a short last batch: the whole dataset
 
 
 UNAPPLIED = (  # [Note: a step half accumulated], where the batches of the step are not known (Fabric, manual)
@@ -144,12 +132,9 @@ def pending_batches(trainer: Any) -> int:
     return processed % accumulate
 
 
-def make_resumable(dataloader: Any, consumed_batches: Callable[[], int]) -> tuple[Any, DataPosition | None]:
+def make_resumable(dataloader: Any) -> tuple[Any, DataPosition | None]:
     """``dataloader`` rebuilt around a ResumableDistributedSampler, and its DataPosition.
-
-    ``consumed_batches()`` tells how many batches of the current epoch each rank has taken.
-    Dataloaders without a plain DistributedSampler are returned unchanged (position None).
-    """
+    Dataloaders without a plain DistributedSampler are returned unchanged (position None)."""
     sampler = getattr(dataloader, "sampler", None)
     if not isinstance(dataloader, DataLoader) or type(sampler) is not DistributedSampler:
         return dataloader, None
@@ -160,7 +145,7 @@ def make_resumable(dataloader: Any, consumed_batches: Callable[[], int]) -> tupl
     )
     resumable.epoch = sampler.epoch
     loader = _update_dataloader(dataloader, resumable)
-    return loader, DataPosition(resumable, loader.batch_size or 1, consumed_batches, loader.drop_last)
+    return loader, DataPosition(resumable, loader.batch_size or 1, loader.drop_last)
 
 
 def reopen_stopped_epoch(checkpoint: dict[str, Any], position: dict[str, int]) -> bool:
@@ -237,6 +222,14 @@ def _end_epoch_at_last_batch(fit: dict[str, Any]) -> None:
         progress["processed"] += 1
 
 
+def next_epoch_start(position: dict[str, Any]) -> dict[str, Any]:
+    """``position`` (a checkpoint's, saved at its epoch's last batch) moved to the next epoch's start."""
+    moved = {**position, "epoch": position["epoch"] + 1, "consumed_samples": 0}
+    if "loaders" in position:
+        moved["loaders"] = [{**loader, "consumed_samples": 0} for loader in position["loaders"]]
+    return moved
+
+
 def describe_batch_change(saved: dict[str, int], batch_size: int, world_size: int) -> str | None:
     """What a resume at another number of ranks (or another per-rank batch) changes: the global batch
     of every step from here on, old beside new, and what to change to keep it; None if nothing does."""
@@ -263,20 +256,6 @@ def describe_batch_change(saved: dict[str, int], batch_size: int, world_size: in
     )
 
 
-def recount_batches(progress: Any, consumed_samples: int, position: DataPosition, epoch_batches: int) -> None:
-    """Restate Lightning's batch counts of the resumed epoch (``progress``: the epoch loop's
-    ``batch_progress``, counted in the saving run's batches) in this run's batches: the epoch's
-    ``epoch_batches`` less those the rest of it makes here, after the ``consumed_samples`` the
-    checkpoint's job took (all of them where it was saved at its last batch). At the same world size it
-    changes nothing; at another, the epoch loop would otherwise end the epoch early (it counts
-    the batches it has seen against the epoch's length) and progress bars start at the wrong batch."""
-    done = epoch_batches if progress.is_last_batch else max(0, epoch_batches - position.batches(consumed_samples))
-    position.skipped_batches = done  # the position counts the skip itself, not these batches
-    shift = done - progress.current.processed
-    for counter in ("ready", "started", "processed", "completed"):
-        setattr(progress.current, counter, max(0, getattr(progress.current, counter) + shift))
-
-
 class ExactResumeNotice:
     """Lightning warns on a mid-epoch resume that "your dataloader is not resumable" (it knows only
     stateful dataloaders). With a DataPosition loaded the resume is exact, so the warning would
@@ -295,10 +274,14 @@ class ExactResumeNotice:
         self.remove()
         warnings.filterwarnings("ignore", message=self.MESSAGE, category=PossibleUserWarning)
         self._filter = warnings.filters[0]
+        loaders = position.get("loaders")
+        taken = f"its first {position['consumed_samples']} samples"
+        if loaders:
+            counts = ", ".join(str(loader["consumed_samples"]) for loader in loaders)
+            taken = f"{counts} samples of its {len(loaders)} training dataloaders' current passes"
         rank_zero_info(
-            f"fsdp_custom: resuming epoch {position['epoch']} after its first {position['consumed_samples']} "
-            "samples, exactly where the checkpoint left it (Lightning's warning that the dataloader is not "
-            "resumable does not apply and is hidden)"
+            f"fsdp_custom: resuming epoch {position['epoch']} after {taken}, exactly where the checkpoint left it "
+            "(Lightning's warning that the dataloader is not resumable does not apply and is hidden)"
         )
 
     def remove(self) -> None:

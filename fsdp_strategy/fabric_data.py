@@ -57,7 +57,7 @@ class LoopDataPosition(DataPosition):
     Costs: a few integers, and one generator frame per batch."""
 
     def __init__(self, position: DataPosition) -> None:
-        super().__init__(position.sampler, position.batch_size, lambda: 0, position.drop_last)
+        super().__init__(position.sampler, position.batch_size, position.drop_last)
         self.iterations = 0  # iter() calls on the loader
         self.epoch_offset = 0  # what takes the count of iter() calls to the epoch (a resume sets it)
         self._open: list[_Iteration] = []  # iterations not closed yet, oldest first
@@ -170,7 +170,7 @@ def make_loop_resumable(dataloader: Any) -> tuple[Any, LoopDataPosition | None]:
     """A Fabric loop's ``dataloader`` rebuilt around a ResumableDistributedSampler and counting the
     batches its loop takes ([Note: a Fabric loop's data position]), with its position (also its
     ``_data_position``); unchanged (None) where it is not a DataLoader with a plain DistributedSampler."""
-    loader, position = make_resumable(dataloader, lambda: 0)
+    loader, position = make_resumable(dataloader)
     if position is None:
         return dataloader, None
     looped = LoopDataPosition(position)

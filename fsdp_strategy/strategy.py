@@ -296,7 +296,7 @@ class FSDPCustomStrategy(StrategyArguments, WatchedProcesses, AgreedStopHooks, L
 
     def process_dataloader(self, dataloader: object) -> object:
         """Make the training dataloader resumable mid-epoch, also on another world size (data.py)."""
-        return self._checkpoints.process_dataloader(dataloader, self._trainer, self.world_size)
+        return self._checkpoints.process_dataloader(dataloader, self._trainer)
 
     # ---- steps run through the root's forward, so the engine's root hooks fire ----------
 
@@ -352,9 +352,12 @@ class FSDPCustomStrategy(StrategyArguments, WatchedProcesses, AgreedStopHooks, L
         super().on_exception(exception)
 
     def on_train_start(self) -> None:
-        """Hold Lightning's SLURM requeue handler back to a step all ranks agree on ([Note: requeue
-        at an agreed step] in strategy_requeue.py; SIGTERM is held from the stage's start)."""
-        self._requeue.install(self.lightning_module.trainer)
+        """Position the training dataloaders where a resumed checkpoint left them; hold Lightning's
+        SLURM requeue handler back to a step all ranks agree on ([Note: requeue at an agreed step]
+        in strategy_requeue.py; SIGTERM is held from the stage's start)."""
+        trainer = self.lightning_module.trainer
+        self._checkpoints.position_training_data(trainer, self.world_size)
+        self._requeue.install(trainer)
         super().on_train_start()
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.fabric.utilities.data import has_len
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.trainer.states import TrainerFn
@@ -28,16 +29,16 @@ from fsdp_strategy.checkpoint.writer import save_targets
 from fsdp_strategy.data import (
     DATA_POSITION_KEY,
     UNAPPLIED,
-    DataPosition,
     ExactResumeNotice,
     complete_finished_epoch,
     describe_batch_change,
     make_resumable,
+    next_epoch_start,
     pending_batches,
-    recount_batches,
     reopen_stopped_epoch,
 )
 from fsdp_strategy.engine import get_scheduler, is_sharded
+from fsdp_strategy.training_positions import TrainingPositions
 
 
 @dataclass
@@ -70,13 +71,11 @@ class TrainerCheckpoints:
 
     def __init__(self, writer: Any, layout: Callable[[], str], broadcast: Callable[[Any], Any]) -> None:
         self._writer, self._layout, self._broadcast = writer, layout, broadcast  # layout(): "full" or "sharded"
-        self.data_position: DataPosition | None = None  # the training dataloader's, once built
+        self.positions: TrainingPositions | None = None  # the training dataloaders', once built
         self._data_position_to_load: dict | None = None  # from the checkpoint being resumed
         self.resume_notice = ExactResumeNotice()  # removed at the first batch and at teardown
         self._to_load: _CheckpointToLoad | None = None  # read by ``read``, applied in setup
         self._setup_open = False  # a setup of the training dataloaders is being processed ([Note: ...] below)
-        self._resumed_setup = False  # whether a data position was loaded into it
-        self._several_loaders = False  # the setup has several training dataloaders: no position saved
         self._unstepped_epoch: int | None = None  # resumed before this epoch's end hooks ran
 
     def model_state(self, model: Any) -> dict[str, Any]:
@@ -142,9 +141,10 @@ class TrainerCheckpoints:
                 "`FSDPCustomStrategy.save_checkpoint(..., storage_options=...)` is not supported with "
                 "state_dict_type='sharded': the sharded save does not use the CheckpointIO (as Lightning's FSDP)"
             )
-        if self.data_position is not None and "loops" in checkpoint and not self._several_loaders:
+        mode, cut = _combination(trainer)
+        if self.positions is not None and self.positions.positioned() and not cut and "loops" in checkpoint:
             pending = pending_batches(trainer)  # [Note: a step half accumulated]
-            position = self.data_position.state_dict(pending)
+            position = self.positions.state_dict(mode, pending)
             if not pending and model is not None and get_scheduler(model).optimizer_steps.unapplied_gradients():
                 position["unapplied_gradients"] = True  # a manual optimization's accumulation: said at the resume
             checkpoint[DATA_POSITION_KEY] = position
@@ -239,73 +239,70 @@ class TrainerCheckpoints:
             averaging.copy_current(model, averaged)
         pending.weights_loaded = True
 
-    def process_dataloader(self, dataloader: object, trainer: Any, world_size: int) -> object:
-        """Make the training dataloader resumable mid-epoch, also on another world size (data.py)."""
+    def process_dataloader(self, dataloader: object, trainer: Any) -> object:
+        """Make a training dataloader resumable mid-epoch, also on another world size (data.py), and
+        position it where a resumed checkpoint left it."""
         if trainer is None or not trainer.training:
             return dataloader
-        if self._setup_open:  # [Note: several training dataloaders]
-            self._warn_other_loaders()
-            return dataloader
-        self._setup_open, self._resumed_setup = True, self._data_position_to_load is not None
-        self._several_loaders = False
-        self._say_unstepped_plateau(trainer)
-        progress = trainer.fit_loop.epoch_loop.batch_progress
-        loader, self.data_position = make_resumable(dataloader, lambda: progress.current.processed)
-        if self._data_position_to_load is not None:
-            self._say_what_resumes(dataloader, self._data_position_to_load, world_size)
-        if self.data_position is not None and self._data_position_to_load is not None:
-            self.data_position.load_state_dict(self._data_position_to_load)
-            consumed = self._data_position_to_load["consumed_samples"]
-            recount_batches(progress, consumed, self.data_position, len(loader))
-            # a checkpoint from the epoch's last batch resumes at the next epoch's start: nothing to say
-            if self._data_position_to_load.get("unapplied_gradients"):
-                rank_zero_warn(f"fsdp_custom: the checkpoint was saved inside an optimizer step: {UNAPPLIED}")
-            elif consumed and not progress.is_last_batch:
-                self.resume_notice.install(self._data_position_to_load)
-        self._data_position_to_load = None
+        fit = trainer.fit_loop
+        if not self._setup_open:  # the first of a setup's training dataloaders ([Note: ...] below)
+            self._setup_open = True
+            saved, self._data_position_to_load = self._data_position_to_load, None
+            self.positions = TrainingPositions(fit.epoch_loop.batch_progress, saved)
+        loader, position = make_resumable(dataloader)
+        assert self.positions is not None
+        self.positions.add(position, dataloader, fit.epoch_progress.current.completed)  # the epoch Lightning sets
         return loader
 
     def end_dataloader_setup(self) -> None:
         """A stage's setup or a training batch began: the training dataloaders processed next are a
-        new setup (a second ``fit``, the fit after an LR finder's run, a reload), whose first is
-        positioned. Lightning processes one setup's loaders together, before any batch; it has no
-        hook between two setups (and resets its own ``CombinedLoader`` to None before each). A
-        resume's hidden warning shows again (the epoch loop has checked the dataloader by then)."""
+        new setup (a second ``fit``, the fit after an LR finder's run, a reload), with new positions.
+        Lightning processes one setup's loaders together, before any batch; it has no hook between
+        two setups (and resets its own ``CombinedLoader`` to None before each). A resume's hidden
+        warning shows again (the epoch loop has checked the dataloader by then)."""
         self._setup_open = False
         self.resume_notice.remove()
 
-    def _warn_other_loaders(self) -> None:
-        """[Note: several training dataloaders] A fit with several training dataloaders (a
-        ``CombinedLoader``) saves no data position: its loaders' positions do not follow from the
-        epoch's batch count alone (in ``max_size_cycle`` a shorter one starts again within the
-        epoch), so a resume from inside an epoch starts each again from its first batch, as under
-        DDP, and Lightning's warning says so (shown again here if a position, of an older
-        checkpoint, was applied to the first). Said once per setup."""
-        if self._several_loaders:
+    def position_training_data(self, trainer: Any, world_size: int) -> None:
+        """At ``on_train_start``, once Lightning has combined the fit's training dataloaders (and
+        before the epoch loop checks them): take back a resumed position that does not fit them
+        ([Note: several training dataloaders]), and say what differs from the run that saved."""
+        self._say_unstepped_plateau(trainer)
+        self._data_position_to_load = None  # a fit without training batches leaves none for the next
+        positions = self.positions
+        if positions is None or trainer.fit_loop._data_fetcher is None:
             return
-        self._several_loaders = True
-        self.resume_notice.remove()
-        rank_zero_warn(
-            "fsdp_custom: this fit has several training dataloaders: its checkpoints hold no data position, so a "
-            "resume from inside an epoch starts each of them again from its first batch (as under DDP): the samples "
-            "of the steps after it differ from those of an uninterrupted run"
-        )
+        mode, cut = _combination(trainer)
+        saved = positions.saved
+        if len(positions.loaders) > 1 and (cut or not positions.positioned()):
+            why = "a limit_train_batches that cuts one of them" if cut else f"samplers {positions.samplers}"
+            self._take_back(positions, trainer)
+            rank_zero_warn(_UNPOSITIONED.format(what=f"has several training dataloaders ({why})"))
+            return
+        if saved is None:
+            return
+        if not positions.positioned():
+            if saved.get("consumed_samples"):
+                rank_zero_warn(_NOT_OURS.format(saved=saved, sampler=positions.samplers[0]))
+            return
+        change = describe_batch_change(saved, positions.batch_size, world_size)
+        if change:
+            rank_zero_warn(change)
+        why_not = positions.check_resume(mode, trainer.fit_loop.epoch_progress.current.processed)
+        if why_not is not None:
+            self._take_back(positions, trainer)
+            rank_zero_warn(_UNPOSITIONED.format(what=f"cannot take the checkpoint's data position: {why_not}"))
+        elif saved.get("unapplied_gradients"):
+            rank_zero_warn(f"fsdp_custom: the checkpoint was saved inside an optimizer step: {UNAPPLIED}")
+        elif saved["consumed_samples"] and not trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
+            self.resume_notice.install(saved)
 
-    def _say_what_resumes(self, dataloader: Any, saved: dict[str, int], world_size: int) -> None:
-        """Before a resumed fit: what differs from the run that saved (the global batch at another number
-        of ranks), and, where the epoch cannot resume where it stopped (a sampler of the user's own), that."""
-        if self.data_position is not None:
-            change = describe_batch_change(saved, self.data_position.batch_size, world_size)
-            if change:
-                rank_zero_warn(change)
-        elif saved.get("consumed_samples"):
-            sampler = type(getattr(dataloader, "sampler", None)).__name__
-            rank_zero_warn(
-                f"fsdp_custom: the checkpoint stopped {saved['consumed_samples']} samples into epoch {saved['epoch']}, "
-                f"but this training dataloader's sampler ({sampler}) is not the DistributedSampler the strategy can "
-                "position: the epoch starts again from its first batch, and the samples of the following steps "
-                "differ from those of an uninterrupted run"
-            )
+    @staticmethod
+    def _take_back(positions: TrainingPositions, trainer: Any) -> None:
+        """Undo a resume's positions, and start the loaders' iteration again (their workers took
+        their first indices when Lightning set the data up)."""
+        if positions.undo():
+            iter(trainer.fit_loop._data_fetcher)
 
     def _take_data_position(self, checkpoint: dict[str, Any], trainer: Any) -> None:
         """Keep a loaded checkpoint's data position for the training dataloader (built after the
@@ -325,7 +322,7 @@ class TrainerCheckpoints:
         if fitting and complete_finished_epoch(checkpoint):
             self._unstepped_epoch = epochs["started"] - 1 if ended_early else None
             if position is not None:
-                position = {**position, "epoch": position["epoch"] + 1, "consumed_samples": 0}  # the next one's start
+                position = next_epoch_start(position)
         self._data_position_to_load = position if fitting else None
 
     def _say_unstepped_plateau(self, trainer: Any) -> None:
@@ -342,6 +339,30 @@ class TrainerCheckpoints:
                 "have lowered the learning rate, the steps after the resume differ from the uninterrupted run's"
             )
         self._unstepped_epoch = None
+
+
+_UNPOSITIONED = (
+    "fsdp_custom: this fit {what}: its checkpoints hold no data position, so a resume from inside an epoch starts "
+    "each training dataloader again from its first batch (as under DDP): the samples of the steps after it differ "
+    "from those of an uninterrupted run"
+)
+_NOT_OURS = (
+    "fsdp_custom: the checkpoint stopped {saved[consumed_samples]} samples into epoch {saved[epoch]}, but this "
+    "training dataloader's sampler ({sampler}) is not the DistributedSampler the strategy can position: the epoch "
+    "starts again from its first batch, and the samples of the following steps differ from an uninterrupted run's"
+)
+
+
+def _combination(trainer: Any) -> tuple[str, bool]:
+    """How Lightning combines the fit's training dataloaders (its ``CombinedLoader``'s mode), and
+    whether ``limit_train_batches`` cuts one of several (its passes then end early, where a
+    resumed pass would not: such fits are not positioned)."""
+    combined = getattr(getattr(trainer, "fit_loop", None), "_combined_loader", None)
+    if combined is None:
+        return "max_size_cycle", False
+    loaders, limits = combined.flattened, combined.limits or []
+    cut = len(loaders) > 1 and any(limit < len(loader) for loader, limit in zip(loaders, limits) if has_len(loader))
+    return combined._mode, cut
 
 
 def _refuse_other_optimizers(pending: _CheckpointToLoad, trainer: Any, optimizers: list) -> None:

@@ -216,9 +216,9 @@ MUTATIONS = [
     Mutation(
         "data_position_not_restored",
         "a mid-epoch resume starts the epoch's data from its first batch",
-        "fsdp_strategy/strategy_checkpoints.py",
-        "            self.data_position.load_state_dict(self._data_position_to_load)\n",
-        "",
+        "fsdp_strategy/training_positions.py",
+        '            position.sampler.resume_from(epoch, entries[len(self.loaders) - 1]["consumed_samples"])\n',
+        "            pass\n",
         ("tests/test_resume.py::test_resume_is_exact_at_the_same_world_size",),
     ),
     Mutation(
@@ -481,9 +481,10 @@ MUTATIONS = [
         "rest_of_epoch_in_rounded_batches",
         "a Trainer resume at another global batch counts what was consumed in whole batches of its own (the "
         "epoch loop ends before the rest of the epoch is seen)",
-        "fsdp_strategy/data.py",
-        "max(0, epoch_batches - position.batches(consumed_samples))",
-        "min(math.ceil(consumed_samples / (position.batch_size * position.sampler.num_replicas)), epoch_batches)",
+        "fsdp_strategy/training_positions.py",
+        "        rest = [position.batches(position.sampler.skipped()) for position in positions]\n",
+        "        steps = [math.ceil(p.sampler.skipped() / p.batch_size / p.sampler.num_replicas) for p in positions]\n"
+        "        rest = [max(0, p.batches() - taken) for p, taken in zip(positions, steps)]\n",
         ("tests/test_resume_stops.py::test_a_fit_stopped_off_the_checkpoint_grid_resumes_sample_by_sample",),
     ),
     Mutation(
@@ -560,21 +561,57 @@ MUTATIONS = [
         ("tests/test_tensor_parallel.py::test_what_breaks_two_dimensional_training_in_use_is_named",),
     ),
     Mutation(
-        "other_training_loaders_unsaid",
-        "a fit with several training dataloaders saves the first one's position: cycling inside the epoch, it "
-        "is applied past its end at a resume, which skips the rest of the epoch and says 'exactly'",
+        "cycled_loader_skipped_every_pass",
+        "a shorter training dataloader that a CombinedLoader (max_size_cycle) starts again inside a resumed epoch "
+        "skips the checkpoint's samples on every pass, not on the resumed one alone",
+        "fsdp_strategy/data.py",
+        "        start = 0 if self.skip_taken else self.skipped()",
+        "        start = self.skipped()",
+        ("tests/test_resume_loaders.py",),
+    ),
+    Mutation(
+        "cycled_loader_position_past_its_end",
+        "a shorter training dataloader cycling in max_size_cycle saves the epoch's batch count as its position "
+        "(past its end: a resume skips its whole pass)",
+        "fsdp_strategy/data.py",
+        '        if mode == "max_size_cycle" and batches > first:',
+        "        if False:",
+        ("tests/test_resume_loaders.py",),
+    ),
+    Mutation(
+        "worker_indices_taken_before_the_resume",
+        "a training dataloader with worker processes resumed into a later epoch takes the indices its workers "
+        "fetched at setup (epoch 0's order, nothing skipped)",
+        "fsdp_strategy/training_positions.py",
+        "        position.sampler.set_epoch(epoch)\n",
+        "        pass\n",
+        ("tests/test_resume_loaders.py",),
+    ),
+    Mutation(
+        "unfitting_position_kept",
+        "a checkpoint whose training dataloaders were combined in another mode (or were another number) is "
+        "resumed with its positions applied to this fit's loaders, unsaid",
         "fsdp_strategy/strategy_checkpoints.py",
-        "        self._several_loaders = True\n",
-        "        self._several_loaders = False\n",
-        ("tests/test_resume_stops.py::test_a_fit_with_several_training_dataloaders_saves_no_position_and_says_so",),
+        "        if why_not is not None:\n",
+        "        if False:\n",
+        ("tests/test_resume_loaders.py",),
+    ),
+    Mutation(
+        "cut_loaders_positioned",
+        "a fit whose limit_train_batches cuts one of several training dataloaders saves positions a resume "
+        "cannot honour, without a word",
+        "fsdp_strategy/strategy_checkpoints.py",
+        "    cut = len(loaders) > 1 and any(",
+        "    cut = False and any(",
+        ("tests/test_resume_loaders.py",),
     ),
     Mutation(
         "resumed_skip_rounded_to_batches",
         "a Trainer resume at another global batch saves its position in whole batches of its own (samples skipped "
         "at the next resume)",
         "fsdp_strategy/data.py",
-        '            "consumed_samples": skipped + batches * self.batch_size * sampler.num_replicas,\n',
-        '            "consumed_samples": self.consumed_batches() * self.batch_size * sampler.num_replicas,\n',
+        "        return min(skipped + batches * step, len(sampler.dataset))",
+        "        return min(self.batches(0) - first + batches, self.batches()) * step",
         ("tests/test_resume_stops.py::test_a_fit_stopped_off_the_checkpoint_grid_resumes_sample_by_sample",),
     ),
     Mutation(

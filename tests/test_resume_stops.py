@@ -15,11 +15,10 @@ import time
 import warnings
 
 import lightning as L
-import lightning_utilities.core.rank_zero
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import LogLines, run_ranks
+from dist_utils import run_ranks
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from test_strategy import LIGHTNING_ENV, quiet_trainer
@@ -346,42 +345,6 @@ def test_key_lists_in_errors_are_shortened():
         == "['layer.0', 'layer.1', 'layer.10', 'layer.11', 'layer.2', ... 7 more]"
     )
     assert shortened(["b", "a"]) == "['a', 'b']" and shortened([]) == "[]"
-
-
-class TwoLoaders(Indexed):
-    """Two training dataloaders (a CombinedLoader); the steps record the first one's samples."""
-
-    def training_step(self, batch, batch_idx):
-        return super().training_step(batch["a"], batch_idx)
-
-
-def _two_loaders_body(rank: int, world: int, root: str) -> dict:
-    """Two loaders in Lightning's default ``max_size_cycle``: "a" (48 samples, 4 steps) starts again
-    inside the epoch of "b" (96, 8 steps). Stopped at step 6 ("a" in its second cycle), resumed."""
-    out = {}
-    for name, ckpt, steps in (("stopped", None, 6), ("resumed", f"{root}/last.ckpt", 10)):
-        handler = LogLines()
-        lightning_utilities.core.rank_zero.log.addHandler(handler)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            loaders = {"a": _data(world, samples=48), "b": _data(world)}
-            _trainer(world, root, "full", max_steps=steps).fit(TwoLoaders(), loaders, ckpt_path=ckpt)
-        lightning_utilities.core.rank_zero.log.removeHandler(handler)
-        out[name] = handler.lines + [str(w.message) for w in caught]
-    out["saved"] = sorted(torch.load(f"{root}/last.ckpt", weights_only=False))
-    return out
-
-
-def test_a_fit_with_several_training_dataloaders_saves_no_position_and_says_so(tmp_path):
-    """[Note: several training dataloaders]: no position (a first loader's, cycling inside the epoch, was
-    applied past its end: the rest of the epoch skipped, "exactly" printed); the resume says what differs."""
-    out = run_ranks(_two_loaders_body, 2, tmp_path, str(tmp_path), env=LIGHTNING_ENV, timeout=300)[0]
-    assert "fsdp_custom_data_position" not in out["saved"], out["saved"]
-    for name in ("stopped", "resumed"):
-        several = [line for line in out[name] if "several training dataloaders" in line]
-        assert len(several) == 1 and "starts each of them again from its first batch" in several[0], out[name]
-    resumed = " ".join(out["resumed"])
-    assert "exactly" not in resumed and "your dataloader is not resumable" in resumed, out["resumed"]
 
 
 def _second_fit_body(rank: int, world: int, root: str) -> dict:

@@ -1,0 +1,134 @@
+"""The positions of a Trainer fit's training dataloaders, as checkpoints record them and a resume
+applies them (data.py holds one loader's sampler and position)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fsdp_strategy.data import DataPosition
+
+
+class TrainingPositions:
+    """[Note: several training dataloaders] Where a fit's training dataloaders stand in the epoch, as
+    a checkpoint records it and a resume applies it. Lightning iterates them as one
+    ``CombinedLoader`` (a single dataloader too, in ``max_size_cycle``), counting the epoch's batches
+    over all; each loader's place follows from that count n and the mode: ``min_size`` takes n
+    batches of each; ``max_size`` takes min(n, its length) (a shorter one runs out and waits);
+    ``max_size_cycle`` starts a shorter one again inside the epoch, so it is n mod its length into
+    its current pass. A checkpoint holds, per loader, the global samples taken of its current pass;
+    a resume skips them in that pass alone (later passes of a cycling loader are whole: the sampler's
+    skip is taken once), and the epoch's batches left are the longest loader's rest (``min_size``:
+    the shortest's), also at another world size. A single loader's checkpoint keeps its format.
+
+    Lightning processes the loaders one by one and only then combines them (the mode is known at
+    ``on_train_start``), and loader workers take their first indices when it sets the data up, before
+    ``on_train_start``, as do progress bars their counts: so each loader is positioned as it is
+    processed (by the checkpoint's mode), and ``check_resume`` then compares what the fit turned
+    out to be with what the checkpoint was; where they differ, ``undo`` takes the position back.
+    Costs: a few integers per loader, at saves and resumes only."""
+
+    def __init__(self, progress: Any, saved: dict[str, Any] | None) -> None:
+        self.progress = progress  # the epoch loop's batch_progress: the epoch's batches Lightning counts
+        self.saved = saved  # the checkpoint's position this setup resumes (None: a fresh setup)
+        self.loaders: list[DataPosition | None] = []  # None: a loader without a DistributedSampler
+        self.samplers: list[str] = []  # their samplers' class names
+        self.skipped_batches = 0  # of the epoch's batches: those that stand for a resume's skip (recount)
+        self.resumed_epoch = -1
+        self._unshifted = progress.current.processed  # the checkpoint's count, before ``_recount``
+
+    def add(self, position: DataPosition | None, dataloader: Any, epoch: int) -> None:
+        """The next training dataloader of the fit, in Lightning's order, and its position (None); its
+        sampler is set to the ``epoch`` the fit starts (or resumes) and skips what the checkpoint says
+        the resumed epoch took of its current pass."""
+        self.loaders.append(position)
+        self.samplers.append(type(getattr(dataloader, "sampler", None)).__name__)
+        if position is None:
+            return
+        position.sampler.set_epoch(epoch)
+        saved = self.saved
+        entries = (saved.get("loaders") or [saved]) if saved is not None and saved["epoch"] == epoch else []
+        if len(self.loaders) <= len(entries):
+            position.sampler.resume_from(epoch, entries[len(self.loaders) - 1]["consumed_samples"])
+            self.resumed_epoch = epoch
+            self._recount(saved.get("mode", "max_size_cycle"))
+
+    def positioned(self) -> list[DataPosition] | None:
+        """Every loader's position, or None where a loader has none."""
+        return None if None in self.loaders else list(self.loaders)  # type: ignore[arg-type]
+
+    @property
+    def batch_size(self) -> int:
+        """The samples each rank takes per training batch, over every loader."""
+        return sum(position.batch_size for position in self.positioned() or ())
+
+    def state_dict(self, mode: str, pending_batches: int = 0) -> dict[str, Any]:
+        """The epoch, the global samples the whole job has consumed of it (what a resume into it
+        skipped, plus what this job took since), with the batch that took them; less the
+        ``pending_batches`` of an optimizer step not yet taken ([Note: a step half accumulated]).
+        Several loaders: each one's samples of its current pass under ``loaders``."""
+        positions = self.positioned()
+        assert positions, "a position is saved only where every training dataloader has one"
+        sampler, batches = positions[0].sampler, self.progress.current.processed - pending_batches
+        if sampler.epoch == self.resumed_epoch:
+            batches -= self.skipped_batches
+        taken = [position.samples_taken(batches, mode) for position in positions]
+        state: dict[str, Any] = {
+            "epoch": sampler.epoch,
+            "consumed_samples": sum(taken),
+            "world_size": sampler.num_replicas,
+            "batch_size": self.batch_size,
+        }
+        if len(positions) > 1:
+            state["mode"] = mode
+            state["loaders"] = [{"consumed_samples": n, "batch_size": p.batch_size} for n, p in zip(taken, positions)]
+        return state
+
+    def check_resume(self, mode: str, epoch: int) -> str | None:
+        """None where the resumed checkpoint's position fits the fit's loaders (combined in ``mode``,
+        resuming ``epoch``), else why not."""
+        saved = self.saved
+        assert saved is not None
+        entries = saved.get("loaders") or [saved]
+        if saved["epoch"] != epoch:
+            return f"its position is in epoch {saved['epoch']}, the loops resume epoch {epoch}"
+        if len(entries) != len(self.loaders):
+            return f"it was saved with {len(entries)} training dataloader(s), this fit has {len(self.loaders)}"
+        if len(entries) > 1 and saved.get("mode") != mode:
+            return f"its training dataloaders were combined with mode={saved.get('mode')!r}, this fit's with {mode!r}"
+        return None
+
+    def undo(self) -> bool:
+        """Take a resume's skips and restated batch counts back; whether there were any."""
+        if self.resumed_epoch < 0:
+            return False
+        for position in self.loaders:
+            if position is not None:
+                position.sampler.resume_from(-1, 0)
+        self._shift(self._unshifted)
+        self.resumed_epoch, self.skipped_batches = -1, 0
+        return True
+
+    def _recount(self, mode: str) -> None:
+        """Restate Lightning's batch counts of the resumed epoch (counted in the saving run's batches)
+        in this run's batches: the epoch's batches less those its rest makes here after each loader's
+        skip (none where it was saved at its last batch). At the same world size it changes nothing;
+        at another, the epoch loop would otherwise end the epoch early (it counts the batches it has
+        seen against the epoch's length) and progress bars start at the wrong batch."""
+        positions = [position for position in self.loaders if position is not None]
+        whole = [position.batches() for position in positions]
+        rest = [position.batches(position.sampler.skipped()) for position in positions]
+        if mode == "min_size":
+            epoch, left = min(whole), min(rest)
+        else:  # the longest loader's rest (max_size: any loader's)
+            epoch = max(whole)
+            left = max(r for r, w in zip(rest, whole) if mode == "max_size" or w == epoch)
+        done = epoch if self.progress.is_last_batch else max(0, epoch - left)
+        self.skipped_batches = done  # the position counts the skip itself, not these batches
+        self._shift(done)
+
+    def _shift(self, processed: int) -> None:
+        """Move the epoch's batch counts together so that ``processed`` batches count as taken."""
+        current = self.progress.current
+        shift = processed - current.processed
+        for counter in ("ready", "started", "processed", "completed"):
+            setattr(current, counter, max(0, getattr(current, counter) + shift))

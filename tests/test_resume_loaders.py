@@ -1,0 +1,100 @@
+"""A fit with several training dataloaders (a ``CombinedLoader``, in each mode Lightning trains with)
+stopped inside an epoch and resumed trains every following step on the samples of the uninterrupted
+run and to its losses, at the same and at another world size ([Note: several training dataloaders]
+in data.py); so does a dataloader with worker processes resumed into a later epoch (its workers took
+their first indices before Lightning set the epoch); a fit the strategy cannot position says so."""
+
+from __future__ import annotations
+
+import warnings
+
+import lightning_utilities.core.rank_zero
+import torch
+from dist_utils import LogLines, run_ranks
+from lightning.pytorch.utilities import CombinedLoader
+from test_resume_stops import GLOBAL_BATCH, SAMPLES, Indexed, _assert_continues, _result, _trainer
+from test_strategy import LIGHTNING_ENV
+from torch.utils.data import DataLoader, TensorDataset
+
+MODES = ("max_size_cycle", "max_size", "min_size")  # the modes Lightning trains with ("sequential" it refuses)
+# stopped inside "a"'s first pass (it cycles after the resume), after "a" ran out, inside epoch 1 (min_size: 4
+# batches per epoch); "b" alone (None) inside epoch 1
+STOPS = {"max_size_cycle": 3, "max_size": 6, "min_size": 6, None: 11}
+
+
+class TwoLoaders(Indexed):
+    """Records the samples of both loaders ("b"'s ids offset by 1000) and trains on both."""
+
+    def training_step(self, batch, batch_idx):
+        parts = [part for part in (batch["a"], batch["b"]) if part is not None]  # max_size: "a" ran out
+        return super().training_step((torch.cat([x for x, _ in parts]), torch.cat([i for _, i in parts])), batch_idx)
+
+
+def _loader(world: int, samples: int, offset: int, workers: int) -> DataLoader:
+    x = torch.randn(samples, 5, generator=torch.Generator().manual_seed(offset + 1), dtype=torch.float64)
+    dataset = TensorDataset(x, torch.arange(samples) + offset)
+    return DataLoader(dataset, batch_size=GLOBAL_BATCH // world, shuffle=True, num_workers=workers)
+
+
+def _fit(world: int, root: str, mode: str | None, ckpt: str | None = None, workers: int = 0, **stop) -> dict:
+    """``mode``: "a" (48 samples: 4 batches) and "b" (96: 8) combined so; None: "b" alone. The
+    ``_result``, with what rank 0 logged and warned."""
+    handler = LogLines()
+    lightning_utilities.core.rank_zero.log.addHandler(handler)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        data = _loader(world, SAMPLES, 1000, workers)
+        if mode is not None:
+            data = CombinedLoader({"a": _loader(world, 48, 0, workers), "b": data}, mode)
+        module, trainer = (TwoLoaders() if mode else Indexed()), _trainer(world, root, "full", **stop)
+        trainer.fit(module, data, ckpt_path=ckpt)
+    lightning_utilities.core.rank_zero.log.removeHandler(handler)
+    return {**_result(module, trainer, world), "said": handler.lines + [str(w.message) for w in caught]}
+
+
+def _loaders_body(rank: int, world: int, root: str, phase: str) -> dict:
+    out = {}
+    if phase == "save":
+        for mode, stop in STOPS.items():
+            out[mode, "uninterrupted"] = _fit(world, f"{root}/{mode}-whole", mode, max_steps=14)
+            out[mode, "stopped"] = _fit(world, f"{root}/{mode}", mode, max_steps=stop)
+        cut = _fit(world, f"{root}/cut", "max_size_cycle", max_steps=2, limit_train_batches=3)
+        out["cut"] = cut["said"], sorted(torch.load(f"{root}/cut/last.ckpt", weights_only=False))
+        # resumed inside "a"'s first pass, stopped again inside its second (begun after the resume)
+        hop = f"{root}/max_size_cycle/last.ckpt"
+        out["hop"] = _fit(world, f"{root}/hop", "max_size_cycle", hop, max_steps=6)
+        # the same checkpoint in another mode: not positioned (each loader starts its epoch again), said
+        out["other mode"] = _fit(world, f"{root}/other-mode", "max_size", f"{root}/hop/last.ckpt", max_steps=8)
+    workers = 1 if phase == "other" else 0  # [Note: ...] on another world size, with a worker process each
+    for mode in MODES if phase == "save" else ("max_size_cycle", "max_size", None):
+        ckpt = f"{root}/{'hop' if mode == 'max_size_cycle' else mode}/last.ckpt"
+        out[mode, "resumed"] = _fit(world, f"{root}/{mode}-{world}", mode, ckpt, workers, max_steps=14)
+    return out
+
+
+def test_several_training_dataloaders_resume_sample_by_sample(tmp_path):
+    saved = run_ranks(_loaders_body, 2, tmp_path, str(tmp_path), "save", env=LIGHTNING_ENV, timeout=300)[0]
+    other = run_ranks(_loaders_body, 3, tmp_path, str(tmp_path), "other", env=LIGHTNING_ENV, timeout=300)[0]
+    cycled = saved["max_size_cycle", "uninterrupted"]
+    _assert_continues(saved["max_size_cycle", "stopped"], saved["hop"], cycled, "max_size_cycle resumed once")
+    for mode, world, resumed in [(mode, 2, saved[mode, "resumed"]) for mode in MODES] + [
+        (mode, 3, other[mode, "resumed"]) for mode in ("max_size_cycle", "max_size", None)
+    ]:
+        where = f"{mode or 'one loader with a worker'} resumed at world {world}"
+        stopped = saved["hop"] if mode == "max_size_cycle" else saved[mode, "stopped"]
+        _assert_continues(stopped, resumed, saved[mode, "uninterrupted"], where)
+        said = " ".join(resumed["said"])
+        assert "exactly where the checkpoint left it" in said and "your dataloader is not resumable" not in said, (
+            where,
+            said,
+        )
+        if mode:
+            assert "samples of its 2 training dataloaders' current passes" in said, (where, said)
+    said, keys = saved["cut"]
+    assert "fsdp_custom_data_position" not in keys, keys
+    assert any("several training dataloaders (a limit_train_batches that cuts one of them)" in s for s in said), said
+    other_mode = saved["other mode"]
+    assert other_mode["steps"][0][0] == cycled["steps"][0][0], "the epoch's first batch, as under DDP"
+    said = " ".join(other_mode["said"])
+    assert "combined with mode='max_size_cycle', this fit's with 'max_size'" in said, said
+    assert "exactly" not in said and "your dataloader is not resumable" in said, said
