@@ -38,7 +38,7 @@ from fsdp_strategy.data import (
     reopen_stopped_epoch,
 )
 from fsdp_strategy.engine import get_scheduler, is_sharded
-from fsdp_strategy.training_positions import TrainingPositions
+from fsdp_strategy.strategy_data import TrainingPositions
 
 
 @dataclass

@@ -216,7 +216,7 @@ MUTATIONS = [
     Mutation(
         "data_position_not_restored",
         "a mid-epoch resume starts the epoch's data from its first batch",
-        "fsdp_strategy/training_positions.py",
+        "fsdp_strategy/strategy_data.py",
         '            position.sampler.resume_from(epoch, entries[len(self.loaders) - 1]["consumed_samples"])\n',
         "            pass\n",
         ("tests/test_resume.py::test_resume_is_exact_at_the_same_world_size",),
@@ -481,7 +481,7 @@ MUTATIONS = [
         "rest_of_epoch_in_rounded_batches",
         "a Trainer resume at another global batch counts what was consumed in whole batches of its own (the "
         "epoch loop ends before the rest of the epoch is seen)",
-        "fsdp_strategy/training_positions.py",
+        "fsdp_strategy/strategy_data.py",
         "        rest = [position.batches(position.sampler.skipped()) for position in positions]\n",
         "        steps = [math.ceil(p.sampler.skipped() / p.batch_size / p.sampler.num_replicas) for p in positions]\n"
         "        rest = [max(0, p.batches() - taken) for p, taken in zip(positions, steps)]\n",
@@ -582,7 +582,7 @@ MUTATIONS = [
         "worker_indices_taken_before_the_resume",
         "a training dataloader with worker processes resumed into a later epoch takes the indices its workers "
         "fetched at setup (epoch 0's order, nothing skipped)",
-        "fsdp_strategy/training_positions.py",
+        "fsdp_strategy/strategy_data.py",
         "        position.sampler.set_epoch(epoch)\n",
         "        pass\n",
         ("tests/test_resume_loaders.py",),
