@@ -92,6 +92,12 @@ class DataPosition:
         samples = self.sampler.rank_length(skipped)
         return samples // self.batch_size if self.drop_last else math.ceil(samples / self.batch_size)
 
+    def epoch_batches(self, world_size: int, batch_size: int) -> int:
+        """This loader's batches per rank in a whole epoch at ``world_size`` ranks of ``batch_size``."""
+        samples, drop = len(self.sampler.dataset), self.sampler.drop_last
+        per_rank = samples // world_size if drop else math.ceil(samples / world_size)
+        return per_rank // batch_size if self.drop_last else math.ceil(per_rank / batch_size)
+
     def samples_taken(self, batches: int, mode: str) -> int:
         """The global samples of this loader's current pass that ``batches`` batches of the epoch took
         (counted since a resume into it, which skipped ``sampler.skipped()``), the loader iterated by
@@ -134,10 +140,11 @@ def pending_batches(trainer: Any) -> int:
 
 def make_resumable(dataloader: Any) -> tuple[Any, DataPosition | None]:
     """``dataloader`` rebuilt around a ResumableDistributedSampler, and its DataPosition.
-    Dataloaders without a plain DistributedSampler are returned unchanged (position None)."""
+    Dataloaders without a plain DistributedSampler (or one of ours, which starts afresh) are
+    returned unchanged (position None)."""
     sampler = getattr(dataloader, "sampler", None)
-    if not isinstance(dataloader, DataLoader) or type(sampler) is not DistributedSampler:
-        return dataloader, None
+    if not isinstance(dataloader, DataLoader) or type(sampler) not in (DistributedSampler, ResumableDistributedSampler):
+        return dataloader, None  # a CombinedLoader's loaders come back with ours: Lightning writes them into it
     from lightning.pytorch.utilities.data import _update_dataloader
 
     resumable = ResumableDistributedSampler(
@@ -202,6 +209,24 @@ def complete_finished_epoch(checkpoint: dict[str, Any]) -> bool:
     batches["is_last_batch"] = False
     if isinstance(checkpoint.get("epoch"), int):
         checkpoint["epoch"] = finished
+    return True
+
+
+def drop_unprocessed_batch(checkpoint: dict[str, Any]) -> bool:
+    """[Note: a batch started, not processed] A checkpoint saved after a training batch was counted
+    ready but before it was processed (an exception inside the step with ``save_on_exception``, a
+    SIGTERM acted on at the batch's start) counts that batch in Lightning's total: the resume takes it
+    again (the epoch's count goes back to the batches completed), but the total stays one ahead, so
+    a validation every n batches across epochs (``check_val_every_n_epoch=None``) runs one batch
+    early ever after; and where it was the epoch's last batch (the fetcher flags it when it fetches
+    it), the resume takes the epoch for finished and skips it (DDP alike). The counts of both are
+    set back to the processed batches, and the flag cleared. Returns whether it did."""
+    batches = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_loop.batch_progress")
+    if not batches or batches["current"]["ready"] <= batches["current"]["processed"]:
+        return False
+    for progress in (batches["total"], batches["current"]):
+        progress["ready"] = progress["started"] = progress["processed"]
+    batches["is_last_batch"] = False
     return True
 
 

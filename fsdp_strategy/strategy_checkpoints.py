@@ -31,7 +31,7 @@ from fsdp_strategy.data import (
     UNAPPLIED,
     ExactResumeNotice,
     complete_finished_epoch,
-    describe_batch_change,
+    drop_unprocessed_batch,
     make_resumable,
     next_epoch_start,
     pending_batches,
@@ -77,6 +77,7 @@ class TrainerCheckpoints:
         self._to_load: _CheckpointToLoad | None = None  # read by ``read``, applied in setup
         self._setup_open = False  # a setup of the training dataloaders is being processed ([Note: ...] below)
         self._unstepped_epoch: int | None = None  # resumed before this epoch's end hooks ran
+        self._resumed_fit = False  # the fit being set up restored a checkpoint
 
     def model_state(self, model: Any) -> dict[str, Any]:
         """Full: the gathered model state on rank 0 ({} elsewhere). Sharded: views of the shards."""
@@ -268,6 +269,7 @@ class TrainerCheckpoints:
         before the epoch loop checks them): take back a resumed position that does not fit them
         ([Note: several training dataloaders]), and say what differs from the run that saved."""
         self._say_unstepped_plateau(trainer)
+        resumed, self._resumed_fit = self._resumed_fit, False
         self._data_position_to_load = None  # a fit without training batches leaves none for the next
         positions = self.positions
         if positions is None or trainer.fit_loop._data_fetcher is None:
@@ -276,33 +278,36 @@ class TrainerCheckpoints:
         saved = positions.saved
         if len(positions.loaders) > 1 and (cut or not positions.positioned()):
             why = "a limit_train_batches that cuts one of them" if cut else f"samplers {positions.samplers}"
-            self._take_back(positions, trainer)
+            self._take_back(positions, trainer, restart_epoch=False)
             rank_zero_warn(_UNPOSITIONED.format(what=f"has several training dataloaders ({why})"))
             return
-        if saved is None:
-            return
         if not positions.positioned():
-            if saved.get("consumed_samples"):
+            if saved is not None and saved.get("consumed_samples"):
                 rank_zero_warn(_NOT_OURS.format(saved=saved, sampler=positions.samplers[0]))
             return
-        change = describe_batch_change(saved, positions.batch_size, world_size)
+        epoch = trainer.fit_loop.epoch_progress.current.processed
+        why_not = "it holds no data position" if saved is None else positions.check_resume(mode, epoch)
+        if why_not is not None:
+            if resumed and self._take_back(positions, trainer, restart_epoch=True):
+                rank_zero_warn(_TAKEN_BACK.format(why=why_not))
+            return
+        change = positions.describe_change(world_size, mode)
         if change:
             rank_zero_warn(change)
-        why_not = positions.check_resume(mode, trainer.fit_loop.epoch_progress.current.processed)
-        if why_not is not None:
-            self._take_back(positions, trainer)
-            rank_zero_warn(_UNPOSITIONED.format(what=f"cannot take the checkpoint's data position: {why_not}"))
-        elif saved.get("unapplied_gradients"):
+        if saved.get("unapplied_gradients"):
             rank_zero_warn(f"fsdp_custom: the checkpoint was saved inside an optimizer step: {UNAPPLIED}")
         elif saved["consumed_samples"] and not trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
             self.resume_notice.install(saved)
 
     @staticmethod
-    def _take_back(positions: TrainingPositions, trainer: Any) -> None:
-        """Undo a resume's positions, and start the loaders' iteration again (their workers took
-        their first indices when Lightning set the data up)."""
-        if positions.undo():
+    def _take_back(positions: TrainingPositions, trainer: Any, restart_epoch: bool) -> bool:
+        """Undo a resume's positions (``TrainingPositions.undo``), and start the loaders' iteration
+        again (their workers took their first indices when Lightning set the data up); whether
+        anything changed."""
+        skipped, recounted = positions.undo(restart_epoch)
+        if skipped:
             iter(trainer.fit_loop._data_fetcher)
+        return skipped or recounted
 
     def _take_data_position(self, checkpoint: dict[str, Any], trainer: Any) -> None:
         """Keep a loaded checkpoint's data position for the training dataloader (built after the
@@ -314,6 +319,8 @@ class TrainerCheckpoints:
         if position is None and legacy:
             position = legacy[0]
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            drop_unprocessed_batch(checkpoint)  # [Note: a batch started, not processed] in data.py
         if fitting and position is not None:
             reopen_stopped_epoch(checkpoint, position)  # [Note: an epoch stopped, not finished] in data.py
         epochs = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_progress", {}).get("total", {})
@@ -324,6 +331,7 @@ class TrainerCheckpoints:
             if position is not None:
                 position = next_epoch_start(position)
         self._data_position_to_load = position if fitting else None
+        self._resumed_fit = fitting
 
     def _say_unstepped_plateau(self, trainer: Any) -> None:
         """A checkpoint written before its epoch's end hooks (at its last batch, or in
@@ -344,6 +352,11 @@ class TrainerCheckpoints:
 _UNPOSITIONED = (
     "fsdp_custom: this fit {what}: its checkpoints hold no data position, so a resume from inside an epoch starts "
     "each training dataloader again from its first batch (as under DDP): the samples of the steps after it differ "
+    "from those of an uninterrupted run"
+)
+_TAKEN_BACK = (
+    "fsdp_custom: the checkpoint was saved inside an epoch, but {why}: the epoch is taken again from its first "
+    "batch (each training dataloader's, and Lightning's batch count), so the samples of the steps after it differ "
     "from those of an uninterrupted run"
 )
 _NOT_OURS = (

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fsdp_strategy.data import DataPosition
+from fsdp_strategy.data import DataPosition, describe_batch_change
 
 
 class TrainingPositions:
@@ -90,23 +90,59 @@ class TrainingPositions:
         assert saved is not None
         entries = saved.get("loaders") or [saved]
         if saved["epoch"] != epoch:
-            return f"its position is in epoch {saved['epoch']}, the loops resume epoch {epoch}"
+            return f"its data position is in epoch {saved['epoch']} and the loops resume epoch {epoch}"
         if len(entries) != len(self.loaders):
-            return f"it was saved with {len(entries)} training dataloader(s), this fit has {len(self.loaders)}"
+            return f"it was saved with {len(entries)} training dataloader(s) and this fit has {len(self.loaders)}"
         if len(entries) > 1 and saved.get("mode") != mode:
-            return f"its training dataloaders were combined with mode={saved.get('mode')!r}, this fit's with {mode!r}"
+            return (
+                f"its training dataloaders were combined with mode={saved.get('mode')!r} and this fit's with {mode!r}"
+            )
         return None
 
-    def undo(self) -> bool:
-        """Take a resume's skips and restated batch counts back; whether there were any."""
-        if self.resumed_epoch < 0:
-            return False
+    def undo(self, restart_epoch: bool) -> tuple[bool, bool]:
+        """Take a resume's skips back; Lightning's batch count goes back to the checkpoint's (its
+        loaders restart the epoch while it counts on, as under DDP) or, ``restart_epoch``, to the
+        epoch's start (the whole epoch is taken again: later checkpoints hold where the loaders
+        are). Whether a skip was taken back (the loaders' iteration must start again) and whether the
+        count moved."""
+        skipped = self.resumed_epoch >= 0
         for position in self.loaders:
             if position is not None:
                 position.sampler.resume_from(-1, 0)
-        self._shift(self._unshifted)
+        count = self.progress.current.processed
+        if not self.progress.is_last_batch:
+            self._shift(0 if restart_epoch else self._unshifted)
         self.resumed_epoch, self.skipped_batches = -1, 0
-        return True
+        return skipped, count != self.progress.current.processed
+
+    def describe_change(self, world_size: int, mode: str) -> str | None:
+        """What a resume at another number of ranks (or other per-rank batches) changes: each loader's
+        global batch, old beside new, and the batches of an epoch where they differ (``drop_last``
+        and the sampler's padding deal a dataset by the number of ranks); None if nothing does."""
+        saved, positions = self.saved, self.positioned()
+        assert saved is not None and positions
+        entries, old_world = saved.get("loaders") or [saved], saved.get("world_size")
+        if old_world is None or len(entries) != len(positions):
+            return None
+        lines = []
+        for index, (entry, position) in enumerate(zip(entries, positions)):
+            line = describe_batch_change({**entry, "world_size": old_world}, position.batch_size, world_size)
+            if line and len(positions) > 1:
+                line = line.replace("fsdp_custom: ", f"fsdp_custom: training dataloader {index}: ", 1)
+            lines += [line] if line else []
+        old_batches = [
+            p.epoch_batches(old_world, e.get("batch_size") or p.batch_size) for e, p in zip(entries, positions)
+        ]
+        new_batches = [position.batches() for position in positions]
+        pick = min if mode == "min_size" else max
+        old, new = pick(old_batches), pick(new_batches)
+        if old != new:
+            lines.append(
+                f"fsdp_custom: an epoch is {old} batches at {old_world} ranks and {new} here (drop_last and the "
+                "sampler's padding deal the dataset by the number of ranks): from this epoch's end on, the steps "
+                "differ from those of the run that saved"
+            )
+        return "\n".join(lines) or None
 
     def _recount(self, mode: str) -> None:
         """Restate Lightning's batch counts of the resumed epoch (counted in the saving run's batches)
@@ -128,7 +164,8 @@ class TrainingPositions:
 
     def _shift(self, processed: int) -> None:
         """Move the epoch's batch counts together so that ``processed`` batches count as taken."""
-        current = self.progress.current
+        current, total = self.progress.current, self.progress.total
         shift = processed - current.processed
-        for counter in ("ready", "started", "processed", "completed"):
-            setattr(current, counter, max(0, getattr(current, counter) + shift))
+        for progress in (current, total):  # the total: a validation every n batches across epochs counts it
+            for counter in ("ready", "started", "processed", "completed"):
+                setattr(progress, counter, max(0, getattr(progress, counter) + shift))

@@ -597,6 +597,52 @@ MUTATIONS = [
         ("tests/test_resume_loaders.py",),
     ),
     Mutation(
+        "unprocessed_batch_kept",
+        "a checkpoint saved inside a training batch (an exception in the step, a SIGTERM at a batch's start) keeps "
+        "that batch in Lightning's total: validations every n batches run one batch early after the resume, and "
+        "at an epoch's last batch the resume skips it",
+        "fsdp_strategy/strategy_checkpoints.py",
+        "            drop_unprocessed_batch(checkpoint)",
+        "            pass",
+        ("tests/test_resume_schedule.py",),
+    ),
+    Mutation(
+        "total_batch_count_unshifted",
+        "a resume that takes a half-accumulated step's micro-batches again leaves Lightning's total batch count "
+        "ahead of them: validations every n batches across epochs run early",
+        "fsdp_strategy/strategy_data.py",
+        "        for progress in (current, total):",
+        "        for progress in (current,):",
+        ("tests/test_resume_schedule.py",),
+    ),
+    Mutation(
+        "own_sampler_not_repositioned",
+        "a CombinedLoader given to fit comes back with the strategy's samplers at a reload, a second fit or the "
+        "fit after the LR finder: left unpositioned, its checkpoints hold no position",
+        "fsdp_strategy/data.py",
+        "type(sampler) not in (DistributedSampler, ResumableDistributedSampler)",
+        "type(sampler) is not DistributedSampler",
+        ("tests/test_resume_loaders.py",),
+    ),
+    Mutation(
+        "take_back_counts_on",
+        "a resume whose position does not fit the loaders restarts them while Lightning counts on: the fit's "
+        "later checkpoints hold a position its loaders never reached",
+        "fsdp_strategy/strategy_data.py",
+        "            self._shift(0 if restart_epoch else self._unshifted)",
+        "            self._shift(self._unshifted)",
+        ("tests/test_resume_loaders.py",),
+    ),
+    Mutation(
+        "epoch_length_change_unsaid",
+        "a resume at another world size whose epochs have another number of batches (drop_last, padding) says "
+        "only that the global batch is the same",
+        "fsdp_strategy/strategy_data.py",
+        "        if old != new:",
+        "        if False:",
+        ("tests/test_resume_loaders.py",),
+    ),
+    Mutation(
         "cut_loaders_positioned",
         "a fit whose limit_train_batches cuts one of several training dataloaders saves positions a resume "
         "cannot honour, without a word",

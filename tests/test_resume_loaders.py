@@ -11,10 +11,14 @@ import warnings
 import lightning_utilities.core.rank_zero
 import torch
 from dist_utils import LogLines, run_ranks
+from lightning.pytorch.loops.progress import _BatchProgress as Progress
 from lightning.pytorch.utilities import CombinedLoader
 from test_resume_stops import GLOBAL_BATCH, SAMPLES, Indexed, _assert_continues, _result, _trainer
 from test_strategy import LIGHTNING_ENV
 from torch.utils.data import DataLoader, TensorDataset
+
+from fsdp_strategy.data import DataPosition, ResumableDistributedSampler
+from fsdp_strategy.strategy_data import TrainingPositions
 
 MODES = ("max_size_cycle", "max_size", "min_size")  # the modes Lightning trains with ("sequential" it refuses)
 # stopped inside "a"'s first pass (it cycles after the resume), after "a" ran out, inside epoch 1 (min_size: 4
@@ -63,8 +67,19 @@ def _loaders_body(rank: int, world: int, root: str, phase: str) -> dict:
         # resumed inside "a"'s first pass, stopped again inside its second (begun after the resume)
         hop = f"{root}/max_size_cycle/last.ckpt"
         out["hop"] = _fit(world, f"{root}/hop", "max_size_cycle", hop, max_steps=6)
-        # the same checkpoint in another mode: not positioned (each loader starts its epoch again), said
+        # the same checkpoint in another mode: taken back (the epoch taken again from its first batch), said;
+        # that fit's own checkpoint resumes as it goes on
         out["other mode"] = _fit(world, f"{root}/other-mode", "max_size", f"{root}/hop/last.ckpt", max_steps=8)
+        hop, other = f"{root}/hop/last.ckpt", f"{root}/other-mode/last.ckpt"
+        out["other mode, on"] = _fit(world, f"{root}/other-on", "max_size", hop, max_steps=12)
+        out["other mode, resumed"] = _fit(world, f"{root}/other-resumed", "max_size", other, max_steps=12)
+        # Lightning writes the processed loaders into the CombinedLoader it was given: a reload (as a second
+        # fit or one after the LR finder) gets them back with the strategy's samplers
+        reload = {"reload_dataloaders_every_n_epochs": 1}
+        out["reload"] = _fit(world, f"{root}/reload-whole", "max_size_cycle", max_steps=14, **reload)
+        out["reload, stopped"] = _fit(world, f"{root}/reload", "max_size_cycle", max_steps=11, **reload)
+        ckpt = f"{root}/reload/last.ckpt"
+        out["reload, resumed"] = _fit(world, f"{root}/reload-on", "max_size_cycle", ckpt, max_steps=14, **reload)
     workers = 1 if phase == "other" else 0  # [Note: ...] on another world size, with a worker process each
     for mode in MODES if phase == "save" else ("max_size_cycle", "max_size", None):
         ckpt = f"{root}/{'hop' if mode == 'max_size_cycle' else mode}/last.ckpt"
@@ -96,5 +111,25 @@ def test_several_training_dataloaders_resume_sample_by_sample(tmp_path):
     other_mode = saved["other mode"]
     assert other_mode["steps"][0][0] == cycled["steps"][0][0], "the epoch's first batch, as under DDP"
     said = " ".join(other_mode["said"])
-    assert "combined with mode='max_size_cycle', this fit's with 'max_size'" in said, said
+    assert "its training dataloaders were combined with mode='max_size_cycle' and this fit's with 'max_size'" in said
+    assert "the epoch is taken again from its first batch" in said, said
     assert "exactly" not in said and "your dataloader is not resumable" in said, said
+    on, resumed = saved["other mode, on"], saved["other mode, resumed"]
+    assert [ids for ids, _ in on["steps"]] == [ids for ids, _ in other_mode["steps"] + resumed["steps"]]
+    assert "exactly where the checkpoint left it" in " ".join(resumed["said"]), resumed["said"]
+    stopped, resumed = saved["reload, stopped"], saved["reload, resumed"]
+    _assert_continues(stopped, resumed, saved["reload"], "a reloaded CombinedLoader")
+
+
+def test_a_resume_at_another_world_size_says_when_an_epoch_changes_length():
+    """With ``drop_last`` (or the sampler's padding) an epoch's batches depend on the number of ranks
+    even at the same global batch: 28 samples are 4 batches of 3 per rank at 2 ranks, 5 of 2 at 3."""
+    dataset = TensorDataset(torch.arange(28))
+    positions = TrainingPositions(Progress(), {"epoch": 0, "consumed_samples": 12, "world_size": 2, "batch_size": 3})
+    sampler = ResumableDistributedSampler(dataset, num_replicas=3, rank=0)
+    positions.add(DataPosition(sampler, 2, drop_last=True), DataLoader(dataset), epoch=0)
+    said = positions.describe_change(3, "max_size_cycle")
+    assert "the same global batch of 6 samples per step" in said, said
+    assert "an epoch is 4 batches at 2 ranks and 5 here" in said, said
+    positions.saved["world_size"], positions.saved["batch_size"] = 3, 2
+    assert positions.describe_change(3, "max_size_cycle") is None
