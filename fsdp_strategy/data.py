@@ -155,22 +155,25 @@ def make_resumable(dataloader: Any) -> tuple[Any, DataPosition | None]:
     return loader, DataPosition(resumable, loader.batch_size or 1, loader.drop_last)
 
 
-def reopen_stopped_epoch(checkpoint: dict[str, Any], position: dict[str, int]) -> bool:
+def reopen_stopped_epoch(checkpoint: dict[str, Any], position: dict[str, int] | None) -> bool:
     """[Note: an epoch stopped, not finished] A fit that stops inside an epoch (``max_steps``,
     ``max_time``, a stop request) ends the epoch loop there and counts the epoch as finished; the
     checkpoint saved at its end (``save_last``, ``trainer.save_checkpoint``) says so, and a resume
     from it starts the next epoch: the rest of this one is never seen, and every later step trains on
-    other samples than the uninterrupted run. The data position says how far the epoch went: where
-    the loop state counts the position's epoch as finished but its last batch was never reached
-    (``is_last_batch`` false: an epoch cut by ``limit_train_batches`` reaches it), the epoch is
-    reopened in ``checkpoint``'s loop state, as a checkpoint saved inside it would have it. Returns
-    whether it did. Costs: a look at a few counters."""
+    other samples than the uninterrupted run. The data position (without one, the epoch's batch
+    count: a checkpoint of DDP's) says how far the epoch went: where the loop state counts the
+    position's epoch as finished but its last batch was never reached (``is_last_batch`` false: an
+    epoch cut by ``limit_train_batches`` reaches it), the epoch is reopened in ``checkpoint``'s loop
+    state, as a checkpoint saved inside it would have it (Lightning by itself, DDP too, runs the rest
+    of that epoch with the sampler set to the next one's order). Returns whether it did. Costs: a
+    look at a few counters."""
     fit = checkpoint.get("loops", {}).get("fit_loop", {})
     epochs, batches = fit.get("epoch_progress"), fit.get("epoch_loop.batch_progress")
-    if not epochs or not batches or batches.get("is_last_batch", True) or not position.get("consumed_samples"):
+    went = batches["current"]["processed"] if batches and position is None else (position or {}).get("consumed_samples")
+    if not epochs or not batches or batches.get("is_last_batch", True) or not went:
         return False
     total, current = epochs["total"], epochs["current"]
-    finished = position["epoch"] + 1
+    finished = total["processed"] if position is None else position["epoch"] + 1
     # saved after the epoch's end hooks ran (completed) or from on_train_epoch_end (ModelCheckpoint's
     # default save there: processed, not yet completed); Lightning starts the next epoch from either
     ended = [total[key] for key in ("ready", "started", "processed")]
@@ -180,7 +183,7 @@ def reopen_stopped_epoch(checkpoint: dict[str, Any], position: dict[str, int]) -
         progress["completed"] = min(progress["completed"], finished - 1)
         progress["processed"] -= 1
     if isinstance(checkpoint.get("epoch"), int):
-        checkpoint["epoch"] = position["epoch"]
+        checkpoint["epoch"] = finished - 1
     return True
 
 

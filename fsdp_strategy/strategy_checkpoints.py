@@ -321,7 +321,7 @@ class TrainerCheckpoints:
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         if fitting:
             drop_unprocessed_batch(checkpoint)  # [Note: a batch started, not processed] in data.py
-        if fitting and position is not None:
+        if fitting:
             reopen_stopped_epoch(checkpoint, position)  # [Note: an epoch stopped, not finished] in data.py
         epochs = checkpoint.get("loops", {}).get("fit_loop", {}).get("epoch_progress", {}).get("total", {})
         ended_early = epochs.get("completed", 0) < epochs.get("started", 0)  # before the epoch's end hooks

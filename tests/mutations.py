@@ -643,6 +643,15 @@ MUTATIONS = [
         ("tests/test_resume_loaders.py",),
     ),
     Mutation(
+        "stopped_epoch_without_position_left",
+        "a checkpoint without a data position (DDP's) of a fit stopped inside an epoch resumes that epoch with "
+        "its sampler set to the next epoch's order: the fit's later checkpoints name another epoch than its loops",
+        "fsdp_strategy/strategy_checkpoints.py",
+        "        if fitting:\n            reopen_stopped_epoch(checkpoint, position)",
+        "        if fitting and position is not None:\n            reopen_stopped_epoch(checkpoint, position)",
+        ("tests/test_resume_loaders.py",),
+    ),
+    Mutation(
         "cut_loaders_positioned",
         "a fit whose limit_train_batches cuts one of several training dataloaders saves positions a resume "
         "cannot honour, without a word",

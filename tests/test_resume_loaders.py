@@ -10,6 +10,7 @@ import warnings
 
 import lightning_utilities.core.rank_zero
 import torch
+import torch.distributed as dist
 from dist_utils import LogLines, run_ranks
 from lightning.pytorch.loops.progress import _BatchProgress as Progress
 from lightning.pytorch.utilities import CombinedLoader
@@ -75,6 +76,18 @@ def _loaders_body(rank: int, world: int, root: str, phase: str) -> dict:
         out["other mode, resumed"] = _fit(world, f"{root}/other-resumed", "max_size", other, max_steps=12)
         # Lightning writes the processed loaders into the CombinedLoader it was given: a reload (as a second
         # fit or one after the LR finder) gets them back with the strategy's samplers
+        # a checkpoint of a fit stopped inside epoch 1 as DDP writes it (no data position), resumed: the epoch
+        # is taken again whole, and that fit's own checkpoint resumes as it goes on
+        foreign = torch.load(f"{root}/None/last.ckpt", weights_only=False)
+        del foreign["fsdp_custom_data_position"]
+        if rank == 0:
+            torch.save(foreign, f"{root}/foreign.ckpt")
+        dist.barrier()
+        foreign = f"{root}/foreign.ckpt"
+        out["foreign", "on"] = _fit(world, f"{root}/foreign-on", None, foreign, max_steps=18)
+        out["foreign", "stopped"] = _fit(world, f"{root}/foreign-stopped", None, foreign, max_steps=14)
+        ckpt = f"{root}/foreign-stopped/last.ckpt"
+        out["foreign", "resumed"] = _fit(world, f"{root}/foreign-resumed", None, ckpt, max_steps=18)
         reload = {"reload_dataloaders_every_n_epochs": 1}
         out["reload"] = _fit(world, f"{root}/reload-whole", "max_size_cycle", max_steps=14, **reload)
         out["reload, stopped"] = _fit(world, f"{root}/reload", "max_size_cycle", max_steps=11, **reload)
@@ -117,6 +130,10 @@ def test_several_training_dataloaders_resume_sample_by_sample(tmp_path):
     on, resumed = saved["other mode, on"], saved["other mode, resumed"]
     assert [ids for ids, _ in on["steps"]] == [ids for ids, _ in other_mode["steps"] + resumed["steps"]]
     assert "exactly where the checkpoint left it" in " ".join(resumed["said"]), resumed["said"]
+    on, stopped, resumed = (saved["foreign", run] for run in ("on", "stopped", "resumed"))
+    assert on["start"] == 11 and on["steps"][0][0] == saved[None, "uninterrupted"]["steps"][8][0], "epoch 1, whole"
+    assert [ids for ids, _ in on["steps"]] == [ids for ids, _ in stopped["steps"] + resumed["steps"]]
+    assert "it holds no data position: the epoch is taken again from its first batch" in " ".join(on["said"])
     stopped, resumed = saved["reload, stopped"], saved["reload, resumed"]
     _assert_continues(stopped, resumed, saved["reload"], "a reloaded CombinedLoader")
 

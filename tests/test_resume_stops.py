@@ -261,6 +261,9 @@ def test_the_loop_state_of_a_stopped_or_finished_epoch_is_corrected_and_only_the
         "completed": 0,
     }
     assert stopped["epoch"] == 0
+    foreign = checkpoint(1, is_last_batch=False)  # DDP's: no data position, 3 batches into epoch 0
+    foreign["loops"]["fit_loop"]["epoch_loop.batch_progress"]["current"] = {"processed": 3}
+    assert reopen_stopped_epoch(foreign, None) and foreign["epoch"] == 0
     assert not reopen_stopped_epoch(checkpoint(1, is_last_batch=True), {"epoch": 0, "consumed_samples": 96})
     assert not reopen_stopped_epoch(checkpoint(0, is_last_batch=False), {"epoch": 0, "consumed_samples": 40})  # inside
     assert not reopen_stopped_epoch(checkpoint(1, is_last_batch=False), {"epoch": 0, "consumed_samples": 0})
