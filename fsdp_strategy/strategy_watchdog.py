@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from fsdp_strategy.checkpoint.writer import CheckpointWriter
 from fsdp_strategy.engine import get_scheduler, is_sharded
 from fsdp_strategy.engine.monitoring import watched
-from fsdp_strategy.engine.watchdog import Watchdog
+from fsdp_strategy.engine.watchdog import CollectiveError, Watchdog
 from fsdp_strategy.sync_batchnorm import SyncBatchNorm
 
 
@@ -78,7 +78,21 @@ class RunWatchdog:
             yield
         except BaseException as error:
             self.report_exception(error)
+            self._name_lost_peer(error)
             raise
+
+    def _name_lost_peer(self, error: BaseException) -> None:
+        """A collective the engine does not issue (tensor parallel's inside a forward, the user's
+        own) fails with torch's bare error when a peer dies ("Connection reset by peer"): where a
+        rank of this host has exited, that error becomes the ``CollectiveError`` naming it and where
+        every rank was, as the engine's own collectives raise. Costs: nothing until an error."""
+        dog = self.dog
+        if dog is None or not isinstance(error, RuntimeError) or isinstance(error, CollectiveError):
+            return
+        dog.reports.learn_identities()
+        if dog.reports.gone_locally():
+            text = f"{type(error).__name__}: {str(error).strip()[:300]}"
+            dog.fail(None, f"a collective outside the engine (tensor parallel, the user's own) failed: {text}", error)
 
     def report_exception(self, error: BaseException) -> None:
         """Publish ``error`` to the other ranks (not SIGTERMException: raised on every rank at one step)."""

@@ -14,7 +14,8 @@ Healthy jobs that must end well: ``caught_slow`` (every rank raises ``StopTraini
 for ``--post-seconds``), ``barrier_raise`` (rank 0 waits in a barrier while ``--rank`` raises:
 rank 0 must fail there and run its handlers),
 ``slow_save`` (rank 0's full checkpoint write at ``--step`` takes ``--save-seconds``), and
-``none`` with ``--step-seconds`` (a slow step, to send signals to).
+``none`` with ``--step-seconds`` (a slow step, to send signals to). ``--tensor-parallel N``: a
+model split by a tensor-parallel plan over N ranks (tp_models).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).parent))
+import tp_models  # noqa: E402
 from models import Block, TiedLM, lm_loss, make_batches  # noqa: E402
 
 from fsdp_strategy import FSDPCustomStrategy  # noqa: E402
@@ -80,11 +82,14 @@ class FaultyLM(L.LightningModule):
                 time.sleep(6)  # its own work first (an upload), longer than any grace period
             raise StopTraining(f"rank {self.global_rank} stops here")
         time.sleep(self.step_seconds)
-        loss = lm_loss(self.net, batch[0])
+        loss = self.loss(batch[0])
         if due and self.fault == "drift":
             x = self.net.embed(batch[0][:, :-1])
             loss = loss + self.net.blocks[0](x).sum() * 0
         return loss
+
+    def loss(self, tokens: torch.Tensor) -> torch.Tensor:
+        return lm_loss(self.net, tokens)
 
     def _init_weights(self, module):  # meta init: what reset_parameters() does not cover
         if module is self.net:
@@ -100,6 +105,22 @@ class FaultyLM(L.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+class FaultyTensorParallelLM(FaultyLM):
+    """FaultyLM on tp_models' TinyLM, split by its tensor-parallel plan (``--tensor-parallel``): a
+    peer's death then first shows in tensor parallel's own collectives, inside the forward."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.net = tp_models.TinyLM()
+
+    def configure_model(self) -> None:
+        tp_models.parallelize(self.net, self.device_mesh["tensor_parallel"], sequence_parallel=True)
+
+    def loss(self, tokens: torch.Tensor) -> torch.Tensor:
+        logits = self.net(tokens % tp_models.VOCAB)
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), (tokens % tp_models.VOCAB).flatten())
 
 
 def die_during_save(trainer: L.Trainer, rank: int, step: int, whole_job: bool) -> None:
@@ -168,8 +189,11 @@ def build_strategy(args: argparse.Namespace) -> object:
         kwargs["timeout"] = timedelta(seconds=args.pg_timeout)
     async_save = args.fault == "async_after_fit"
     state_dict_type = "full" if args.fault == "slow_save" else "sharded"
+    if args.tensor_parallel:
+        kwargs["tensor_parallel_size"] = args.tensor_parallel
+    block = tp_models.Block if args.tensor_parallel else Block
     return FSDPCustomStrategy(
-        auto_wrap_policy={Block}, state_dict_type=state_dict_type, async_save=async_save, **kwargs
+        auto_wrap_policy={block}, state_dict_type=state_dict_type, async_save=async_save, **kwargs
     )
 
 
@@ -215,6 +239,7 @@ def main() -> None:
     parser.add_argument("--strategy", default="fsdp_custom", choices=["fsdp_custom", "ddp_find_unused_parameters_true"])
     parser.add_argument("--checkpoints", default=None, help="save last.ckpt there after every step")
     parser.add_argument("--resume", action="store_true", help='fit from ckpt_path="last"')
+    parser.add_argument("--tensor-parallel", type=int, default=None, help="tensor_parallel_size, tp_models' plan")
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -227,7 +252,7 @@ def main() -> None:
         slow_down_save(trainer, args.step, args.save_seconds)
     data = make_batches(8, 4 * args.devices * args.num_nodes).reshape(-1, make_batches(1, 1).shape[-1])
     with trainer.init_module(empty_init=args.meta_init):  # meta: the engine materializes it unit by unit
-        module = FaultyLM(args.fault, args.rank, args.step)
+        module = (FaultyTensorParallelLM if args.tensor_parallel else FaultyLM)(args.fault, args.rank, args.step)
     module.step_seconds = args.step_seconds
     loader = DataLoader(TensorDataset(data), batch_size=4)
     if args.fault == "caught":  # every rank fails alike, the script goes on with a new run

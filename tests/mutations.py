@@ -652,6 +652,15 @@ MUTATIONS = [
         ("tests/test_resume_loaders.py",),
     ),
     Mutation(
+        "tensor_parallel_death_unnamed",
+        "a rank that dies while its peers wait in tensor parallel's own collectives (inside the forward) ends the "
+        "job with torch's bare 'Connection reset by peer', naming no rank",
+        "fsdp_strategy/strategy_watchdog.py",
+        "        if dog.reports.gone_locally():",
+        "        if False:",
+        ("tests/test_faults.py::test_a_rank_that_dies_under_tensor_parallel_is_named",),
+    ),
+    Mutation(
         "cut_loaders_positioned",
         "a fit whose limit_train_batches cuts one of several training dataloaders saves positions a resume "
         "cannot honour, without a word",

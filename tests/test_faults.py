@@ -64,6 +64,19 @@ def test_a_rank_that_dies_or_raises_ends_the_job_naming_it(fault, words):
         assert word in output, (word, excerpt(output, 4000))
 
 
+def test_a_rank_that_dies_under_tensor_parallel_is_named():
+    """Its peers first fail in tensor parallel's own collectives (DTensor's, inside the forward), which
+    the engine does not issue: torch's bare "Connection reset by peer" becomes the CollectiveError."""
+    code, output, seconds = _run("--fault", "kill", "--rank", "1", "--step", "3", "--tensor-parallel", "2")
+    assert code != 0 and "FINISHED" not in output
+    assert seconds < DEADLINE, excerpt(output, 3000)
+    headline = "CollectiveError: fsdp_custom: rank 0 (data 0, tensor 0; node 0) stopped at no collective: a collective "
+    assert headline + "outside the engine (tensor parallel, the user's own) failed: RuntimeError" in output, excerpt(
+        output, 4000
+    )
+    assert "rank 1 (data 0, tensor 1; node 0" in output and "LOST, its process has exited" in output
+
+
 def test_a_hang_ends_at_collective_timeout_with_every_ranks_place():
     code, output, seconds = _run("--fault", "hang", "--rank", "1", "--step", "3", "--collective-timeout", "5")
     assert code != 0 and "FINISHED" not in output
