@@ -98,6 +98,11 @@ class DataPosition:
         per_rank = samples // world_size if drop else math.ceil(samples / world_size)
         return per_rank // batch_size if self.drop_last else math.ceil(per_rank / batch_size)
 
+    def dealt(self, samples: int, world_size: int) -> int:
+        """The samples the sampler deals ``world_size`` ranks out of ``samples`` (a rest of an epoch or
+        a whole one): cut to a multiple of the ranks (``drop_last``) or filled up with repeats."""
+        return samples - samples % world_size if self.sampler.drop_last else samples + (-samples) % world_size
+
     def samples_taken(self, batches: int, mode: str) -> int:
         """The global samples of this loader's current pass that ``batches`` batches of the epoch took
         (counted since a resume into it, which skipped ``sampler.skipped()``), the loader iterated by
@@ -136,6 +141,18 @@ def pending_batches(trainer: Any) -> int:
     if progress.is_last_batch or processed >= trainer.num_training_batches:
         return 0
     return processed % accumulate
+
+
+def rewind_pending_batches(checkpoint: dict[str, Any], pending: int) -> None:
+    """[Note: a step half accumulated] The loop state of a checkpoint whose data position was set back
+    by the ``pending`` micro-batches of a step not taken, set back with it: those batches count as
+    never started (Lightning otherwise reads a save in ``on_train_batch_end`` as one to complete,
+    and counts the step's first micro-batch taken again as its second: it steps one batch early)."""
+    batches = checkpoint["loops"]["fit_loop"]["epoch_loop.batch_progress"]
+    for progress in (batches["total"], batches["current"]):
+        taken = max(0, progress["processed"] - pending)
+        progress.update(ready=taken, started=taken, processed=taken, completed=taken)
+    batches["is_last_batch"] = False
 
 
 def make_resumable(dataloader: Any) -> tuple[Any, DataPosition | None]:
@@ -302,6 +319,8 @@ class ExactResumeNotice:
         self.remove()
         warnings.filterwarnings("ignore", message=self.MESSAGE, category=PossibleUserWarning)
         self._filter = warnings.filters[0]
+        if not position["consumed_samples"]:  # the epoch's start: nothing to say, Lightning's warning still false
+            return
         loaders = position.get("loaders")
         taken = f"its first {position['consumed_samples']} samples"
         if loaders:

@@ -36,6 +36,7 @@ from fsdp_strategy.data import (
     next_epoch_start,
     pending_batches,
     reopen_stopped_epoch,
+    rewind_pending_batches,
 )
 from fsdp_strategy.engine import get_scheduler, is_sharded
 from fsdp_strategy.strategy_data import TrainingPositions
@@ -146,6 +147,8 @@ class TrainerCheckpoints:
         if self.positions is not None and self.positions.positioned() and not cut and "loops" in checkpoint:
             pending = pending_batches(trainer)  # [Note: a step half accumulated]
             position = self.positions.state_dict(mode, pending)
+            if pending:
+                rewind_pending_batches(checkpoint, pending)
             if not pending and model is not None and get_scheduler(model).optimizer_steps.unapplied_gradients():
                 position["unapplied_gradients"] = True  # a manual optimization's accumulation: said at the resume
             checkpoint[DATA_POSITION_KEY] = position
@@ -296,7 +299,7 @@ class TrainerCheckpoints:
             rank_zero_warn(change)
         if saved.get("unapplied_gradients"):
             rank_zero_warn(f"fsdp_custom: the checkpoint was saved inside an optimizer step: {UNAPPLIED}")
-        elif saved["consumed_samples"] and not trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
+        elif not trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
             self.resume_notice.install(saved)
 
     @staticmethod

@@ -105,7 +105,7 @@ class TrainingPositions:
         epoch's start (the whole epoch is taken again: later checkpoints hold where the loaders
         are). Whether a skip was taken back (the loaders' iteration must start again) and whether the
         count moved."""
-        skipped = self.resumed_epoch >= 0
+        skipped = any(position is not None and position.sampler.skip > 0 for position in self.loaders)
         for position in self.loaders:
             if position is not None:
                 position.sampler.resume_from(-1, 0)
@@ -127,9 +127,9 @@ class TrainingPositions:
         lines = []
         for index, (entry, position) in enumerate(zip(entries, positions)):
             line = describe_batch_change({**entry, "world_size": old_world}, position.batch_size, world_size)
-            if line and len(positions) > 1:
-                line = line.replace("fsdp_custom: ", f"fsdp_custom: training dataloader {index}: ", 1)
-            lines += [line] if line else []
+            mine = ([line] if line else []) + _dealing(position, entry["consumed_samples"], old_world, world_size)
+            name = f"fsdp_custom: training dataloader {index}: " if len(positions) > 1 else "fsdp_custom: "
+            lines += [text.replace("fsdp_custom: ", name, 1) for text in mine]
         old_batches = [
             p.epoch_batches(old_world, e.get("batch_size") or p.batch_size) for e, p in zip(entries, positions)
         ]
@@ -169,3 +169,22 @@ class TrainingPositions:
         for progress in (current, total):  # the total: a validation every n batches across epochs counts it
             for counter in ("ready", "started", "processed", "completed"):
                 setattr(progress, counter, max(0, getattr(progress, counter) + shift))
+
+
+def _dealing(position: DataPosition, taken: int, old_world: int, world_size: int) -> list[str]:
+    """Where the sampler deals a loader's epoch otherwise at ``world_size`` ranks than at
+    ``old_world`` (it fills every rank up with repeats, or drops the rest with ``drop_last``): the
+    samples of the resumed epoch's rest (``taken`` consumed) and of every later epoch differ."""
+    if old_world == world_size:
+        return []
+    samples = len(position.sampler.dataset)
+    before, later = position.dealt(samples, old_world), position.dealt(samples, world_size)
+    rest = position.dealt(samples - taken, world_size)
+    if taken + rest == before and later == before:
+        return []
+    how = "drops the rest (drop_last)" if position.sampler.drop_last else "repeats samples to fill every rank"
+    return [
+        f"fsdp_custom: DistributedSampler deals an epoch of {samples} samples as {before} at {old_world} ranks and as "
+        f"{later} at {world_size} ({how}), this epoch's remaining {samples - taken} as {rest}: those samples differ "
+        "from the run that saved"
+    ]

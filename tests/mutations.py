@@ -661,6 +661,33 @@ MUTATIONS = [
         ("tests/test_faults.py::test_a_rank_that_dies_under_tensor_parallel_is_named",),
     ),
     Mutation(
+        "pending_batches_counted_done",
+        "a checkpoint saved after a step's first micro-batch (on_train_batch_end) rolls its data position back but "
+        "not Lightning's batch count: the resumed step steps after one micro-batch",
+        "fsdp_strategy/strategy_checkpoints.py",
+        "            if pending:\n                rewind_pending_batches(checkpoint, pending)\n",
+        "",
+        ("tests/test_resume_schedule.py",),
+    ),
+    Mutation(
+        "dealing_change_unsaid",
+        "a resume at another world size whose sampler repeats (or drops) other samples to fill the ranks says only "
+        "that the global batch is the same",
+        "fsdp_strategy/strategy_data.py",
+        "    if taken + rest == before and later == before:",
+        "    if True:",
+        ("tests/test_resume_loaders.py",),
+    ),
+    Mutation(
+        "epoch_start_take_back_said",
+        "a checkpoint at an epoch's end resumed by a fit it does not fit warns that the epoch is taken again "
+        "(nothing was skipped)",
+        "fsdp_strategy/strategy_data.py",
+        "        skipped = any(position is not None and position.sampler.skip > 0 for position in self.loaders)",
+        "        skipped = self.resumed_epoch >= 0",
+        ("tests/test_resume_loaders.py",),
+    ),
+    Mutation(
         "cut_loaders_positioned",
         "a fit whose limit_train_batches cuts one of several training dataloaders saves positions a resume "
         "cannot honour, without a word",

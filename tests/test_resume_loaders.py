@@ -9,6 +9,7 @@ from __future__ import annotations
 import warnings
 
 import lightning_utilities.core.rank_zero
+import pytest
 import torch
 import torch.distributed as dist
 from dist_utils import LogLines, run_ranks
@@ -150,3 +151,35 @@ def test_a_resume_at_another_world_size_says_when_an_epoch_changes_length():
     assert "an epoch is 4 batches at 2 ranks and 5 here" in said, said
     positions.saved["world_size"], positions.saved["batch_size"] = 3, 2
     assert positions.describe_change(3, "max_size_cycle") is None
+
+
+@pytest.mark.parametrize(
+    ("drop_last", "dealt"),
+    [
+        (
+            False,
+            "as 28 at 2 ranks and as 30 at 3 (repeats samples to fill every rank), this epoch's remaining 16 as 18",
+        ),
+        (True, "as 28 at 2 ranks and as 27 at 3 (drops the rest (drop_last)), this epoch's remaining 16 as 15"),
+    ],
+)
+def test_a_resume_at_another_world_size_says_when_the_sampler_deals_other_samples(drop_last, dealt):
+    """DistributedSampler fills every rank up with repeats (or drops the rest): 28 samples at 3 ranks."""
+    dataset = TensorDataset(torch.arange(28))
+    positions = TrainingPositions(Progress(), {"epoch": 0, "consumed_samples": 12, "world_size": 2, "batch_size": 3})
+    sampler = ResumableDistributedSampler(dataset, num_replicas=3, rank=0, drop_last=drop_last)
+    positions.add(DataPosition(sampler, 2), DataLoader(dataset), epoch=0)
+    said = positions.describe_change(3, "max_size_cycle")
+    assert f"DistributedSampler deals an epoch of 28 samples {dealt}" in said, said
+
+
+def test_taking_back_a_position_at_an_epochs_start_changes_nothing():
+    """A checkpoint at an epoch's end, resumed by a fit it does not fit: nothing was skipped or counted."""
+    dataset = TensorDataset(torch.arange(28))
+    for consumed, changed in ((0, (False, False)), (12, (True, True))):
+        progress = Progress()
+        progress.current.processed = progress.current.completed = consumed // 6
+        positions = TrainingPositions(progress, {"epoch": 0, "consumed_samples": consumed, "world_size": 2})
+        positions.add(DataPosition(ResumableDistributedSampler(dataset, 2, 0), 3), DataLoader(dataset), epoch=0)
+        assert positions.undo(restart_epoch=True) == changed, consumed
+        assert progress.current.processed == 0

@@ -1,5 +1,6 @@
 """A run resumed from a checkpoint written inside a training batch (an exception in the step with
-``save_on_exception``, inside an accumulated step too, or a SIGTERM acted on at a batch's start)
+``save_on_exception``, inside an accumulated step too, or a SIGTERM acted on at a batch's start), or
+after a step's first micro-batch
 validates at the batches and to the losses of the uninterrupted run when validation runs every n
 batches across epochs (``check_val_every_n_epoch=None``) ([Note: a batch started, not processed]
 in data.py): Lightning (DDP alike) kept that batch in its total count, and every validation after
@@ -19,15 +20,26 @@ CASES = {  # how the first run stops, and the trainer options of all three runs
     "an exception in a step": ({"fail_batch": (0, 4)}, {"max_steps": 16}),
     "an exception inside an accumulated step": ({"fail_batch": (0, 5)}, {"max_steps": 8, "accumulate_grad_batches": 2}),
     "a SIGTERM to one rank": ({"sigterm_at": 4}, {"max_steps": 16}),
+    # after the step's first micro-batch (Lightning reads a save in on_train_batch_end as a batch to complete)
+    "an exception after a micro-batch": ({"fail_batch_end": (1, 0)}, {"max_steps": 8, "accumulate_grad_batches": 2}),
 }
 
 
 class Validated(Indexed):
     """Records the global step and loss of each validation; raises in ``fail_batch`` (epoch, batch)."""
 
-    def __init__(self, fail_batch: tuple[int, int] | None = None, sigterm_at: int | None = None) -> None:
+    def __init__(
+        self,
+        fail_batch: tuple[int, int] | None = None,
+        sigterm_at: int | None = None,
+        fail_batch_end: tuple[int, int] | None = None,
+    ) -> None:
         super().__init__(sigterm_at=sigterm_at)
-        self.fail_batch, self.validations = fail_batch, []
+        self.fail_batch, self.fail_batch_end, self.validations = fail_batch, fail_batch_end, []
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        if (self.current_epoch, batch_idx) == self.fail_batch_end:
+            raise Interrupted(f"stopped after batch {batch_idx}")
 
     def training_step(self, batch, batch_idx):
         if (self.current_epoch, batch_idx) == self.fail_batch:
