@@ -256,8 +256,7 @@ class FSDPCustomStrategy(StrategyArguments, WatchedProcesses, AgreedStopHooks, L
 
     @property
     def lightning_restore_optimizer(self) -> bool:
-        """True: Lightning calls ``load_optimizer_state_dict`` when it restores optimizers (a fit's
-        resume, the tuner's restore), which loads them then."""
+        """True: Lightning calls ``load_optimizer_state_dict`` when it restores optimizers, which loads them."""
         return True
 
     @property
@@ -352,12 +351,10 @@ class FSDPCustomStrategy(StrategyArguments, WatchedProcesses, AgreedStopHooks, L
         super().on_exception(exception)
 
     def on_train_start(self) -> None:
-        """Position the training dataloaders where a resumed checkpoint left them; hold Lightning's
-        SLURM requeue handler back to a step all ranks agree on ([Note: requeue at an agreed step]
-        in strategy_requeue.py; SIGTERM is held from the stage's start)."""
-        trainer = self.lightning_module.trainer
-        self._checkpoints.position_training_data(trainer, self.world_size)
-        self._requeue.install(trainer)
+        """Check the resumed data positions (strategy_data.py); hold SLURM's requeue handler back to an
+        agreed step ([Note: requeue at an agreed step] in strategy_requeue.py)."""
+        self._checkpoints.position_training_data(self.lightning_module.trainer, self.world_size)
+        self._requeue.install(self.lightning_module.trainer)
         super().on_train_start()
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:

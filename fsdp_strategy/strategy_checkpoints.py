@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.fabric.utilities.data import has_len
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.trainer.states import TrainerFn
@@ -39,7 +38,7 @@ from fsdp_strategy.data import (
     rewind_pending_batches,
 )
 from fsdp_strategy.engine import get_scheduler, is_sharded
-from fsdp_strategy.strategy_data import TrainingPositions
+from fsdp_strategy.strategy_data import NOT_OURS, TAKEN_BACK, UNPOSITIONED, TrainingPositions, combination
 
 
 @dataclass
@@ -143,7 +142,7 @@ class TrainerCheckpoints:
                 "`FSDPCustomStrategy.save_checkpoint(..., storage_options=...)` is not supported with "
                 "state_dict_type='sharded': the sharded save does not use the CheckpointIO (as Lightning's FSDP)"
             )
-        mode, cut = _combination(trainer)
+        mode, cut = combination(trainer)
         if self.positions is not None and self.positions.positioned() and not cut and "loops" in checkpoint:
             pending = pending_batches(trainer)  # [Note: a step half accumulated]
             position = self.positions.state_dict(mode, pending)
@@ -277,22 +276,22 @@ class TrainerCheckpoints:
         positions = self.positions
         if positions is None or trainer.fit_loop._data_fetcher is None:
             return
-        mode, cut = _combination(trainer)
+        mode, cut = combination(trainer)
         saved = positions.saved
         if len(positions.loaders) > 1 and (cut or not positions.positioned()):
             why = "a limit_train_batches that cuts one of them" if cut else f"samplers {positions.samplers}"
             self._take_back(positions, trainer, restart_epoch=False)
-            rank_zero_warn(_UNPOSITIONED.format(what=f"has several training dataloaders ({why})"))
+            rank_zero_warn(UNPOSITIONED.format(what=f"has several training dataloaders ({why})"))
             return
         if not positions.positioned():
             if saved is not None and saved.get("consumed_samples"):
-                rank_zero_warn(_NOT_OURS.format(saved=saved, sampler=positions.samplers[0]))
+                rank_zero_warn(NOT_OURS.format(saved=saved, sampler=positions.samplers[0]))
             return
         epoch = trainer.fit_loop.epoch_progress.current.processed
         why_not = "it holds no data position" if saved is None else positions.check_resume(mode, epoch)
         if why_not is not None:
             if resumed and self._take_back(positions, trainer, restart_epoch=True):
-                rank_zero_warn(_TAKEN_BACK.format(why=why_not))
+                rank_zero_warn(TAKEN_BACK.format(why=why_not))
             return
         change = positions.describe_change(world_size, mode)
         if change:
@@ -350,35 +349,6 @@ class TrainerCheckpoints:
                 "have lowered the learning rate, the steps after the resume differ from the uninterrupted run's"
             )
         self._unstepped_epoch = None
-
-
-_UNPOSITIONED = (
-    "fsdp_custom: this fit {what}: its checkpoints hold no data position, so a resume from inside an epoch starts "
-    "each training dataloader again from its first batch (as under DDP): the samples of the steps after it differ "
-    "from those of an uninterrupted run"
-)
-_TAKEN_BACK = (
-    "fsdp_custom: the checkpoint was saved inside an epoch, but {why}: the epoch is taken again from its first "
-    "batch (each training dataloader's, and Lightning's batch count), so the samples of the steps after it differ "
-    "from those of an uninterrupted run"
-)
-_NOT_OURS = (
-    "fsdp_custom: the checkpoint stopped {saved[consumed_samples]} samples into epoch {saved[epoch]}, but this "
-    "training dataloader's sampler ({sampler}) is not the DistributedSampler the strategy can position: the epoch "
-    "starts again from its first batch, and the samples of the following steps differ from an uninterrupted run's"
-)
-
-
-def _combination(trainer: Any) -> tuple[str, bool]:
-    """How Lightning combines the fit's training dataloaders (its ``CombinedLoader``'s mode), and
-    whether ``limit_train_batches`` cuts one of several (its passes then end early, where a
-    resumed pass would not: such fits are not positioned)."""
-    combined = getattr(getattr(trainer, "fit_loop", None), "_combined_loader", None)
-    if combined is None:
-        return "max_size_cycle", False
-    loaders, limits = combined.flattened, combined.limits or []
-    cut = len(loaders) > 1 and any(limit < len(loader) for loader, limit in zip(loaders, limits) if has_len(loader))
-    return combined._mode, cut
 
 
 def _refuse_other_optimizers(pending: _CheckpointToLoad, trainer: Any, optimizers: list) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from lightning.fabric.utilities.data import has_len
+
 from fsdp_strategy.data import DataPosition, describe_batch_change
 
 
@@ -188,3 +190,32 @@ def _dealing(position: DataPosition, taken: int, old_world: int, world_size: int
         f"{later} at {world_size} ({how}), this epoch's remaining {samples - taken} as {rest}: those samples differ "
         "from the run that saved"
     ]
+
+
+UNPOSITIONED = (
+    "fsdp_custom: this fit {what}: its checkpoints hold no data position, so a resume from inside an epoch starts "
+    "each training dataloader again from its first batch (as under DDP): the samples of the steps after it differ "
+    "from those of an uninterrupted run"
+)
+TAKEN_BACK = (
+    "fsdp_custom: the checkpoint was saved inside an epoch, but {why}: the epoch is taken again from its first "
+    "batch (each training dataloader's, and Lightning's batch count), so the samples of the steps after it differ "
+    "from those of an uninterrupted run"
+)
+NOT_OURS = (
+    "fsdp_custom: the checkpoint stopped {saved[consumed_samples]} samples into epoch {saved[epoch]}, but this "
+    "training dataloader's sampler ({sampler}) is not the DistributedSampler the strategy can position: the epoch "
+    "starts again from its first batch, and the samples of the following steps differ from an uninterrupted run's"
+)
+
+
+def combination(trainer: Any) -> tuple[str, bool]:
+    """How Lightning combines the fit's training dataloaders (its ``CombinedLoader``'s mode), and
+    whether ``limit_train_batches`` cuts one of several (its passes then end early, where a
+    resumed pass would not: such fits are not positioned)."""
+    combined = getattr(getattr(trainer, "fit_loop", None), "_combined_loader", None)
+    if combined is None:
+        return "max_size_cycle", False
+    loaders, limits = combined.flattened, combined.limits or []
+    cut = len(loaders) > 1 and any(limit < len(loader) for loader, limit in zip(loaders, limits) if has_len(loader))
+    return combined._mode, cut

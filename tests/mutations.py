@@ -691,7 +691,7 @@ MUTATIONS = [
         "cut_loaders_positioned",
         "a fit whose limit_train_batches cuts one of several training dataloaders saves positions a resume "
         "cannot honour, without a word",
-        "fsdp_strategy/strategy_checkpoints.py",
+        "fsdp_strategy/strategy_data.py",
         "    cut = len(loaders) > 1 and any(",
         "    cut = False and any(",
         ("tests/test_resume_loaders.py",),
