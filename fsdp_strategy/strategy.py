@@ -363,7 +363,7 @@ class FSDPCustomStrategy(StrategyArguments, WatchedProcesses, AgreedStopHooks, L
         SIGTERM and SLURM's requeue signal are acted on here, between two batches."""
         global_step = self.lightning_module.trainer.global_step
         self._sigterm.at_step_start(global_step, self._watch.dog)
-        self._checkpoints.end_dataloader_setup()
+        self._checkpoints.end_dataloader_setup(self.lightning_module.trainer)
         self._requeue.at_batch_start(global_step)
         self.scheduler.observer.at_step(global_step)  # the flight recorder names steps as the trainer does
         if global_step != self._ledger_global_step:

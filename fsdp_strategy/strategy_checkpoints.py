@@ -38,7 +38,14 @@ from fsdp_strategy.data import (
     rewind_pending_batches,
 )
 from fsdp_strategy.engine import get_scheduler, is_sharded
-from fsdp_strategy.strategy_data import NOT_OURS, TAKEN_BACK, UNPOSITIONED, TrainingPositions, combination
+from fsdp_strategy.strategy_data import (
+    NOT_OURS,
+    REPEATED_VALIDATION,
+    TAKEN_BACK,
+    UNPOSITIONED,
+    TrainingPositions,
+    combination,
+)
 
 
 @dataclass
@@ -148,6 +155,7 @@ class TrainerCheckpoints:
             position = self.positions.state_dict(mode, pending)
             if pending:
                 rewind_pending_batches(checkpoint, pending)
+                position["validation_repeated"] = self.positions.validated_inside_step(_validated(trainer))
             if not pending and model is not None and get_scheduler(model).optimizer_steps.unapplied_gradients():
                 position["unapplied_gradients"] = True  # a manual optimization's accumulation: said at the resume
             checkpoint[DATA_POSITION_KEY] = position
@@ -257,7 +265,7 @@ class TrainerCheckpoints:
         self.positions.add(position, dataloader, fit.epoch_progress.current.completed)  # the epoch Lightning sets
         return loader
 
-    def end_dataloader_setup(self) -> None:
+    def end_dataloader_setup(self, trainer: Any = None) -> None:
         """A stage's setup or a training batch began: the training dataloaders processed next are a
         new setup (a second ``fit``, the fit after an LR finder's run, a reload), with new positions.
         Lightning processes one setup's loaders together, before any batch; it has no hook between
@@ -265,6 +273,8 @@ class TrainerCheckpoints:
         warning shows again (the epoch loop has checked the dataloader by then)."""
         self._setup_open = False
         self.resume_notice.remove()
+        if trainer is not None and self.positions is not None:  # a training batch: [Note: a step half accumulated]
+            self.positions.at_batch(_validated(trainer), max(1, getattr(trainer, "accumulate_grad_batches", 1)))
 
     def position_training_data(self, trainer: Any, world_size: int) -> None:
         """At ``on_train_start``, once Lightning has combined the fit's training dataloaders (and
@@ -296,6 +306,8 @@ class TrainerCheckpoints:
         change = positions.describe_change(world_size, mode)
         if change:
             rank_zero_warn(change)
+        if saved.get("validation_repeated"):
+            rank_zero_warn(REPEATED_VALIDATION)
         if saved.get("unapplied_gradients"):
             rank_zero_warn(f"fsdp_custom: the checkpoint was saved inside an optimizer step: {UNAPPLIED}")
         elif not trainer.fit_loop.epoch_loop.batch_progress.is_last_batch:
@@ -349,6 +361,11 @@ class TrainerCheckpoints:
                 "have lowered the learning rate, the steps after the resume differ from the uninterrupted run's"
             )
         self._unstepped_epoch = None
+
+
+def _validated(trainer: Any) -> int:
+    """The validation batches the fit has run this epoch."""
+    return trainer.fit_loop.epoch_loop.val_loop.batch_progress.total.completed
 
 
 def _refuse_other_optimizers(pending: _CheckpointToLoad, trainer: Any, optimizers: list) -> None:

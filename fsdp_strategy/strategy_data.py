@@ -37,6 +37,7 @@ class TrainingPositions:
         self.skipped_batches = 0  # of the epoch's batches: those that stand for a resume's skip (recount)
         self.resumed_epoch = -1
         self._unshifted = progress.current.processed  # the checkpoint's count, before ``_recount``
+        self._validated_at_step = 0  # validation batches run before the current optimizer step's first batch
 
     def add(self, position: DataPosition | None, dataloader: Any, epoch: int) -> None:
         """The next training dataloader of the fit, in Lightning's order, and its position (None); its
@@ -53,6 +54,17 @@ class TrainingPositions:
             position.sampler.resume_from(epoch, entries[len(self.loaders) - 1]["consumed_samples"])
             self.resumed_epoch = epoch
             self._recount(saved.get("mode", "max_size_cycle"))
+
+    def at_batch(self, validated: int, accumulate: int) -> None:
+        """At a training batch's start: ``validated``, the validation batches run so far this epoch,
+        kept at an optimizer step's first micro-batch ([Note: a step half accumulated])."""
+        if self.progress.current.processed % accumulate == 0:
+            self._validated_at_step = validated
+
+    def validated_inside_step(self, validated: int) -> bool:
+        """Whether a validation ran since the current optimizer step's first micro-batch: a position
+        set back to that batch runs it again at the resume (with the same weights: the same metrics)."""
+        return validated > self._validated_at_step
 
     def positioned(self) -> list[DataPosition] | None:
         """Every loader's position, or None where a loader has none."""
@@ -201,6 +213,12 @@ TAKEN_BACK = (
     "fsdp_custom: the checkpoint was saved inside an epoch, but {why}: the epoch is taken again from its first "
     "batch (each training dataloader's, and Lightning's batch count), so the samples of the steps after it differ "
     "from those of an uninterrupted run"
+)
+REPEATED_VALIDATION = (
+    "fsdp_custom: the checkpoint was saved between the micro-batches of an optimizer step, after a validation that "
+    "ran inside that step: the resume takes the step's micro-batches again, and that validation runs again (the same "
+    "weights: the same metrics); a callback that counts validations (EarlyStopping's patience, a ModelCheckpoint "
+    "keeping the top k) sees it twice"
 )
 NOT_OURS = (
     "fsdp_custom: the checkpoint stopped {saved[consumed_samples]} samples into epoch {saved[epoch]}, but this "

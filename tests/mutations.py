@@ -665,8 +665,17 @@ MUTATIONS = [
         "a checkpoint saved after a step's first micro-batch (on_train_batch_end) rolls its data position back but "
         "not Lightning's batch count: the resumed step steps after one micro-batch",
         "fsdp_strategy/strategy_checkpoints.py",
-        "            if pending:\n                rewind_pending_batches(checkpoint, pending)\n",
-        "",
+        "                rewind_pending_batches(checkpoint, pending)\n",
+        "                pass\n",
+        ("tests/test_resume_schedule.py",),
+    ),
+    Mutation(
+        "repeated_validation_unsaid",
+        "a checkpoint set back to a step's first micro-batch past a validation that ran inside the step resumes "
+        "with that validation run again, unsaid (EarlyStopping's patience counts it twice)",
+        "fsdp_strategy/strategy_data.py",
+        "        return validated > self._validated_at_step",
+        "        return False",
         ("tests/test_resume_schedule.py",),
     ),
     Mutation(

@@ -22,7 +22,10 @@ CASES = {  # how the first run stops, and the trainer options of all three runs
     "a SIGTERM to one rank": ({"sigterm_at": 4}, {"max_steps": 16}),
     # after the step's first micro-batch (Lightning reads a save in on_train_batch_end as a batch to complete)
     "an exception after a micro-batch": ({"fail_batch_end": (1, 0)}, {"max_steps": 8, "accumulate_grad_batches": 2}),
+    # after a validation that ran inside the step (after its first micro-batch): that validation runs again, said
+    "an exception after a validation": ({"fail_batch": (1, 1)}, {"max_steps": 6, "accumulate_grad_batches": 3}),
 }
+REPEATED = "after a validation that ran inside that step: the resume takes the step's micro-batches again"
 
 
 class Validated(Indexed):
@@ -51,7 +54,6 @@ class Validated(Indexed):
 
 
 def _schedule_body(rank: int, world: int, root: str) -> dict:
-    warnings.filterwarnings("ignore")
     out = {}
     for name, (stop, options) in CASES.items():
         runs = (
@@ -69,11 +71,14 @@ def _schedule_body(rank: int, world: int, root: str) -> dict:
                 num_sanity_val_steps=0,
                 **options,
             )
-            try:
-                trainer.fit(module, _data(world), _data(world), ckpt_path=ckpt)
-            except (Interrupted, SIGTERMException):
-                pass
-            out[name, run] = {**_result(module, trainer, world), "validations": module.validations}
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                try:
+                    trainer.fit(module, _data(world), _data(world), ckpt_path=ckpt)
+                except (Interrupted, SIGTERMException):
+                    pass
+            said = " ".join(str(warning.message) for warning in caught)
+            out[name, run] = {**_result(module, trainer, world), "validations": module.validations, "said": said}
     return out
 
 
@@ -88,3 +93,5 @@ def test_a_resume_from_inside_a_batch_validates_as_the_uninterrupted_run(tmp_pat
         redone = len(whole["steps"]) - len(resumed["steps"])  # from the first batch of the step it stopped in
         assert 0 < redone <= len(stopped["steps"]), (name, redone)
         assert [ids for ids, _ in resumed["steps"]] == [ids for ids, _ in whole["steps"][redone:]], name
+        repeated = [at for at in stopped["validations"] if at[0] == resumed["start"]]  # run again after the resume
+        assert (REPEATED in resumed["said"]) == bool(repeated) == (name == "an exception after a validation"), name
