@@ -607,15 +607,6 @@ MUTATIONS = [
         ("tests/test_resume_schedule.py",),
     ),
     Mutation(
-        "total_batch_count_unshifted",
-        "a resume that takes a half-accumulated step's micro-batches again leaves Lightning's total batch count "
-        "ahead of them: validations every n batches across epochs run early",
-        "fsdp_strategy/strategy_data.py",
-        "        for progress in (current, total):",
-        "        for progress in (current,):",
-        ("tests/test_resume_schedule.py",),
-    ),
-    Mutation(
         "own_sampler_not_repositioned",
         "a CombinedLoader given to fit comes back with the strategy's samplers at a reload, a second fit or the "
         "fit after the LR finder: left unpositioned, its checkpoints hold no position",
