@@ -27,7 +27,8 @@ class TrainingPositions:
     ``on_train_start``, as do progress bars their counts: so each loader is positioned as it is
     processed (by the checkpoint's mode), and ``check_resume`` then compares what the fit turned
     out to be with what the checkpoint was; where they differ, ``undo`` takes the position back.
-    Costs: a few integers per loader, at saves and resumes only."""
+    Costs: a few integers per loader at saves and resumes; a modulo and an attribute read per
+    training batch (``at_batch``)."""
 
     def __init__(self, progress: Any, saved: dict[str, Any] | None) -> None:
         self.progress = progress  # the epoch loop's batch_progress: the epoch's batches Lightning counts
