@@ -162,7 +162,7 @@ def load_full_average(module: nn.Module, callback: WeightAveraging, state_dict: 
                 continue
             param = view.by_id.get(id(value))
             source = state_dict[name]
-            own[name].copy_(param.local_rows(source, param.shard_rank) if param is not None else source)
+            own[name].copy_(param.shard_of_full(source) if param is not None else source)
 
 
 def sharded_views(module: nn.Module, callback: WeightAveraging) -> dict[str, torch.Tensor]:
@@ -175,7 +175,7 @@ def sharded_views(module: nn.Module, callback: WeightAveraging) -> dict[str, tor
         param = view.by_id.get(id(value))
         average = own[name].detach()
         if param is not None:
-            views[name] = checkpoint_view(param, average, view.mesh)
+            views[name] = checkpoint_view(param, average, view)
         else:
             views[name] = average.to(view.buffer_dtypes.get(name, average.dtype))
     return views

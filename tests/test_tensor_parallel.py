@@ -300,32 +300,18 @@ def test_only_elementwise_optimizers_step_tensor_parallel_blocks(tmp_path):
         assert "split across their rows" in told["per_row"] and told["per_row"].endswith("unchanged=True"), told
 
 
-def _checkpoint_refused(rank: int, world: int, folder: str) -> list[str]:
-    from fsdp_strategy.checkpoint import full_state_dict, save_folder
-
+def _counted(rank: int, world: int) -> bool:
     mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("data_parallel", "tensor_parallel"))
     torch.manual_seed(0)
     model = parallelize(TinyLM(), mesh["tensor_parallel"])
     shard_model(model, auto_wrap_policy={Block}, process_group=mesh["data_parallel"].get_group())
     params = get_scheduler(model).sharded_params()  # the setup line counts the model's, not the blocks'
-    counted = sum(math.prod(p.global_shape) for p in params) == sum(p.numel() for p in TinyLM().parameters())
-    told = [f"counted={counted}"]
-    for save in (lambda: full_state_dict(model), lambda: save_folder(folder, model, [], {})):
-        try:
-            save()
-            told.append("saved")
-        except NotImplementedError as error:
-            told.append(str(error))
-    return told
+    return sum(math.prod(p.global_shape) for p in params) == sum(p.numel() for p in TinyLM().parameters())
 
 
-def test_a_checkpoint_of_a_tensor_parallel_model_is_refused_not_written_wrong(tmp_path):
-    for counted, *told in run_ranks(_checkpoint_refused, 2, tmp_path, str(tmp_path / "sharded")):
-        assert counted == "counted=True"
-        for message in told:
-            assert "cannot yet save, load or gather the state of a tensor-parallel model" in message, told
-            assert "tok.weight" in message and "ModelParallelStrategy" in message, told
-    assert not (tmp_path / "sharded").exists()
+def test_a_tensor_parallel_models_parameters_are_counted_whole(tmp_path):
+    """Checkpoints of 2-D models: tests/test_tensor_parallel_checkpoints.py."""
+    assert run_ranks(_counted, 2, tmp_path) == [True, True]
 
 
 # ---- Lightning's Trainer: ModelParallelStrategy's user code on fsdp_custom ------------------------

@@ -72,7 +72,7 @@ def load_full_state_dict(
     view.before_host_writes()
     for key, params in plan.params.items():
         for param in params:
-            param.sharded.copy_(param.local_rows(state_dict[key], param.shard_rank))
+            param.sharded.copy_(param.shard_of_full(state_dict[key]))
     module_state.load_plain(view, state_dict, plan)
 
 

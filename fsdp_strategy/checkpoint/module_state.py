@@ -91,7 +91,7 @@ class _StandIns:
         param = self.view.by_id.get(id(tensor))
         if param is None and not self.everything:
             return None
-        stand_in = _stand_in(tensor, param.shape if param is not None else tensor.shape, parameter)
+        stand_in = _stand_in(tensor, param.global_shape if param is not None else tensor.shape, parameter)
         if param is not None:
             self.sharded[_storage(stand_in)] = (stand_in, param)
         else:

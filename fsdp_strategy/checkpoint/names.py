@@ -36,9 +36,9 @@ class WholeParam:
     def __init__(self, fqn: str, param: nn.Parameter) -> None:
         self.fqn = fqn
         self.sharded = param
-        self.shape = param.shape
+        self.shape = self.global_shape = param.shape
 
-    def local_rows(self, full: torch.Tensor, shard_rank: int) -> torch.Tensor:
+    def shard_of_full(self, full: torch.Tensor) -> torch.Tensor:
         """The whole tensor: every rank holds all of it."""
         return full
 
@@ -126,7 +126,7 @@ def resolve_ids(
 
 def is_full_shaped(param: ShardedParam, key: str, shape: tuple) -> bool:
     """Whether a saved state tensor is sharded like its parameter ([Note: full-shaped optimizer state])."""
-    return tuple(shape) == tuple(param.shape) and not (param.shape == torch.Size([]) and key == "step")
+    return tuple(shape) == tuple(param.global_shape) and not (param.shape == torch.Size([]) and key == "step")
 
 
 def load_state(
@@ -162,8 +162,7 @@ def load_state(
         else:
             full = {k: bool((rows or {}).get((param.fqn, k))) for k in entries}
         state[position[id(param)]] = {
-            key: param.local_rows(value, param.shard_rank) if cut_rows and full[key] else value
-            for key, value in entries.items()
+            key: param.shard_of_full(value) if cut_rows and full[key] else value for key, value in entries.items()
         }
         found[id(param.sharded)] = full
     groups = [

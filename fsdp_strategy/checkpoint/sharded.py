@@ -10,6 +10,17 @@ world size reshards. With a shard group of one (one rank, NO_SHARD) the full ten
 plain tensors. A 0-dim parameter cannot be sharded: it is a plain tensor that the lowest rank
 (shard rank 0, which holds its value) writes; on load only shard rank 0 keeps it.
 
+[Note: tensor-parallel shards in checkpoints]
+A tensor-parallel parameter's shard is rows of its TP block ([Note: tensor parallel parameters] in
+engine/tensor_parallel.py). Its checkpoint DTensor lives on the 2-D (data, tensor) mesh with
+FSDP2's placements and the parameter's global shape: TP ``Shard(0)`` as ``(_StridedShard(0, tp),
+Shard(0))``, ``Shard(1)`` as ``(Shard(0), Shard(1))``, ``Replicate()`` as ``(Shard(0), Replicate())``
+(``Replicate()`` first where data parallel does not shard). So a folder's chunks are those FSDP2
+writes for the same layout, TP peers' replicated chunks are written once, and DCP reshards the
+folder into any other layout: other data- or tensor-parallel sizes, a plain 1-D model, one
+process. A full checkpoint gathers a TP parameter over data parallel, then over TP
+(``TPSpec.full_of``); loading one, each rank takes its TP block, then its rows.
+
 [Note: Lightning's sharded layout]
 The folder holds what Lightning's ``FSDPStrategy`` writes: DCP keys ``model`` (the state dict)
 and ``optimizer_<i>`` (FSDP's ``optim_state_dict``: ``state`` keyed by parameter name,
@@ -43,22 +54,23 @@ from fsdp_strategy.engine.view import ShardsView
 from fsdp_strategy.engine.watchdog import Watchdog
 
 
-def checkpoint_view(
-    param: ShardedParam | names.WholeParam, local: torch.Tensor, mesh: tuple[Any, tuple] | None
-) -> torch.Tensor:
-    """A shard-shaped tensor as the checkpoint sees it (see [Note: shards as DTensors])."""
+def checkpoint_view(param: ShardedParam | names.WholeParam, local: torch.Tensor, view: ShardsView) -> torch.Tensor:
+    """A shard-shaped tensor as the checkpoint sees it (see [Note: shards as DTensors] and [Note:
+    tensor-parallel shards in checkpoints])."""
     if isinstance(param, names.WholeParam):  # [Note: ignored modules]: whole on every rank
         return local
     if param.shape == torch.Size([]):
         return local.reshape(-1)[:1].reshape(())
     rows = local.view(param.chunk_rows, *param.row_shape)
-    if mesh is None:
+    layout = view.dtensor_layout(param)
+    if layout is None:
         return rows[: param.dim0]
     from torch.distributed.tensor import DTensor
 
+    mesh, placements, shape = layout
     real = max(0, min(param.chunk_rows, param.dim0 - param.shard_rank * param.chunk_rows))
-    stride = torch.empty(param.shape, device="meta").stride()
-    return DTensor.from_local(rows[:real], mesh[0], mesh[1], run_check=False, shape=param.shape, stride=stride)
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(rows[:real], mesh, placements, run_check=False, shape=shape, stride=stride)
 
 
 def model_state(model: nn.Module | ShardsView) -> dict[str, Any]:
@@ -71,7 +83,7 @@ def model_state(model: nn.Module | ShardsView) -> dict[str, Any]:
     state: dict[str, Any] = {}
     for key, value in module_state.saved_state(view).items():
         if isinstance(value, ShardedParam):
-            value = checkpoint_view(value, value.sharded.detach(), view.mesh)
+            value = checkpoint_view(value, value.sharded.detach(), view)
         elif torch.is_tensor(value):
             value = value.detach().to(dtypes.get(id(value), value.dtype))
         state[key] = value
@@ -89,7 +101,7 @@ def optimizer_state(model: nn.Module | ShardsView, optimizer: torch.optim.Optimi
             for key, value in optimizer.state.get(param.sharded, {}).items():
                 shard_shaped = torch.is_tensor(value) and value.shape == param.sharded.shape
                 shard_shaped = shard_shaped and key not in apart.get(id(param.sharded), ())
-                local = checkpoint_view(param, value, view.mesh) if shard_shaped else value
+                local = checkpoint_view(param, value, view) if shard_shaped else value
                 state.setdefault(param.fqn, {})[key] = local
     return {"state": state, "param_groups": names.named_groups(optimizer, owners)}
 
@@ -104,7 +116,7 @@ def plan(model: nn.Module | ShardsView) -> dict[str, Any]:
             dtype = str(value.sharded.dtype).removeprefix("torch.")
             params[key] = {
                 "dtype": dtype,
-                "shape": list(value.shape),
+                "shape": list(value.global_shape),
                 "unit": view.unit_of[value.fqn],
                 "fqn": value.fqn,
             }
@@ -189,6 +201,7 @@ def build_meta(model: nn.Module | ShardsView) -> dict[str, Any]:
         "shard_world_size": view.shard_world,
         "replicate_world_size": view.replicate_world,
         "sharding_strategy": view.sharding_strategy.value,
+        "tensor_parallel_size": view.tensor_parallel_size,
         "plan": plan(view),
     }
 
@@ -228,25 +241,33 @@ def save_folder(
     control.barrier(process_group, view.watchdog)
 
 
+def _layout_words(meta: dict[str, Any]) -> str:
+    """A checkpoint's (or the model's) layout in words: ``FULL_SHARD, 2 shards x 1 replica x 2 tensor-parallel``."""
+    tensor = meta.get("tensor_parallel_size", 1)
+    return (
+        f"{meta['sharding_strategy']}, {plural(meta['shard_world_size'], 'shard')} x "
+        f"{plural(meta['replicate_world_size'], 'replica')}" + (f" x {tensor} tensor-parallel" if tensor > 1 else "")
+    )
+
+
 def describe_resharding(meta: dict[str, Any] | None, model: nn.Module | ShardsView) -> str:
     """What differs between a checkpoint and the model it loads into, in one paragraph."""
     now = build_meta(model)
-    here = (
-        f"loading at world size {now['world_size']} ({now['sharding_strategy']}, "
-        f"{plural(now['shard_world_size'], 'shard')} x {plural(now['replicate_world_size'], 'replica')})."
-    )
+    here = f"loading at world size {now['world_size']} ({_layout_words(now)})."
     if meta is None:
         return f"a sharded checkpoint of Lightning's FSDPStrategy; {here} Parameters are resharded as they load."
     saved_params, here_params = meta["plan"]["params"], now["plan"]["params"]
     lines = [
         f"checkpoint written by fsdp_strategy {meta.get('package_version')} at world size {meta['world_size']} "
-        f"({meta['sharding_strategy']}, {plural(meta['shard_world_size'], 'shard')} x "
-        f"{plural(meta['replicate_world_size'], 'replica')}); {here}"
+        f"({_layout_words(meta)}); {here}"
     ]
-    if (meta["shard_world_size"], meta["world_size"]) != (now["shard_world_size"], now["world_size"]):
+    layouts = [(m["shard_world_size"], m["world_size"], m.get("tensor_parallel_size", 1)) for m in (meta, now)]
+    if layouts[0] != layouts[1]:
+        tensor = [m.get("tensor_parallel_size", 1) for m in (meta, now)]
+        split = f" and from {tensor[0]} to {tensor[1]} tensor-parallel ranks" if tensor[0] != tensor[1] else ""
         lines.append(
             f"{plural(len(here_params), 'parameter')} and their optimizer states are resharded from "
-            f"{meta['shard_world_size']} to {plural(now['shard_world_size'], 'shard')}; the data position is "
+            f"{meta['shard_world_size']} to {plural(now['shard_world_size'], 'shard')}{split}; the data position is "
             f"remapped to {plural(now['world_size'], 'rank')}."
         )
     else:

@@ -115,7 +115,6 @@ def _optimizer_targets(
             f"{where}: checkpoint of another model? It has optimizer state for {len(unheld)} parameters this "
             f"optimizer does not hold: {shortened(unheld)}"
         )
-    mesh = view.mesh
     flat, local_state = {}, {}
     for (fqn, key), flat_key in state_keys.items():
         param, size, dtype = by_fqn[fqn], stored.sizes[flat_key], stored.dtypes[flat_key]
@@ -124,7 +123,7 @@ def _optimizer_targets(
             continue
         if names.is_full_shaped(param, key, size):
             local = torch.zeros(param.sharded.shape, dtype=dtype, device=param.sharded.device)
-            flat[flat_key] = checkpoint_view(param, local, mesh)
+            flat[flat_key] = checkpoint_view(param, local, view)
         else:
             local = torch.zeros(size, dtype=dtype)
             flat[flat_key] = local
@@ -287,7 +286,7 @@ def _model_targets(
     for name, key in model_keys.items():
         if name in plan.params:
             first = plan.params[name][0]
-            flat[key] = checkpoint_view(first, first.sharded.detach(), view.mesh)
+            flat[key] = checkpoint_view(first, first.sharded.detach(), view)
         elif name in shapes and name not in plan.unexpected:
             flat[key] = plain[name] = torch.zeros(shapes[name], dtype=stored.dtypes[key])
     return flat, plain

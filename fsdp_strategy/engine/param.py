@@ -355,6 +355,11 @@ class ShardedParam:
         """A full tensor of this parameter's shape from its ``(N, shard_numel)`` slice of a gather."""
         return rows.reshape(self.world * self.chunk_rows, self.row_numel)[: self.dim0].reshape(self.shape)
 
+    def shard_of_full(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's zero-padded shard of a tensor of the parameter's global shape (a full
+        checkpoint's): a tensor-parallel parameter's rows are those of this rank's TP block."""
+        return self.local_rows(full if self.tp is None else self.tp.block_of(full), self.shard_rank)
+
     def local_rows(self, full: torch.Tensor, shard_rank: int) -> torch.Tensor:
         """This rank's zero-padded shard of a full tensor of this parameter's shape."""
         rows = full.reshape(self.dim0, self.row_numel)[

@@ -79,6 +79,19 @@ class TPSpec(NamedTuple):
             grad = grad.redistribute(grad.device_mesh, self.placements)
         return grad.to_local()
 
+    def block_of(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's block of a tensor of the global shape (a view; the whole tensor when replicated):
+        what a full checkpoint's tensor loads into here."""
+        for placement in self.placements:
+            if isinstance(placement, Shard):
+                return full.chunk(self.size, placement.dim)[self.mesh.get_local_rank()]
+        return full
+
+    def full_of(self, local: torch.Tensor) -> torch.Tensor:
+        """The global tensor of the gathered TP-local ``local`` (every TP peer's block). A collective
+        over tensor parallel: one all-gather of the parameter's size (none when replicated)."""
+        return self.wrap(local).full_tensor()
+
     @property
     def size(self) -> int:
         """Ranks in the tensor-parallel mesh."""
@@ -95,6 +108,48 @@ class TPSpec(NamedTuple):
         RowwiseParallel weight's ``Shard(1)``), which the data-parallel shards never do."""
         dims = [p.dim % max(len(self.shape), 1) for p in self.placements if isinstance(p, Shard)]
         return any(dim > 0 for dim in dims)
+
+
+def data_placement(tp: TPSpec, sharded: bool) -> Any:
+    """The placement on the data-parallel mesh dimension of a tensor-parallel parameter's shard, as
+    FSDP2 gives it ([Note: tensor-parallel shards in checkpoints]): its TP-local rows chunked over
+    data parallel are ``_StridedShard(0, split_factor=tp)`` when TP splits rows too, ``Shard(0)``
+    otherwise; ``Replicate()`` when data parallel does not shard (NO_SHARD, or one data-parallel rank)."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if not sharded:
+        return Replicate()
+    dims = [p.dim % max(len(tp.shape), 1) for p in tp.placements if isinstance(p, Shard)]
+    return _StridedShard(0, split_factor=tp.size) if 0 in dims and tp.size > 1 else Shard(0)
+
+
+def two_d_mesh(tp_mesh: Any, data: CommGroup, device_type: str) -> tuple[Any, int]:
+    """``(the 2-D mesh of data parallel and tensor parallel, its data-parallel dimension)`` for
+    checkpoint DTensors of tensor-parallel shards ([Note: tensor-parallel shards in checkpoints]): the
+    mesh ``tp_mesh`` was cut from (Lightning's ``(data_parallel, tensor_parallel)``, or the user's
+    ``init_device_mesh``), on the shards' device type (CPU-offloaded shards stay on the CPU). Raises a
+    ``ValueError`` naming the meshes when ``tp_mesh`` is not one dimension of a 2-D mesh whose other
+    one is the data-parallel group. Costs: no collective (the groups exist)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    root = tp_mesh._get_root_mesh()
+    tensor_ranks = sorted(dist.get_process_group_ranks(tp_mesh.get_group()))
+    data_ranks = sorted(dist.get_process_group_ranks(data.group)) if data.group is not None else [dist.get_rank()]
+    dims = [sorted(dist.get_process_group_ranks(root.get_group(d))) for d in range(root.ndim)]
+    names = list(root.mesh_dim_names or ())
+    name = (tp_mesh.mesh_dim_names or (None,))[0]
+    tensor_dim = names.index(name) if name in names else dims.index(tensor_ranks) if tensor_ranks in dims else 0
+    if root.ndim != 2 or dims[tensor_dim] != tensor_ranks or dims[1 - tensor_dim] != data_ranks:
+        raise ValueError(
+            f"fsdp_custom cannot checkpoint the tensor-parallel parameters: their mesh (ranks {tensor_ranks}) is not "
+            f"one dimension of a 2-D mesh whose other dimension is the data-parallel group (ranks {data_ranks}); its "
+            f"root mesh is {root}. Accepted: parallelize_module on device_mesh['tensor_parallel'] of a "
+            "(data_parallel, tensor_parallel) mesh, as the strategies' data_parallel_size / tensor_parallel_size make"
+        )
+    if root.device_type != device_type:
+        groups = [root.get_group(0), root.get_group(1)]
+        root = DeviceMesh.from_group(groups, device_type, mesh=root.mesh, mesh_dim_names=root.mesh_dim_names)
+    return root, 1 - tensor_dim
 
 
 def local_of(param: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ from torch import nn
 
 from fsdp_strategy.engine import get_scheduler
 from fsdp_strategy.engine.param import ShardedParam
+from fsdp_strategy.engine.tensor_parallel import data_placement, two_d_mesh
 from fsdp_strategy.engine.unit import FSDPUnit
 
 if TYPE_CHECKING:
@@ -31,7 +32,6 @@ class ShardsView:
         self._units: tuple[FSDPUnit, ...] = tuple(scheduler.units)
         self.unit_names: tuple[str, ...] = tuple(unit.name for unit in self._units)
         self.params: tuple[ShardedParam, ...] = tuple(p for unit in self._units for p in unit.params)
-        _refuse_tensor_parallel(self.params)
         self.by_id: dict[int, ShardedParam] = {id(p.sharded): p for p in self.params}
         self.unit_of: dict[str, str] = {p.fqn: unit.name for unit in self._units for p in unit.params}
         self.ignored_params: dict[str, nn.Parameter] = dict(scheduler.ignored_params)
@@ -41,8 +41,16 @@ class ShardsView:
         self.shard_world, self.replicate_world = root.shard_comm.size, root.replicate_comm.size
         self.watchdog = scheduler.observer.watchdog
         self.mesh = _mesh(root, self.params, scheduler.device_mesh)
+        self._data_sharded = root.shard_comm.size > 1
+        self._data_comm = root.shard_comm if self._data_sharded else root.replicate_comm
+        self._two_d: Any = None  # the (data, tensor) mesh of tensor-parallel shards, made at first use
         self._device_layer = scheduler.device_layer
         self._whole = scheduler.optimizer_steps.whole_matrix
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        """Ranks a tensor-parallel parameter is split over (1: a model without tensor parallel)."""
+        return next((p.tp.size for p in self.params if p.tp is not None), 1)
 
     def saved_dtypes(self) -> dict[int, torch.dtype]:
         """``id(buffer) -> the dtype a checkpoint holds it in``, for the buffers ``buffer_dtype`` cast
@@ -84,23 +92,29 @@ class ShardsView:
         return [(unit.name, tuple(unit.params)) for unit in self._units]
 
     def gather(self, unit_name: str, shards: list[torch.Tensor], keep: bool = True) -> list[torch.Tensor]:
-        """All-gather one shard-shaped tensor per parameter of a unit into full tensors (on the CPU);
-        with ``keep=False`` this rank only contributes. A collective: every rank calls it."""
+        """All-gather one shard-shaped tensor per parameter of a unit into full tensors of the
+        parameters' global shapes (on the CPU); with ``keep=False`` this rank only contributes. A
+        collective: every rank calls it. A unit with tensor-parallel parameters gathers them whole on
+        every rank, then over tensor parallel (``TPSpec.full_of``)."""
         unit = self._units[self.unit_names.index(unit_name)]
-        return [full.to("cpu") for full in unit.gather_full(shards, keep=keep)]
+        if not any(p.tp is not None for p in unit.params):
+            return [full.to("cpu") for full in unit.gather_full(shards, keep=keep)]
+        fulls = unit.gather_full(shards)
+        fulls = [full if p.tp is None else p.tp.full_of(full) for p, full in zip(unit.params, fulls)]
+        return [full.to("cpu") for full in fulls] if keep else []
 
-
-def _refuse_tensor_parallel(params: tuple[ShardedParam, ...]) -> None:
-    """Checkpoints read a parameter's rows as the whole parameter's; a tensor-parallel one's are its
-    TP-local block's ([Note: tensor parallel parameters]), so a checkpoint of one would be wrong. Refused."""
-    split = [p.fqn for p in params if p.tp is not None]
-    if split:
-        shown = ", ".join(split[:3]) + (f" and {len(split) - 3} more" if len(split) > 3 else "")
-        raise NotImplementedError(
-            f"fsdp_custom cannot yet save, load or gather the state of a tensor-parallel model (its parameters "
-            f"{shown} are DTensors): it would write each rank's tensor-parallel block as the whole tensor. To "
-            "checkpoint a tensor-parallel model, use Lightning's ModelParallelStrategy"
-        )
+    def dtensor_layout(self, param: ShardedParam) -> tuple[Any, tuple, torch.Size] | None:
+        """``(mesh, placements, global shape)`` of the DTensor a checkpoint sees for ``param``'s shard
+        ([Note: shards as DTensors] in checkpoint/sharded.py; [Note: tensor-parallel shards in
+        checkpoints]); None where the shard is the whole tensor, a plain one."""
+        if param.tp is None:
+            return None if self.mesh is None else (*self.mesh, param.shape)
+        if self._two_d is None:
+            self._two_d = two_d_mesh(param.tp.mesh, self._data_comm, param.sharded.device.type)
+        mesh, data_dim = self._two_d
+        placements = [param.tp.placements[0]] * 2
+        placements[data_dim] = data_placement(param.tp, self._data_sharded)
+        return mesh, tuple(placements), param.tp.shape
 
 
 def _mesh(root: FSDPUnit, params: tuple[ShardedParam, ...], device_mesh: Any) -> tuple[Any, tuple] | None:
