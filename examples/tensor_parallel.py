@@ -95,7 +95,7 @@ def main() -> None:
         strategy=strategy,
         max_steps=args.steps,
         gradient_clip_val=1.0,
-        enable_checkpointing=False,  # checkpoints of tensor-parallel models come later (ModelParallelStrategy's now)
+        enable_checkpointing=False,  # a demo of the plan: docs/checkpoints.md shows 2-D checkpoints
         logger=False,
         enable_model_summary=False,
     )

@@ -206,7 +206,6 @@ class FSDPCustomStrategy(StrategyArguments, WatchedProcesses, AgreedStopHooks, L
         self.accelerator.setup(trainer)
         self._sigterm.hold_from_registration(trainer)  # [Note: preemption at an agreed step]
         self._checkpoints.end_dataloader_setup()
-        self._parallel.refuse_checkpoint_callbacks(trainer.checkpoint_callbacks)
         if not is_sharded(self.model):  # validate/test after fit reuse the sharded model
             if trainer.state.fn == TrainerFn.FITTING and self._layer_sync is not None:
                 self.model = apply_layer_sync(self._layer_sync, self.model)
@@ -353,7 +352,8 @@ class FSDPCustomStrategy(StrategyArguments, WatchedProcesses, AgreedStopHooks, L
     def on_train_start(self) -> None:
         """Check the resumed data positions (strategy_data.py); hold SLURM's requeue handler back to an
         agreed step ([Note: requeue at an agreed step] in strategy_requeue.py)."""
-        self._checkpoints.position_training_data(self.lightning_module.trainer, self.world_size)
+        replicas = self.distributed_sampler_kwargs["num_replicas"]  # data-parallel ranks: TP peers read alike
+        self._checkpoints.position_training_data(self.lightning_module.trainer, replicas)
         self._requeue.install(self.lightning_module.trainer)
         super().on_train_start()
 

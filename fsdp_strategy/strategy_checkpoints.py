@@ -235,7 +235,8 @@ class TrainerCheckpoints:
         _refuse_other_optimizers(pending, trainer, optimizers)
         if pending.is_folder:
             sharded_load.load_tensors(pending.path, model, [], checkpoint, strict, meta=pending.meta)
-            rank_zero_info(f"fsdp_custom: loaded {pending.path}: {sharded.describe_resharding(pending.meta, model)}")
+            change = sharded.describe_resharding(pending.meta, model, pending.path)
+            rank_zero_info(f"fsdp_custom: loaded {pending.path}: {change}")
             if averaged is not None and with_average:
                 averaging.load_sharded_average(pending.path, model, averaged)
         else:

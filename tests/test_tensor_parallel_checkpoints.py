@@ -5,6 +5,7 @@ steps after the load equal those of one process that trained on the global batch
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -109,9 +110,9 @@ def _with_fsdp2(root: str, ours: str) -> dict:
     dcp.save({"model": model.state_dict()}, checkpoint_id=f"{root}/fsdp2")
     fresh, _, _ = _build(2, 2, seed=1)
     load_folder(f"{root}/fsdp2", fresh, [])
-    state = {"model": model.state_dict()}
+    state = {"state_dict": model.state_dict()}  # ours of a 2-D model: ModelParallelStrategy's key
     dcp.load(state, checkpoint_id=ours)
-    full = {name: value.full_tensor() for name, value in state["model"].items()}
+    full = {name: value.full_tensor() for name, value in state["state_dict"].items()}
     return {"fsdp2->ours": full_state_dict(fresh, rank0_only=False), "ours->fsdp2": full}
 
 
@@ -138,7 +139,7 @@ def _four_ranks(rank: int, world: int, root: str) -> dict:
     told["4x1->2x2"] = full_state_dict(fresh, rank0_only=False)
     told.update(_with_fsdp2(root, two_by_two))
     if rank == 0:
-        told["chunks"] = (_chunks(two_by_two, "model."), _chunks(f"{root}/fsdp2", "model."))
+        told["chunks"] = (_chunks(two_by_two, "state_dict."), _chunks(f"{root}/fsdp2", "model."))
     return told
 
 
@@ -189,3 +190,194 @@ def test_a_two_d_sharded_folder_holds_fsdp2s_chunks_and_loads_into_other_layouts
     for told in results:  # 4x1 -> 2x2: the 4x1 model's folder after its steps holds the final weights
         for name, value in final.items():
             assert torch.allclose(told["4x1->2x2"][name], value, rtol=1e-12, atol=0), name
+
+
+def _save_then_load_moved(rank: int, world: int, root: str) -> tuple[bool, str]:
+    """Save a 2x2 folder; once the test process moved a chunk (``root/moved`` appears), load it into a
+    fresh model: (the model unchanged, the error)."""
+    from fsdp_strategy.checkpoint import CheckpointError
+
+    model, optimizer, data_rank = _build(2, 2)
+    _train(model, optimizer, 2, data_rank, range(1))
+    save_folder(f"{root}/2x2", model, [optimizer], {})
+    dist.barrier()
+    if rank == 0:
+        _move_a_chunk(Path(root))
+    dist.barrier()
+    fresh, fresh_optimizer, _ = _build(2, 2, seed=1)
+    before = full_state_dict(fresh, rank0_only=False)
+    try:
+        load_folder(f"{root}/moved", fresh, [fresh_optimizer])
+        told = "loaded"
+    except CheckpointError as error:
+        told = str(error)
+    after = full_state_dict(fresh, rank0_only=False)
+    return all(torch.equal(before[k], after[k]) for k in before) and not fresh_optimizer.state, told
+
+
+def _move_a_chunk(root: Path) -> None:
+    """A copy of ``root/2x2`` whose metadata puts a strided weight's second chunk onto its first (the
+    checksums rewritten: the folder is what such a writer writes, not a damaged one)."""
+    import json
+    import pickle
+    import shutil
+    import zlib
+
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    shutil.copytree(root / "2x2", root / "moved")
+    with open(root / "moved" / ".metadata", "rb") as handle:
+        metadata = pickle.load(handle)
+    chunks = metadata.state_dict_metadata["state_dict.layers.0.ff.w1.weight"].chunks
+    first, second = sorted(chunks, key=lambda c: tuple(c.offsets))[:2]
+    chunks[chunks.index(second)] = ChunkStorageMetadata(offsets=first.offsets, sizes=second.sizes)
+    with open(root / "moved" / ".metadata", "wb") as handle:
+        pickle.dump(metadata, handle)
+    meta = json.loads((root / "moved" / "fsdp_meta.json").read_text())
+    meta["checksums"][".metadata"] = zlib.crc32((root / "moved" / ".metadata").read_bytes())
+    (root / "moved" / "fsdp_meta.json").write_text(json.dumps(meta))
+
+
+def test_a_folder_whose_chunks_do_not_tile_a_tensor_is_refused_before_anything_loads(tmp_path):
+    """A writer's wrong offsets (as torch's uneven strided shards had them, pytorch#168134) would load
+    one block twice and leave another unread: every read of the folder refuses it first, naming the
+    tensor, and loads nothing."""
+    from fsdp_strategy.checkpoint import CheckpointError
+
+    expected = "state_dict.layers.0.ff.w1.weight: its chunks at offsets [0, 0] and [0, 0] overlap"
+    for unchanged, told in run_ranks(_save_then_load_moved, 4, tmp_path, str(tmp_path)):
+        assert unchanged and expected in told and "nothing was loaded" in told, told
+    with pytest.raises(CheckpointError, match=re.escape(expected)):
+        consolidate(tmp_path / "moved", tmp_path / "out.ckpt")
+    assert not (tmp_path / "out.ckpt").exists()
+
+
+# ---- Lightning's Trainer: ModelCheckpoint of a 2-D run, resumed in other layouts -------------------------
+
+EPOCH_STEPS, GLOBAL_BATCH = 4, 4  # checkpoints every 2 steps: step 2 inside epoch 0, step 4 at its end
+
+
+def _lightning_module(fully_shard: bool = False):
+    import lightning.pytorch as pl
+
+    class TwoDLM(pl.LightningModule):
+        """Lightning's tensor-parallel example made tiny; the plan only where the strategy gives a mesh
+        (a plain ``fsdp_custom`` run trains the same model 1-D); with ``fully_shard``, FSDP2 as
+        ``ModelParallelStrategy``'s example applies it."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.model = TinyLM().double()
+            self.losses: list[float] = []
+
+        def configure_model(self) -> None:
+            if self.device_mesh is None:
+                return
+            parallelize(self.model, self.device_mesh["tensor_parallel"])
+            if fully_shard:
+                from torch.distributed.fsdp import fully_shard as shard
+
+                for block in self.model.layers:
+                    shard(block, mesh=self.device_mesh["data_parallel"])
+                shard(self.model, mesh=self.device_mesh["data_parallel"])
+
+        def training_step(self, batch, batch_idx):
+            loss = lm_loss(self.model(batch[0]), batch[1])
+            self.losses.append(loss.item())
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=0.01)
+
+    return TwoDLM()
+
+
+def _fit(root: str, dp: int, tp: int, max_steps: int, ckpt_path: str | None = None, **options) -> dict:
+    """A fit at dp x tp (tp 1: plain ``fsdp_custom``; ``options["strategy"] == "model_parallel"``: Lightning's
+    ``ModelParallelStrategy`` with FSDP2) with a ModelCheckpoint every 2 steps under ``root``; the losses of
+    data-parallel rank 0 and the final weights, whole."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from fsdp_strategy import FSDPCustomStrategy
+
+    kind, layout = options.pop("strategy", "fsdp_custom"), options.pop("layout", "sharded")
+    if kind == "model_parallel":
+        strategy = pl.strategies.ModelParallelStrategy(dp, tp, save_distributed_checkpoint=layout == "sharded")
+    else:
+        sizes = {"data_parallel_size": dp, "tensor_parallel_size": tp} if tp > 1 else {}
+        strategy = FSDPCustomStrategy(auto_wrap_policy={Block}, state_dict_type=layout, **sizes)
+    every = ModelCheckpoint(dirpath=f"{root}/checkpoints", every_n_train_steps=2, save_top_k=-1)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=dp * tp, strategy=strategy, max_steps=max_steps, callbacks=[every], logger=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
+    )  # fmt: skip
+    tokens, targets = zip(*batches(EPOCH_STEPS, GLOBAL_BATCH, seed=1))
+    data = DataLoader(TensorDataset(torch.cat(tokens), torch.cat(targets)), batch_size=GLOBAL_BATCH // dp)
+    module = _lightning_module(fully_shard=kind == "model_parallel")
+    trainer.fit(module, data, ckpt_path=ckpt_path)
+    state = module.model.state_dict()
+    if kind == "model_parallel":
+        weights = {name: value.full_tensor() for name, value in state.items()}
+    else:
+        weights = {
+            name: value.detach().clone() for name, value in full_state_dict(trainer.strategy.model, False).items()
+        }
+    return {"losses": module.losses, "weights": weights}
+
+
+def _at(root: str, step: int) -> str:
+    """The ModelCheckpoint a fit under ``root`` saved at ``step``."""
+    (found,) = Path(root, "checkpoints").glob(f"*-step={step}.ckpt")
+    return str(found)
+
+
+def _trainer_four(rank: int, world: int, root: str) -> dict:
+    told = {"A": _fit(f"{root}/A", 2, 2, 6)}  # uninterrupted; its checkpoints: step 2 mid-epoch, 4 at the end
+    told["2x2"] = _fit(f"{root}/B", 2, 2, 6, _at(f"{root}/A", 2))
+    told["4x1"] = _fit(f"{root}/C", 4, 1, 6, _at(f"{root}/A", 2))
+    told["full"] = _fit(f"{root}/D", 2, 2, 4, layout="full")
+    told["ours->mps"] = _fit(f"{root}/G", 2, 2, 6, _at(f"{root}/A", 4), strategy="model_parallel")
+    told["mps"] = _fit(f"{root}/H", 2, 2, 4, strategy="model_parallel")
+    told["mps->2x2"] = _fit(f"{root}/I", 2, 2, 6, _at(f"{root}/H", 4))
+    told["mps->4x1"] = _fit(f"{root}/J", 4, 1, 6, _at(f"{root}/H", 4))
+    told["mps full"] = _fit(f"{root}/L", 2, 2, 4, strategy="model_parallel", layout="full")
+    told["mps full->2x2"] = _fit(f"{root}/M", 2, 2, 6, _at(f"{root}/L", 4))
+    return told
+
+
+def _trainer_two(rank: int, world: int, root: str) -> dict:
+    return {
+        "1x2": _fit(f"{root}/E", 1, 2, 6, _at(f"{root}/A", 2)),
+        "full->1x2": _fit(f"{root}/F", 1, 2, 6, _at(f"{root}/D", 2)),
+        "ours->mps 1x2": _fit(f"{root}/K", 1, 2, 6, _at(f"{root}/A", 4), strategy="model_parallel"),
+        "ours full->mps 1x2": _fit(f"{root}/N", 1, 2, 6, _at(f"{root}/D", 4), strategy="model_parallel"),
+    }
+
+
+def _named(weights: dict) -> dict:
+    return {name.removeprefix("model."): value for name, value in weights.items()}
+
+
+def test_the_trainer_resumes_a_two_d_run_in_other_layouts_and_with_model_parallel_strategy(tmp_path):
+    from test_strategy import LIGHTNING_ENV
+
+    from fsdp_strategy.checkpoint import load_from_checkpoint
+
+    four = run_ranks(_trainer_four, 4, tmp_path, str(tmp_path), env=LIGHTNING_ENV, timeout=600)
+    two = run_ranks(_trainer_two, 2, tmp_path, str(tmp_path), env=LIGHTNING_ENV, timeout=600)
+    final = _named(four[0]["A"]["weights"])
+    assert four[0]["2x2"]["losses"] == pytest.approx(four[0]["A"]["losses"][2:], rel=1e-12, abs=0)
+    for told in four + two:
+        for key, run in told.items():
+            if key in ("A", "full", "mps", "mps full"):
+                continue
+            weights = _named(run["weights"])
+            for name, value in final.items():
+                assert torch.allclose(weights[name], value, rtol=1e-9, atol=1e-12), (key, name)
+    one = load_from_checkpoint(type(_lightning_module()), _at(f"{tmp_path}/A", 2))  # one process, no group
+    full = _named(torch.load(_at(f"{tmp_path}/D", 2), weights_only=True)["state_dict"])
+    for name, value in _named(one.state_dict()).items():
+        assert torch.equal(value, full[name]), name

@@ -22,7 +22,7 @@ import torch.distributed.checkpoint as dcp
 
 from fsdp_strategy.checkpoint import layout, storage
 from fsdp_strategy.checkpoint.layout import CheckpointError
-from fsdp_strategy.checkpoint.sharded import stored_tensors
+from fsdp_strategy.checkpoint.sharded import model_key, stored_tensors
 from fsdp_strategy.config import parse_dtype
 
 FORMATS = ("torch", "safetensors")
@@ -55,7 +55,7 @@ def weights_key(paths: dict[str, tuple]) -> str:
     """The DCP key of the weights a consolidated file holds: the average where the folder has one
     (written with Lightning's ``WeightAveraging``, whose full checkpoints keep the average as
     ``state_dict`` and the model as ``current_model_state``), else the model."""
-    return "averaged_model" if any(path[0] == "averaged_model" for path in paths.values()) else "model"
+    return "averaged_model" if any(path[0] == "averaged_model" for path in paths.values()) else model_key(paths)
 
 
 def parse_size(text: str | int | None) -> int | None:
@@ -187,7 +187,8 @@ def _prefix_stripper(paths: dict[str, tuple], prefix: str | None) -> Any:
     if prefix is None:
         return lambda name: name
     prefix = prefix if prefix.endswith(".") else prefix + "."
-    outside = sorted(path[1] for path in paths.values() if path[0] == "model" and not path[1].startswith(prefix))
+    key = model_key(paths)
+    outside = sorted(path[1] for path in paths.values() if path[0] == key and not path[1].startswith(prefix))
     if outside:
         raise ValueError(f"strip_prefix={prefix!r}: the keys {outside} do not start with it")
     return lambda name: name.removeprefix(prefix)
@@ -203,8 +204,8 @@ def _write_torch(
         torch.save(state_dict, out)
         return
     current = {}
-    if weights_key(paths) != "model":  # Lightning's WeightAveraging layout: the model apart from its average
-        live = read_tensors(src, metadata, _under(paths, "model"), dtype)
+    if weights_key(paths) != model_key(paths):  # Lightning's WeightAveraging layout: the model apart from its average
+        live = read_tensors(src, metadata, _under(paths, model_key(paths)), dtype)
         current = {"current_model_state": {paths[key][1]: tensor for key, tensor in live.items()}}
     lightning_state = layout.load_object(
         src / (layout.LEGACY_LIGHTNING_FILE if version == 1 else layout.LIGHTNING_FILE), weights_only=False

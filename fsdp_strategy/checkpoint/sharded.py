@@ -45,6 +45,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from fsdp_strategy.checkpoint import layout, module_state, names, storage
+from fsdp_strategy.checkpoint.chunks import untiled
 from fsdp_strategy.checkpoint.layout import CheckpointError
 from fsdp_strategy.checkpoint.storage import Location
 from fsdp_strategy.engine import control
@@ -146,13 +147,23 @@ def dcp_reader(folder: Location) -> Any:
 
 def stored_tensors(path: str | os.PathLike | Location) -> tuple[Any, dict[str, tuple]]:
     """A folder's DCP metadata (read once) and ``{stored key: path}`` of its entries, e.g.
-    ``("model", "net.embed.weight")`` or ``("optimizer_0", "state", "net.embed.weight", "exp_avg")``."""
+    ``("model", "net.embed.weight")`` or ``("optimizer_0", "state", "net.embed.weight", "exp_avg")``.
+    A folder whose chunks do not tile a tensor exactly once (chunks.py) is a ``CheckpointError``."""
     folder = storage.locate(path)
     try:
         metadata = dcp_reader(folder).read_metadata()
     except Exception as error:  # DCP raises several types for a missing or damaged .metadata
         where = folder.child(layout.DCP_METADATA)
         raise CheckpointError(f"{where}: unreadable ({type(error).__name__}: {error})") from None
+    broken = untiled(metadata)
+    if broken:
+        shown = "; ".join(f"{key}: {problem}" for key, problem in list(broken.items())[:3])
+        more = f" (and {len(broken) - 3} more)" if len(broken) > 3 else ""
+        raise CheckpointError(
+            f"{folder}: cannot be read here: its stored chunks do not tile {plural(len(broken), 'tensor')} exactly "
+            f"once ({shown}{more}). Written with a layout this version cannot read, or by a writer that computed wrong "
+            "offsets (uneven strided shards: pytorch#168134); nothing was loaded"
+        )
     return metadata, {key: tuple(path) for key, path in (metadata.planner_data or {}).items()}
 
 
@@ -211,14 +222,30 @@ def optimizer_keys(count: int) -> list[str]:
     return [f"optimizer_{index}" for index in range(count)]
 
 
+MODEL_KEYS = ("model", "state_dict")  # the Trainer's layout (Lightning FSDPStrategy's); ModelParallelStrategy's
+
+
+def model_key(paths: dict[str, tuple]) -> str:
+    """The DCP key a folder's model is under (``{stored key: path}`` of ``stored_tensors``): one of
+    ``MODEL_KEYS`` (``model`` where it holds none)."""
+    tops = {path[0] for path in paths.values()}
+    return next((key for key in MODEL_KEYS if key in tops), "model")
+
+
+def trainer_model_key(view: ShardsView) -> str:
+    """The model's DCP key in the Trainer's layout: ``model`` (Lightning ``FSDPStrategy``'s), ``state_dict``
+    for a tensor-parallel model (Lightning ``ModelParallelStrategy``'s, which then loads our folders)."""
+    return "state_dict" if view.tensor_parallel_size > 1 else "model"
+
+
 def prepare_state(
     model: nn.Module | ShardsView, optimizers: list[torch.optim.Optimizer], keys: tuple[str, list[str]] | None = None
 ) -> dict[str, Any]:
     """The tensors (and param groups) DCP writes ([Note: Lightning's sharded layout]) under
-    ``keys`` (the model's and each optimizer's; default the Trainer's ``model``, ``optimizer_<i>``;
+    ``keys`` (the model's and each optimizer's; default the Trainer's ``trainer_model_key``, ``optimizer_<i>``;
     Fabric's layout names them as the saved state does)."""
     view = ShardsView.of(model)
-    model_key, optimizer_names = keys or ("model", optimizer_keys(len(optimizers)))
+    model_key, optimizer_names = keys or (trainer_model_key(view), optimizer_keys(len(optimizers)))
     state: dict[str, Any] = {model_key: model_state(view)}
     for key, optimizer in zip(optimizer_names, optimizers):
         state[key] = optimizer_state(view, optimizer)
@@ -250,12 +277,17 @@ def _layout_words(meta: dict[str, Any]) -> str:
     )
 
 
-def describe_resharding(meta: dict[str, Any] | None, model: nn.Module | ShardsView) -> str:
-    """What differs between a checkpoint and the model it loads into, in one paragraph."""
+def describe_resharding(
+    meta: dict[str, Any] | None, model: nn.Module | ShardsView, folder: Location | None = None
+) -> str:
+    """What differs between a checkpoint and the model it loads into, in one paragraph (``folder``: where
+    a checkpoint without ``fsdp_meta.json`` is, to name what wrote it)."""
     now = build_meta(model)
     here = f"loading at world size {now['world_size']} ({_layout_words(now)})."
     if meta is None:
-        return f"a sharded checkpoint of Lightning's FSDPStrategy; {here} Parameters are resharded as they load."
+        tensor = folder is not None and model_key(stored_tensors(folder)[1]) == "state_dict"
+        writer = "ModelParallelStrategy" if tensor else "FSDPStrategy"
+        return f"a sharded checkpoint of Lightning's {writer}; {here} Parameters are resharded as they load."
     saved_params, here_params = meta["plan"]["params"], now["plan"]["params"]
     lines = [
         f"checkpoint written by fsdp_strategy {meta.get('package_version')} at world size {meta['world_size']} "

@@ -15,7 +15,7 @@ from torch import nn
 
 from fsdp_strategy.checkpoint import layout, module_state, names, storage
 from fsdp_strategy.checkpoint.layout import CheckpointError, shortened
-from fsdp_strategy.checkpoint.sharded import checkpoint_view, dcp_reader, optimizer_keys, stored_tensors
+from fsdp_strategy.checkpoint.sharded import MODEL_KEYS, checkpoint_view, dcp_reader, optimizer_keys, stored_tensors
 from fsdp_strategy.checkpoint.storage import Location
 from fsdp_strategy.engine import control
 from fsdp_strategy.engine.view import ShardsView
@@ -317,7 +317,6 @@ def saved_optimizer_count(folder: Location) -> int:
     return len(indexed) or int(any(key in tops for key in SINGLE_OPTIMIZER_KEYS))
 
 
-MODEL_KEYS = ("model", "state_dict")  # the Trainer's layout; Lightning ModelParallelStrategy's
 SINGLE_OPTIMIZER_KEYS = ("optim", "optimizer")  # FSDP2 scripts and torchtitan, Fabric's usual name
 
 

@@ -15,8 +15,8 @@ from typing import Any
 
 from fsdp_strategy.checkpoint import full, layout, storage
 from fsdp_strategy.checkpoint.consolidation import read_tensors, weights_key
-from fsdp_strategy.checkpoint.sharded import stored_tensors
-from fsdp_strategy.checkpoint.sharded_load import MODEL_KEYS, read_rest
+from fsdp_strategy.checkpoint.sharded import MODEL_KEYS, stored_tensors
+from fsdp_strategy.checkpoint.sharded_load import read_rest
 
 
 def load_from_checkpoint(

@@ -51,16 +51,6 @@ class ParallelMesh:
         data = self.mesh["data_parallel"]
         return {"num_replicas": data.size(), "rank": data.get_local_rank()}
 
-    def refuse_checkpoint_callbacks(self, callbacks: list) -> None:
-        """A 2-D Trainer run with checkpoint ``callbacks`` is refused (its checkpoints are not written yet)."""
-        if self.active and callbacks:
-            raise ValueError(
-                "fsdp_custom cannot yet checkpoint a tensor-parallel model (tensor_parallel_size given), and the "
-                "Trainer has checkpoint callbacks (ModelCheckpoint, on by default): pass "
-                "Trainer(enable_checkpointing=False) and no ModelCheckpoint, or use Lightning's ModelParallelStrategy "
-                "to checkpoint"
-            )
-
     def describe(self) -> str:
         """How the ranks are laid out, for the setup line ("" for a 1-D run)."""
         if self.mesh is None:
