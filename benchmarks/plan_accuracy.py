@@ -66,6 +66,31 @@ def _gpt(d_model: int, n_layers: int, seq_len: int, batch: int) -> tuple[L.Light
     return module, torch.zeros(batch, seq_len + 1, dtype=torch.long), {Block}
 
 
+def _gpt_tensor_parallel(d_model: int, n_layers: int, seq_len: int, batch: int) -> tuple[L.LightningModule, Any, set]:
+    """The GPT example with a tensor-parallel plan in ``configure_model`` (planned and trained 2-D): each
+    block's MLP split (``fc`` by columns, ``out`` by rows), the token embedding by rows, the head by
+    columns; attention (one fused ``qkv``) and the position embedding whole."""
+    from gpt import Block, GPTConfig
+    from lit_gpt import GPTModule, OptimizerSettings
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    class TensorParallelGPT(GPTModule):
+        def configure_model(self) -> None:
+            mesh = self.device_mesh["tensor_parallel"]
+            for block in self.model.blocks:
+                parallelize_module(block, mesh, {"fc": ColwiseParallel(), "out": RowwiseParallel()})
+            plan = {
+                "tok_emb": RowwiseParallel(input_layouts=Replicate()),
+                "head": ColwiseParallel(output_layouts=Replicate()),
+            }
+            parallelize_module(self.model, mesh, plan)
+
+    config = GPTConfig(d_model=d_model, n_layers=n_layers, n_heads=4, seq_len=seq_len)
+    module = TensorParallelGPT(config, OptimizerSettings(), max_steps=STEPS, batch_size=batch)
+    return module, torch.zeros(batch, seq_len + 1, dtype=torch.long), {Block}
+
+
 def _hf_causal_lm(family: str) -> tuple[L.LightningModule, Any, set]:
     """A small Hugging Face causal LM of ``family`` ("gpt2" or "llama") from a config, trained on its own loss."""
     import transformers
@@ -108,7 +133,9 @@ MODELS = {
     "gpt2": lambda: _hf_causal_lm("gpt2"),  # Hugging Face GPT-2 from a config
     "llama": lambda: _hf_causal_lm("llama"),  # Hugging Face Llama from a config
     "vit": _hf_vit,  # Hugging Face ViT from a config
+    "gpt-tp": lambda: _gpt_tensor_parallel(128, 4, 64, 8),  # the GPT example, 2-D: tensor parallel 2 inside
 }
+TENSOR_PARALLEL = {"gpt-tp": 2}  # models planned and run 2-D: their tensor-parallel size
 
 
 def configurations(models: list[str], worlds: list[int]) -> list[dict[str, Any]]:
@@ -116,7 +143,9 @@ def configurations(models: list[str], worlds: list[int]) -> list[dict[str, Any]]
     grid = []
     for model in models:
         for world in worlds:
-            for sharding in ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD"):
+            if world % TENSOR_PARALLEL.get(model, 1):
+                continue
+            for sharding in ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD")[: 2 if model in TENSOR_PARALLEL else 3]:
                 for precision in ("32-true", "bf16-mixed"):
                     for checkpointing in (False, True):
                         grid.append(
@@ -134,6 +163,9 @@ def configurations(models: list[str], worlds: list[int]) -> list[dict[str, Any]]
 def strategy_kwargs(config: dict[str, Any], blocks: set) -> dict[str, Any]:
     """The ``FSDPCustomStrategy`` arguments of ``config``."""
     kwargs: dict[str, Any] = {"sharding_strategy": config["sharding"], "auto_wrap_policy": blocks}
+    tensor = TENSOR_PARALLEL.get(config.get("model"))
+    if tensor is not None:
+        kwargs.update(data_parallel_size=config["world"] // tensor, tensor_parallel_size=tensor)
     if config["sharding"] == "HYBRID_SHARD":
         world = config["world"]
         kwargs["device_mesh"] = (2, world // 2) if world % 2 == 0 else (1, world)

@@ -84,8 +84,9 @@ def check_parallel_sizes(
         )
     if budget:
         raise ValueError(
-            f"{given} with auto_wrap_policy='auto' is not supported: the memory plan does not know tensor parallel "
-            "yet; accepted: an auto_wrap_policy you choose (a set of block classes)"
+            f"{given} with auto_wrap_policy='auto' is not supported: a memory budget chooses among 1-D settings only; "
+            "accepted: an auto_wrap_policy you choose (a set of block classes), planned with "
+            "fsdp_strategy.plan(..., tensor_parallel_size=...) or fsdp-plan --tensor-parallel-size"
         )
     return (
         "auto" if data_parallel_size is None else data_parallel_size,

@@ -104,3 +104,13 @@ def batches(steps: int, batch: int, seed: int = 0) -> list[tuple[torch.Tensor, t
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def parallelize_on_mesh(model: TinyLM, device_mesh) -> TinyLM:
+    """``parallelize`` as a ``parallelize_fn`` (Fabric's and the memory plan's ``(module, device_mesh)``)."""
+    return parallelize(model, device_mesh["tensor_parallel"])
+
+
+def parallelize_sequence_on_mesh(model: TinyLM, device_mesh) -> TinyLM:
+    """``parallelize`` with sequence parallel, as a ``parallelize_fn``."""
+    return parallelize(model, device_mesh["tensor_parallel"], sequence_parallel=True)

@@ -19,6 +19,7 @@ from torch import nn
 from fsdp_strategy.options import check_auto_choices
 from fsdp_strategy.plan.result import MemoryPlan, parse_bytes
 from fsdp_strategy.plan.run import Planned, run
+from fsdp_strategy.plan.tensor_parallel import TensorParallelPlan
 
 __all__ = ["plan", "MemoryPlan", "parse_bytes"]
 
@@ -60,7 +61,8 @@ def plan(
             "plan() takes the batch as its second argument (example_input); example_batch is the strategies' "
             "argument for auto_wrap_policy='auto'"
         )
-    planned = Planned(world_size, num_nodes, precision, optimizer, strategy_kwargs)
+    parallel = TensorParallelPlan.take(strategy_kwargs, world_size, num_nodes)
+    planned = Planned(world_size, num_nodes, precision, optimizer, strategy_kwargs, parallel)
     if strategy_kwargs.get("auto_wrap_policy") == "auto":
         from fsdp_strategy.plan.budget import choose
 

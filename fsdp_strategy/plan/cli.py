@@ -4,11 +4,14 @@
     fsdp-plan llama-70b --world-size 512 --precision bf16-mixed --activation-checkpointing
     fsdp-plan llama-7b --world-size 8 --precision bf16-mixed --budget 70GiB
     fsdp-plan mypackage.models:build --input 8x1024:long --world-size 16 --wrap mypackage.models.Block
+    fsdp-plan llama3-70b --world-size 256 --tensor-parallel-size 8 --precision bf16-mixed --activation-checkpointing
 
 A preset (``llama-7b``, ``llama-13b``, ``llama3-8b``, ``llama-70b``, ``gpt2``, ``gpt2-xl``: Hugging Face shapes
 built from a config on the meta device, trained on their own language-model loss) or
 ``module:function`` returning an ``nn.Module`` (or a LightningModule). Presets are units per
-decoder layer unless ``--wrap`` says otherwise.
+decoder layer unless ``--wrap`` says otherwise. ``--tensor-parallel-size`` plans a 2-D run: the
+Llama presets with torchtitan's plan (``preset_plans.py``), other models with ``--parallelize
+module:function`` (``(module, device_mesh) -> module``) or a LightningModule's ``configure_model``.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
                             "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256}),
     "llama-70b": ("llama", {"hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
                             "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 32000}),
+    "llama3-70b": ("llama", {"hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+                             "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 128256}),
     "gpt2": ("gpt2", {"n_embd": 768, "n_layer": 12, "n_head": 12}),
     "gpt2-xl": ("gpt2", {"n_embd": 1600, "n_layer": 48, "n_head": 25}),
 }  # fmt: skip
@@ -109,6 +114,12 @@ def main(argv: list[str] | None = None) -> int:
         "--activation-checkpointing", nargs="*", help="dotted class paths to recompute (none given: the units)"
     )
     parser.add_argument("--cpu-offload", action="store_true")
+    parser.add_argument("--tensor-parallel-size", type=int, help="a 2-D run: ranks each layer is split over")
+    parser.add_argument("--data-parallel-size", type=int, help="a 2-D run: default world size / tensor-parallel size")
+    parser.add_argument("--parallelize", help="a 2-D run's plan: module:function taking (module, device_mesh)")
+    parser.add_argument(
+        "--no-sequence-parallel", action="store_true", help="Llama presets, 2-D: whole activations between split layers"
+    )
     parser.add_argument("--budget", help="bytes per rank (e.g. 70GiB): choose the fastest settings that fit")
     parser.add_argument(
         "--reserve",
@@ -151,6 +162,7 @@ def _what_to_plan(args: argparse.Namespace) -> tuple[torch.nn.Module, Any, dict[
     if args.budget is not None:
         return model, batch, {"auto_wrap_policy": "auto", "memory_budget": args.budget, "memory_reserve": args.reserve}
     kwargs: dict[str, Any] = {"sharding_strategy": args.sharding_strategy, "cpu_offload": args.cpu_offload}
+    kwargs.update(_two_d(args))
     kwargs["auto_wrap_policy"] = wrap
     if args.activation_checkpointing is not None:
         if not (args.activation_checkpointing or wrap):
@@ -159,6 +171,31 @@ def _what_to_plan(args: argparse.Namespace) -> tuple[torch.nn.Module, Any, dict[
             )
         kwargs["activation_checkpointing_policy"] = set(args.activation_checkpointing) or wrap
     return model, batch, kwargs
+
+
+def _two_d(args: argparse.Namespace) -> dict[str, Any]:
+    """The strategy arguments of a 2-D plan the command line asks for (none for a 1-D one)."""
+    if args.tensor_parallel_size is None:
+        if args.data_parallel_size is not None or args.parallelize is not None:
+            raise UsageError("--data-parallel-size and --parallelize plan a 2-D run: give --tensor-parallel-size")
+        return {}
+    kwargs: dict[str, Any] = {"tensor_parallel_size": args.tensor_parallel_size}
+    if args.data_parallel_size is not None:
+        kwargs["data_parallel_size"] = args.data_parallel_size
+    if args.parallelize is not None:
+        kwargs["parallelize_fn"] = factory(args.parallelize)
+    elif args.model in PRESETS and PRESETS[args.model][0] == "llama":
+        from functools import partial
+
+        from fsdp_strategy.plan.preset_plans import llama_tensor_parallel
+
+        kwargs["parallelize_fn"] = partial(llama_tensor_parallel, sequence_parallel=not args.no_sequence_parallel)
+    elif args.model in PRESETS:
+        raise UsageError(
+            f"--tensor-parallel-size: the preset {args.model!r} has no built-in tensor-parallel plan (the Llama "
+            "presets have); give --parallelize module:function"
+        )
+    return kwargs
 
 
 if __name__ == "__main__":

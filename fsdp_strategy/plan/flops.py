@@ -7,7 +7,8 @@ has used them. A plan counting live bytes at the same time would see activations
 run has freed (up to +18 % at the peak with activation checkpointing). This mode keeps only the
 total and registers no hooks. It uses ``torch.utils.flop_counter.flop_registry``; the CPU
 variants of flash attention are counted by the CUDA kernels' formulas (same shapes, same work).
-Operators without a formula count zero (elementwise work, as ``FlopCounterMode`` has it).
+Operators without a formula count zero (elementwise work, as ``FlopCounterMode`` has it). A
+tensor-parallel (DTensor) operator is counted by the local operators it runs: what this rank computes.
 
 Costs: one dict lookup per operator.
 """
@@ -17,8 +18,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
+
+from fsdp_strategy.plan.tracker import SHADOWS
 
 aten = torch.ops.aten
 _FORMULAS = {
@@ -38,9 +42,11 @@ class FlopCount(TorchDispatchMode):
         self.total = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # DTensor runs its local operators, which come back here: this rank's work
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         formula = _FORMULAS.get(func._overloadpacket)
-        if formula is not None:
+        if formula is not None and not SHADOWS.depth:  # not DTensor's global-shape stand-ins
             self.total += formula(*args, **kwargs, out_val=out)
         return out

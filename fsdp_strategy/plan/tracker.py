@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import weakref
 from collections import defaultdict
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
 ACTIVATIONS = "activations"
@@ -82,20 +83,39 @@ class LiveBytes(TorchDispatchMode):
             return result
 
         torch.UntypedStorage.resize_ = resize_
+        SHADOWS.enter()
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
         torch.UntypedStorage.resize_ = self._original_resize
+        SHADOWS.exit()
         super().__exit__(*exc)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # DTensor runs its local operators, which come back here (MemTracker's rule)
+        if SHADOWS.depth:
+            return func(*args, **(kwargs or {}))
         out = func(*args, **(kwargs or {}))
+        if func is WAIT_TENSOR:
+            self._alias(out, args[0])
         self.track(tree_leaves(out))
         return out
 
+    def _alias(self, out: Any, source: Any) -> None:
+        """``out`` is ``source`` in a real run (a collective's result, waited for in place); fake tensors
+        give it a storage of its own, which would count the result twice: the count moves to ``out``."""
+        mine, theirs = _storage(out), _storage(source)
+        entry = self._storages.pop(id(theirs), None) if mine is not None and theirs is not None else None
+        if entry is not None and id(mine) not in self._storages:
+            key = id(mine)
+            self._storages[key] = [weakref.ref(mine, lambda _, key=key: self._freed(key)), entry[1], entry[2]]
+        elif entry is not None:
+            self._storages[id(theirs)] = entry
+
     def track(self, tensors: Iterable[Any], tag: str | None = None) -> None:
         """Count the storages of ``tensors`` not counted yet (under ``tag``, default the current one)."""
-        for tensor in tensors:
+        for tensor in _inner(tensors):
             storage = _storage(tensor)
             if storage is not None and id(storage) not in self._storages:
                 self._add(storage, tag or self.tag)
@@ -103,7 +123,7 @@ class LiveBytes(TorchDispatchMode):
 
     def retag(self, tensors: Iterable[Any], tag: str) -> None:
         """Move the storages of ``tensors`` (counting them first if needed) to ``tag``."""
-        for tensor in tensors:
+        for tensor in _inner(tensors):
             storage = _storage(tensor)
             if storage is None:
                 continue
@@ -118,7 +138,7 @@ class LiveBytes(TorchDispatchMode):
     def bytes_of(self, tensors: Iterable[Any]) -> int:
         """Bytes of the distinct storages of ``tensors`` (counted or not)."""
         seen: dict[int, int] = {}
-        for tensor in tensors:
+        for tensor in _inner(tensors):
             storage = _storage(tensor)
             if storage is not None:
                 seen[id(storage)] = storage.nbytes()
@@ -150,6 +170,57 @@ class LiveBytes(TorchDispatchMode):
         if known is None or current > known.bytes:
             self._reached += 1
             self.peaks[moment] = Peak(current, dict(self.by_tag), self._describe(), self._reached)
+
+
+WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
+
+
+class _Shadows:
+    """Whether DTensor is propagating tensor metadata: it runs each new operator once on global-shape
+    stand-ins in the current fake mode (the plan's), which no rank allocates. While a tracker is open,
+    DTensor's propagation is wrapped to count its depth (``depth``: above 0 inside it)."""
+
+    def __init__(self) -> None:
+        self.depth, self._open, self._original = 0, 0, None
+
+    def enter(self) -> None:
+        from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+        self._open += 1
+        if self._open > 1:
+            return
+        self._original = original = ShardingPropagator._propagate_tensor_meta_non_cached
+
+        def counted(propagator: Any, op_schema: Any) -> Any:
+            self.depth += 1
+            try:
+                return original(propagator, op_schema)
+            finally:
+                self.depth -= 1
+
+        ShardingPropagator._propagate_tensor_meta_non_cached = counted
+
+    def exit(self) -> None:
+        from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+        self._open -= 1
+        if self._open == 0:
+            ShardingPropagator._propagate_tensor_meta_non_cached = self._original
+
+
+SHADOWS = _Shadows()
+
+
+def _inner(tensors: Iterable[Any]) -> Iterator[Any]:
+    """``tensors`` with each wrapper subclass (a tensor-parallel DTensor) replaced by the tensors it
+    wraps, recursively: its own storage is a stand-in of the global size, which no rank allocates; the
+    local tensor is what the rank holds, and DTensor's operators create it out of this mode's sight."""
+    for tensor in tensors:
+        if isinstance(tensor, torch.Tensor) and is_traceable_wrapper_subclass(tensor):
+            names, _ = tensor.__tensor_flatten__()
+            yield from _inner(getattr(tensor, name) for name in names)
+        else:
+            yield tensor
 
 
 def _storage(tensor: Any) -> torch.UntypedStorage | None:

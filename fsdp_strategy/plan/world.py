@@ -34,3 +34,16 @@ def fake_world(world_size: int) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+        _forget_fake_meshes()
+
+
+def _forget_fake_meshes() -> None:
+    """Clear DTensor's caches of sharding and redistribution plans: they key a mesh by its layout, not
+    its process groups, so a plan cached in the fake world would send a later real job's tensor-parallel
+    collectives (the same mesh shape) to the fake world's groups, which are gone ("Could not resolve
+    the process group"). Costs: the next DTensor operators plan again."""
+    from torch.distributed.tensor._redistribute import _gen_transform_infos
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+    _gen_transform_infos.cache_clear()
