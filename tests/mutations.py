@@ -756,6 +756,66 @@ MUTATIONS = [
         "        pass\n",
         ("tests/test_tensor_parallel.py::test_the_trainer_trains_modelparallelstrategys_user_code_as_one_process",),
     ),
+    Mutation(
+        "tp_checkpoint_unstrided",
+        "a colwise (TP Shard(0)) shard is written as (Shard(0), Shard(0)): its rows land in another rank's block",
+        "fsdp_strategy/engine/tensor_parallel.py",
+        "    return _StridedShard(0, split_factor=tp.size) if 0 in dims and tp.size > 1 else Shard(0)\n",
+        "    return Shard(0)\n",
+        (
+            "tests/test_tensor_parallel_checkpoints.py::"
+            "test_a_two_d_sharded_folder_holds_fsdp2s_chunks_and_loads_into_other_layouts",
+        ),
+    ),
+    Mutation(
+        "tp_full_load_no_block",
+        "a full checkpoint loads into a tensor-parallel parameter from the whole tensor's rows, not its TP block's",
+        "fsdp_strategy/engine/param.py",
+        "        return self.local_rows(full if self.tp is None else self.tp.block_of(full), self.shard_rank)\n",
+        "        return self.local_rows(full, self.shard_rank)\n",
+        (
+            "tests/test_tensor_parallel_checkpoints.py::"
+            "test_a_two_d_sharded_folder_holds_fsdp2s_chunks_and_loads_into_other_layouts",
+        ),
+    ),
+    Mutation(
+        "untiled_chunks_accepted",
+        "overlapping chunks of a folder are not noticed (a block read twice, another left unread)",
+        "fsdp_strategy/checkpoint/chunks.py",
+        '                return f"its chunks at offsets {list(other[0])} and {list(box[0])} overlap"\n',
+        "                pass\n",
+        (
+            "tests/test_tensor_parallel_checkpoints.py::"
+            "test_a_folder_whose_chunks_do_not_tile_a_tensor_is_refused_before_anything_loads",
+        ),
+    ),
+    Mutation(
+        "two_d_folder_fsdp_key",
+        "a 2-D folder keeps the model under FSDPStrategy's 'model' key: ModelParallelStrategy cannot resume it",
+        "fsdp_strategy/checkpoint/sharded.py",
+        '    return "state_dict" if view.tensor_parallel_size > 1 else "model"\n',
+        '    return "model"\n',
+        (
+            "tests/test_tensor_parallel_checkpoints.py::"
+            "test_the_trainer_resumes_a_two_d_run_in_other_layouts_and_with_model_parallel_strategy",
+        ),
+    ),
+    Mutation(
+        "plan_dtensor_caches_kept",
+        "a plan leaves DTensor's sharding caches keyed to its fake world (a later 2-D job's collectives fail)",
+        "fsdp_strategy/plan/world.py",
+        "        _forget_fake_meshes()\n",
+        "        pass\n",
+        ("tests/test_plan_tensor_parallel.py::test_a_plan_then_a_two_d_run_in_the_same_process_family",),
+    ),
+    Mutation(
+        "plan_dtensor_stand_ins_counted",
+        "a plan counts DTensor's global-shape stand-ins of its sharding propagation as live memory",
+        "fsdp_strategy/plan/tracker.py",
+        "        if SHADOWS.depth:\n            return func(*args, **(kwargs or {}))\n",
+        "",
+        ("tests/test_plan_tensor_parallel.py::test_no_rank_holds_a_whole_tensor_parallel_parameter_in_a_plan",),
+    ),
 ]
 
 

@@ -200,3 +200,31 @@ def test_the_llama_presets_plan_trains_as_one_process(tmp_path, sequence_paralle
     small Hugging Face Llama under it computes one process's loss and gradients (float64)."""
     for loss_error, grad_error in run_ranks(_preset_plan_against_one_process, 2, tmp_path, sequence_parallel):
         assert loss_error < 1e-12 and grad_error < 1e-9, (loss_error, grad_error)
+
+
+class BigHead(nn.Module):
+    """A small body under a large output projection: what a language model's head is."""
+
+    def __init__(self, vocabulary: int = 8192, width: int = 64) -> None:
+        super().__init__()
+        self.embed, self.head = nn.Embedding(64, width), nn.Linear(width, vocabulary, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(tokens)).logsumexp(-1).mean()
+
+
+def split_head(model: BigHead, device_mesh) -> BigHead:
+    return parallelize_module(model, device_mesh["tensor_parallel"], {"head": ColwiseParallel()})
+
+
+def test_no_rank_holds_a_whole_tensor_parallel_parameter_in_a_plan():
+    """DTensor propagates each new operator on global-shape stand-ins in the current fake mode (the
+    plan's): counted, the setup of a model with a 2 MiB split head peaked at a whole one."""
+    model = BigHead()
+    result = plan(
+        model, torch.zeros(2, 4, dtype=torch.long), world_size=8, data_parallel_size=2, tensor_parallel_size=4,
+        parallelize_fn=split_head,
+    )  # fmt: skip
+    whole = 4 * model.head.weight.numel()
+    assert result.parts["parameter shards"] == whole // 8 + 4 * model.embed.weight.numel() // 2, result.parts
+    assert result.phase != "setup" and result.peak_bytes < whole, result
