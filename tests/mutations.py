@@ -760,7 +760,7 @@ MUTATIONS = [
         "tp_checkpoint_unstrided",
         "a colwise (TP Shard(0)) shard is written as (Shard(0), Shard(0)): its rows land in another rank's block",
         "fsdp_strategy/engine/tensor_parallel.py",
-        "    return _StridedShard(0, split_factor=tp.size) if 0 in dims and tp.size > 1 else Shard(0)\n",
+        "    return _StridedShard(0, split_factor=tp.size) if 0 in dims and tp.size > 1 and data_first else Shard(0)\n",
         "    return Shard(0)\n",
         (
             "tests/test_tensor_parallel_checkpoints.py::"

@@ -192,9 +192,9 @@ def test_a_two_d_sharded_folder_holds_fsdp2s_chunks_and_loads_into_other_layouts
             assert torch.allclose(told["4x1->2x2"][name], value, rtol=1e-12, atol=0), name
 
 
-def _save_then_load_moved(rank: int, world: int, root: str) -> tuple[bool, str]:
-    """Save a 2x2 folder; once the test process moved a chunk (``root/moved`` appears), load it into a
-    fresh model: (the model unchanged, the error)."""
+def _save_then_load_damaged(rank: int, world: int, root: str, damage: str) -> tuple[bool, str]:
+    """Save a 2x2 folder; rank 0 damages a copy (``_move_a_chunk`` or ``_truncate_without_checksums``),
+    then every rank loads it into a fresh model: (the model and optimizer unchanged, the error)."""
     from fsdp_strategy.checkpoint import CheckpointError
 
     model, optimizer, data_rank = _build(2, 2)
@@ -202,12 +202,12 @@ def _save_then_load_moved(rank: int, world: int, root: str) -> tuple[bool, str]:
     save_folder(f"{root}/2x2", model, [optimizer], {})
     dist.barrier()
     if rank == 0:
-        _move_a_chunk(Path(root))
+        {"moved": _move_a_chunk, "truncated": _truncate_without_checksums}[damage](Path(root))
     dist.barrier()
     fresh, fresh_optimizer, _ = _build(2, 2, seed=1)
     before = full_state_dict(fresh, rank0_only=False)
     try:
-        load_folder(f"{root}/moved", fresh, [fresh_optimizer])
+        load_folder(f"{root}/{damage}", fresh, [fresh_optimizer])
         told = "loaded"
     except CheckpointError as error:
         told = str(error)
@@ -238,6 +238,25 @@ def _move_a_chunk(root: Path) -> None:
     (root / "moved" / "fsdp_meta.json").write_text(json.dumps(meta))
 
 
+def _truncate_without_checksums(root: Path) -> None:
+    """A copy of ``root/2x2`` as Lightning's ModelParallelStrategy or FSDP2 write it (no ``fsdp_meta.json``:
+    no checksums) with one rank's shard file cut to a tenth."""
+    import shutil
+
+    shutil.copytree(root / "2x2", root / "truncated")
+    (root / "truncated" / "fsdp_meta.json").unlink()
+    shard = root / "truncated" / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 10])
+
+
+def test_a_truncated_shard_of_a_folder_without_checksums_changes_nothing(tmp_path):
+    """A folder without checksums (ModelParallelStrategy's, FSDP2's) whose shard file was cut short: DCP
+    wrote every readable tensor into the shards before failing on the rest. The files are checked
+    against the sizes the metadata names first."""
+    for unchanged, told in run_ranks(_save_then_load_damaged, 4, tmp_path, str(tmp_path), "truncated"):
+        assert unchanged and "__1_0.distcp holds" in told and "nothing was loaded" in told, told
+
+
 def test_a_folder_whose_chunks_do_not_tile_a_tensor_is_refused_before_anything_loads(tmp_path):
     """A writer's wrong offsets (as torch's uneven strided shards had them, pytorch#168134) would load
     one block twice and leave another unread: every read of the folder refuses it first, naming the
@@ -245,11 +264,47 @@ def test_a_folder_whose_chunks_do_not_tile_a_tensor_is_refused_before_anything_l
     from fsdp_strategy.checkpoint import CheckpointError
 
     expected = "state_dict.layers.0.ff.w1.weight: its chunks at offsets [0, 0] and [0, 0] overlap"
-    for unchanged, told in run_ranks(_save_then_load_moved, 4, tmp_path, str(tmp_path)):
+    for unchanged, told in run_ranks(_save_then_load_damaged, 4, tmp_path, str(tmp_path), "moved"):
         assert unchanged and expected in told and "nothing was loaded" in told, told
     with pytest.raises(CheckpointError, match=re.escape(expected)):
         consolidate(tmp_path / "moved", tmp_path / "out.ckpt")
     assert not (tmp_path / "out.ckpt").exists()
+
+
+def _transposed(rank: int, world: int, root: str) -> dict:
+    """A folder of the usual (data_parallel, tensor_parallel) mesh into a model on a (tensor_parallel,
+    data_parallel) one (TP the outer dimension: its rows are DTensor's plain Shard(0)), and back."""
+
+    def build(names: tuple[str, str], seed: int):
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=names)
+        torch.manual_seed(seed)
+        model = parallelize(TinyLM().double(), mesh["tensor_parallel"])
+        shard_model(model, auto_wrap_policy={Block}, process_group=mesh["data_parallel"].get_group())
+        return model
+
+    usual, transposed = ("data_parallel", "tensor_parallel"), ("tensor_parallel", "data_parallel")
+    model = build(usual, seed=0)
+    save_folder(f"{root}/usual", model, [], {})
+    want = full_state_dict(model, rank0_only=False)
+    into = build(transposed, seed=1)
+    load_folder(f"{root}/usual", into, [])
+    save_folder(f"{root}/transposed", into, [], {})
+    back = build(usual, seed=2)
+    load_folder(f"{root}/transposed", back, [])
+    return {
+        "into": full_state_dict(into, rank0_only=False),
+        "back": full_state_dict(back, rank0_only=False),
+        "want": want,
+    }
+
+
+def test_a_mesh_with_tensor_parallel_outside_saves_and_loads_its_own_rows(tmp_path):
+    """Which placement the rows of a TP Shard(0) weight have depends on the mesh's order: with tensor
+    parallel the outer dimension they are DTensor's plain Shard(0) (the strided one loaded another rank's
+    block there without a word, and the save failed inside DCP)."""
+    for told in run_ranks(_transposed, 4, tmp_path, str(tmp_path)):
+        for name, value in told["want"].items():
+            assert torch.equal(told["into"][name], value) and torch.equal(told["back"][name], value), name
 
 
 # ---- Lightning's Trainer: ModelCheckpoint of a 2-D run, resumed in other layouts -------------------------

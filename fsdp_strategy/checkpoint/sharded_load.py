@@ -38,6 +38,7 @@ class _StoredKeys:
 
     def __init__(self, folder: Location) -> None:
         metadata, self.paths = stored_tensors(folder)
+        self.metadata = metadata
         self.sizes = {
             key: tuple(info.size) if hasattr(info, "size") else None
             for key, info in metadata.state_dict_metadata.items()
@@ -184,6 +185,8 @@ def load_tensors(
     if meta is not None and with_model:
         verify_folder(folder, meta, process_group, view.watchdog)
     stored = _StoredKeys(folder)
+    if meta is None and with_model:  # no checksums (Lightning's, FSDP2's folders): the files must hold what it names
+        check_shard_files(folder, stored.metadata)
     model_key, prefixes = _resolve_keys(stored, folder, len(optimizers), keys)
     flat: dict[str, Any] = {}
     if with_model:
@@ -220,6 +223,25 @@ def load_tensors(
         module_state.load_plain(view, {**values, **plain, **_meta(shapes, plan)}, plan)
         _clear_scalar_padding(view)
     _load_optimizer_states(view, folder, stored, optimizers, loaded, flat, legacy_groups)
+
+
+def check_shard_files(folder: Location, metadata: Any) -> None:
+    """Raise a ``CheckpointError`` naming each shard file the DCP ``metadata`` reads from that is missing
+    or shorter than the bytes it names (a folder without checksums: a lost or truncated file would load
+    half). Costs: one size query per file."""
+    needed: dict[str, int] = {}
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        path = getattr(info, "relative_path", None)
+        if path is not None:
+            needed[path] = max(needed.get(path, 0), info.offset + info.length)
+    problems = []
+    for name, size in sorted(needed.items()):
+        where = folder.child(name)
+        found = folder.fs.size(where.path) if folder.fs.exists(where.path) else None
+        if found is None or found < size:
+            problems.append(f"{name} is missing" if found is None else f"{name} holds {found} of {size} bytes")
+    if problems:
+        raise CheckpointError(f"{folder}: shard files are damaged ({'; '.join(problems)}); nothing was loaded")
 
 
 def _load_optimizer_states(

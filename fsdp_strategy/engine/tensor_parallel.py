@@ -111,17 +111,19 @@ class TPSpec(NamedTuple):
         return any(dim > 0 for dim in dims)
 
 
-def data_placement(tp: TPSpec, sharded: bool) -> Any:
+def data_placement(tp: TPSpec, sharded: bool, data_first: bool = True) -> Any:
     """The placement on the data-parallel mesh dimension of a tensor-parallel parameter's shard, as
     FSDP2 gives it ([Note: tensor-parallel shards in checkpoints]): its TP-local rows chunked over
-    data parallel are ``_StridedShard(0, split_factor=tp)`` when TP splits rows too, ``Shard(0)``
-    otherwise; ``Replicate()`` when data parallel does not shard (NO_SHARD, or one data-parallel rank)."""
+    data parallel. Where TP splits rows too and the data-parallel dimension comes first in the mesh
+    (``data_first``: Lightning's ``(data_parallel, tensor_parallel)``), DTensor would chunk over data
+    parallel first, so the rows are ``_StridedShard(0, split_factor=tp)``; otherwise ``Shard(0)``;
+    ``Replicate()`` when data parallel does not shard (NO_SHARD, or one data-parallel rank)."""
     from torch.distributed.tensor.placement_types import _StridedShard
 
     if not sharded:
         return Replicate()
     dims = [p.dim % max(len(tp.shape), 1) for p in tp.placements if isinstance(p, Shard)]
-    return _StridedShard(0, split_factor=tp.size) if 0 in dims and tp.size > 1 else Shard(0)
+    return _StridedShard(0, split_factor=tp.size) if 0 in dims and tp.size > 1 and data_first else Shard(0)
 
 
 def two_d_mesh(tp_mesh: Any, data: CommGroup, device_type: str) -> tuple[Any, int]:

@@ -113,7 +113,7 @@ class ShardsView:
             self._two_d = two_d_mesh(param.tp.mesh, self._data_comm, param.sharded.device.type)
         mesh, data_dim = self._two_d
         placements = [param.tp.placements[0]] * 2
-        placements[data_dim] = data_placement(param.tp, self._data_sharded)
+        placements[data_dim] = data_placement(param.tp, self._data_sharded, data_first=data_dim == 0)
         return mesh, tuple(placements), param.tp.shape
 
 
