@@ -816,6 +816,14 @@ MUTATIONS = [
         "",
         ("tests/test_plan_tensor_parallel.py::test_no_rank_holds_a_whole_tensor_parallel_parameter_in_a_plan",),
     ),
+    Mutation(
+        "plan_fake_views_as_replaced",
+        "a plan's engine takes the fake view of a gathered tensor-parallel parameter for replaced .data",
+        "fsdp_strategy/engine/param.py",
+        "        return isinstance(local, FakeTensor) and _same_view(local, self._full)\n",
+        "        return False\n",
+        ("tests/test_plan_tensor_parallel.py::test_a_plan_then_a_two_d_run_in_the_same_process_family",),
+    ),
 ]
 
 

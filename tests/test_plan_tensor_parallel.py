@@ -85,35 +85,41 @@ def test_a_plan_then_a_two_d_run_in_the_same_process_family(tmp_path):
     sys.path[:0] = [str(ROOT / "benchmarks")]
     from plan_accuracy import configurations, measure, predict
 
-    wanted = {("FULL_SHARD", "32-true", False): 0.02, ("FULL_SHARD", "bf16-mixed", False): 0.02}
-    wanted[("SHARD_GRAD_OP", "bf16-mixed", True)] = 0.10  # recomputation at dp > 1: the plan is low (documented)
+    wanted = {
+        ("FULL_SHARD", "32-true", False),
+        ("FULL_SHARD", "bf16-mixed", True),
+        ("SHARD_GRAD_OP", "bf16-mixed", True),
+    }
     grid = [c for c in configurations(["gpt-tp"], [4]) if (c["sharding"], c["precision"], c["checkpointing"]) in wanted]
     predicted = [predict(c) for c in grid]
     measured = measure(grid, 4, tmp_path)
     for config, want, got in zip(grid, measured, predicted):
-        bound = wanted[(config["sharding"], config["precision"], config["checkpointing"])]
-        assert abs(got - want) <= bound * want, (config, got, want)
+        # within 0.01 % (benchmarks/plan_accuracy.py); recomputation was 3-8 % low while the engine took fake
+        # views of the gathered parameters for replaced ones (is_set_to on fake tensors)
+        assert abs(got - want) <= 0.02 * want, (config, got, want)
 
 
-def _sequence_parallel_peak(rank: int, world: int) -> int:
+def _real_peak(rank: int, world: int, which: str) -> int:
+    """Live bytes of the second step of a real engine run at 1x2 (``which``: "sequence" or "head"), counted
+    by the plan's own counter."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from fsdp_strategy.engine import shard_model
 
     mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("data_parallel", "tensor_parallel"))
     torch.manual_seed(0)
-    model = parallelize_sequence_on_mesh(SequenceLM(), mesh)
-    shard_model(model, auto_wrap_policy={Block}, process_group=mesh["data_parallel"].get_group())
+    model, batch, policy = REAL_RUNS[which]()
+    model = {"sequence": parallelize_sequence_on_mesh, "head": split_head}[which](model, mesh)
+    shard_model(model, auto_wrap_policy=policy, process_group=mesh["data_parallel"].get_group())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    tokens = torch.zeros(8, SEQ, dtype=torch.long)
     for step in range(2):
         if step == 1:
             live = LiveBytes(dict)
             state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
             live.track([*model.parameters(), *(p.grad for p in model.parameters() if p.grad is not None), *state])
-            live.track([tokens])
+            live.track([batch])
             live.__enter__()
-        loss = model(tokens)
+        loss = model(batch)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -128,14 +134,18 @@ class SequenceLM(TinyLM):
         return lm_loss(super().forward(tokens), tokens)
 
 
-def test_a_sequence_parallel_plan_is_the_peak_of_a_real_run(tmp_path):
-    """Sequence parallel (norms on sequence-sharded activations) at 1x2: the plan against the live bytes
-    of a real engine run counted by the same counter, the second step."""
-    measured = run_ranks(_sequence_parallel_peak, 2, tmp_path, env={"FSDP_CUSTOM_GLOO_P2P": "0"})[0]
+@pytest.mark.parametrize("which", ["sequence", "head"])
+def test_a_plan_is_the_peak_of_a_real_run(tmp_path, which):
+    """At 1x2, the plan against the live bytes of a real engine run counted by the same counter, the second
+    step: sequence parallel (norms on sequence-sharded activations), and a large split head, whose first
+    operators DTensor propagates on global-shape stand-ins in the plan's fake mode (counted, the plan's
+    first step peaked at a whole head)."""
+    measured = run_ranks(_real_peak, 2, tmp_path, which, env={"FSDP_CUSTOM_GLOO_P2P": "0"})[0]
+    model, batch, policy = REAL_RUNS[which]()
+    parallelize_fn = {"sequence": parallelize_sequence_on_mesh, "head": split_head}[which]
     result = plan(
-        SequenceLM(), torch.zeros(8, SEQ, dtype=torch.long), world_size=2, tensor_parallel_size=2,
-        parallelize_fn=parallelize_sequence_on_mesh, auto_wrap_policy={Block},
-    )  # fmt: skip
+        model, batch, world_size=2, tensor_parallel_size=2, parallelize_fn=parallelize_fn, auto_wrap_policy=policy
+    )
     assert abs(result.peak_bytes - measured) <= 0.01 * measured, (result.peak_bytes, measured)
 
 
@@ -205,7 +215,7 @@ def test_the_llama_presets_plan_trains_as_one_process(tmp_path, sequence_paralle
 class BigHead(nn.Module):
     """A small body under a large output projection: what a language model's head is."""
 
-    def __init__(self, vocabulary: int = 8192, width: int = 64) -> None:
+    def __init__(self, vocabulary: int = 32768, width: int = 64) -> None:
         super().__init__()
         self.embed, self.head = nn.Embedding(64, width), nn.Linear(width, vocabulary, bias=False)
 
@@ -217,14 +227,19 @@ def split_head(model: BigHead, device_mesh) -> BigHead:
     return parallelize_module(model, device_mesh["tensor_parallel"], {"head": ColwiseParallel()})
 
 
+REAL_RUNS = {
+    "sequence": lambda: (SequenceLM(), torch.zeros(8, SEQ, dtype=torch.long), {Block}),
+    "head": lambda: (BigHead(), torch.zeros(2, 4, dtype=torch.long), None),
+}
+
+
 def test_no_rank_holds_a_whole_tensor_parallel_parameter_in_a_plan():
     """DTensor propagates each new operator on global-shape stand-ins in the current fake mode (the
-    plan's): counted, the setup of a model with a 2 MiB split head peaked at a whole one."""
+    plan's): counted, the setup of a model with an 8 MiB head split 8 ways peaked above a whole head."""
     model = BigHead()
     result = plan(
-        model, torch.zeros(2, 4, dtype=torch.long), world_size=8, data_parallel_size=2, tensor_parallel_size=4,
-        parallelize_fn=split_head,
-    )  # fmt: skip
+        model, torch.zeros(2, 4, dtype=torch.long), world_size=8, tensor_parallel_size=8, parallelize_fn=split_head
+    )
     whole = 4 * model.head.weight.numel()
-    assert result.parts["parameter shards"] == whole // 8 + 4 * model.embed.weight.numel() // 2, result.parts
+    assert result.parts["parameter shards"] == whole // 8 + 4 * model.embed.weight.numel(), result.parts
     assert result.phase != "setup" and result.peak_bytes < whole, result

@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.tensor import DTensor
 
 from fsdp_strategy.engine.device import DeviceLayer
@@ -43,6 +44,12 @@ class ParamUse(NamedTuple):
 
     module: nn.Module
     name: str
+
+
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors view the same storage the same way (``is_set_to`` without its pointer test)."""
+    same = a.untyped_storage()._cdata == b.untyped_storage()._cdata
+    return same and (a.storage_offset(), a.shape, a.stride()) == (b.storage_offset(), b.shape, b.stride())
 
 
 def _free_storage(tensor: torch.Tensor) -> None:
@@ -119,8 +126,13 @@ class ShardedParam:
         return local if self.tp is None else self.tp.wrap(local)
 
     def _holds_full(self) -> bool:
-        """Whether the full parameter still holds the engine's storage (not new ``.data``)."""
-        return local_of(self.unsharded).is_set_to(self._full)
+        """Whether the full parameter still holds the engine's storage (not new ``.data``). On a memory
+        plan's fake tensors ``is_set_to`` is False for a view of the same storage (a tensor-parallel
+        parameter's local tensor is one), so there the storage and the view are compared."""
+        local = local_of(self.unsharded)
+        if local.is_set_to(self._full):
+            return True
+        return isinstance(local, FakeTensor) and _same_view(local, self._full)
 
     def _local_grad(self, grad: torch.Tensor | None) -> torch.Tensor | None:
         """A gradient of the full parameter as its local tensor (a TP one in its placements)."""

@@ -146,9 +146,7 @@ def run(model: nn.Module, example_input: Any, planned: Planned) -> MemoryPlan:
             steps = _PlannedSteps(run_options, precision, mesh, data_group)
             return steps.run(shortened, example_input, make_optimizer)
 
-        # a 2-D model is planned whole: its first step's backward does not grow layer by layer as the
-        # extrapolation needs ([Note: identical layers planned once]; measured, cause not found)
-        layer_list = find_layer_list(module, _selections(module, options)) if parallel is None else None
+        layer_list = find_layer_list(module, _selections(module, options))
         if layer_list is not None and not runs_alike(module, layer_list, lambda: _meta_forward(module, example_input)):
             layer_list = None
         result = None
