@@ -159,7 +159,20 @@ def test_fsdp_plan_plans_two_d_and_refuses_bad_input(capsys):
     for argv, expected in [
         (["gpt2", "--world-size", "4", "--tensor-parallel-size", "2"], "has no built-in tensor-parallel plan"),
         (["gpt2", "--world-size", "4", "--data-parallel-size", "2"], "give --tensor-parallel-size"),
-        (["llama-7b", "--world-size", "4", "--tensor-parallel-size", "3"], "multiply to the world size"),
+        (["llama-7b", "--world-size", "4", "--tensor-parallel-size", "3"], "does not divide world_size=4"),
+        (["llama-7b", "--world-size", "4", "--no-sequence-parallel"], "give --tensor-parallel-size"),
+        (
+            [
+                "llama-7b",
+                "--world-size",
+                "4",
+                "--tensor-parallel-size",
+                "2",
+                "--parallelize",
+                "tp_models:parallelize_on_mesh",
+            ],
+            "parallelize_fn parallelize_on_mesh on LlamaForCausalLM failed: AttributeError",
+        ),
     ]:
         assert fsdp_plan(argv) == 2
         assert expected in capsys.readouterr().err
@@ -172,6 +185,10 @@ def test_fsdp_plan_plans_two_d_and_refuses_bad_input(capsys):
         plan(TinyLM(), batch, world_size=2, tensor_parallel_size=2, parallelize_fn=lambda m, mesh: None)
     with pytest.raises(ValueError, match="with a hybrid sharding_strategy"):
         plan(TinyLM(), batch, world_size=2, tensor_parallel_size=2, sharding_strategy="HYBRID_SHARD")
+    with pytest.raises(TypeError, match="parallelize_fn is a dict"):
+        plan(TinyLM(), batch, world_size=2, tensor_parallel_size=2, parallelize_fn={"a": 1})
+    with pytest.raises(RuntimeError, match="needs tensor parallel's loss_parallel"):
+        plan(SplitLoss(), batch, world_size=2, tensor_parallel_size=2, parallelize_fn=split_logits)
     with pytest.raises(ValueError, match="chooses among 1-D settings"):
         plan(TinyLM(), batch, world_size=2, tensor_parallel_size=2, auto_wrap_policy="auto", memory_budget="1GiB")
 
@@ -227,8 +244,24 @@ def split_head(model: BigHead, device_mesh) -> BigHead:
     return parallelize_module(model, device_mesh["tensor_parallel"], {"head": ColwiseParallel()})
 
 
+class SplitLoss(TinyLM):
+    """TinyLM whose loss runs on vocabulary-split logits (tensor parallel's loss_parallel)."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        with loss_parallel():
+            return lm_loss(super().forward(tokens), tokens)
+
+
+def split_logits(model: TinyLM, device_mesh) -> TinyLM:
+    from tp_models import parallelize
+
+    return parallelize(model, device_mesh["tensor_parallel"], loss_parallel=True)
+
+
 REAL_RUNS = {
-    "sequence": lambda: (SequenceLM(), torch.zeros(8, SEQ, dtype=torch.long), {Block}),
+    "sequence": lambda: (SequenceLM(), torch.zeros(256, SEQ, dtype=torch.long), {Block}),
     "head": lambda: (BigHead(), torch.zeros(2, 4, dtype=torch.long), None),
 }
 

@@ -176,8 +176,11 @@ def _what_to_plan(args: argparse.Namespace) -> tuple[torch.nn.Module, Any, dict[
 def _two_d(args: argparse.Namespace) -> dict[str, Any]:
     """The strategy arguments of a 2-D plan the command line asks for (none for a 1-D one)."""
     if args.tensor_parallel_size is None:
-        if args.data_parallel_size is not None or args.parallelize is not None:
-            raise UsageError("--data-parallel-size and --parallelize plan a 2-D run: give --tensor-parallel-size")
+        if args.data_parallel_size is not None or args.parallelize is not None or args.no_sequence_parallel:
+            raise UsageError(
+                "--data-parallel-size, --parallelize and --no-sequence-parallel plan a 2-D run: give "
+                "--tensor-parallel-size"
+            )
         return {}
     kwargs: dict[str, Any] = {"tensor_parallel_size": args.tensor_parallel_size}
     if args.data_parallel_size is not None:

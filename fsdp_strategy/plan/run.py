@@ -247,7 +247,7 @@ class _PlannedSteps:
                         loss = loss_of(_planned_forward(module, batch))
                     optimizer.zero_grad(set_to_none=True)  # Lightning's order: last step's gradients live to here
                     state.phase = "backward"
-                    loss.backward()
+                    _planned_backward(loss)
                 del loss
                 tracker.retag([p.grad for p in shards if p.grad is not None], GRADIENTS)
                 state.phase, tracker.tag = "optimizer step", OPTIMIZER
@@ -331,6 +331,21 @@ def _parts(peak: int, by_tag: dict[str, int], moment: dict[str, Any], offload: b
     known = sum(value for name, value in parts.items() if name != "activations")
     parts["activations"] = max(peak - known, 0)
     return parts
+
+
+def _planned_backward(loss: torch.Tensor) -> None:
+    """``loss.backward()``; a loss on vocabulary-split logits (``loss_parallel``), whose backward torch runs
+    only inside ``loss_parallel()``, is refused with what to plan instead."""
+    try:
+        loss.backward()
+    except RuntimeError as error:
+        if "mixed torch.Tensor and DTensor" not in str(error):
+            raise
+        raise RuntimeError(
+            f"the model's loss needs tensor parallel's loss_parallel() around its backward ({error}), which a plan "
+            "does not run: plan the model with replicated logits (the head's output_layouts=Replicate()); the split "
+            "loss holds less (its logits divided by the tensor-parallel size)"
+        ) from error
 
 
 def _planned_forward(module: nn.Module, batch: Any) -> Any:

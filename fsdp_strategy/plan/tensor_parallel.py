@@ -16,7 +16,8 @@ Costs: one mesh of two fake process groups.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from torch import nn
@@ -49,14 +50,22 @@ class TensorParallelPlan:
                 raise ValueError("parallelize_fn is the plan of a 2-D run: give tensor_parallel_size too")
             return None
         tensor = world_size // num_nodes if given[1] == "auto" else given[1]
-        data = max(world_size // tensor, 1) if given[0] == "auto" else given[0]
+        if given[0] == "auto" and world_size % tensor:
+            raise ValueError(
+                f"tensor_parallel_size={tensor} does not divide world_size={world_size}; accepted: a tensor-parallel "
+                "size dividing the world size (the data-parallel size is the rest)"
+            )
+        data = world_size // tensor if given[0] == "auto" else given[0]
         if data * tensor != world_size:
             raise ValueError(
                 f"data_parallel_size={data} x tensor_parallel_size={tensor} is {data * tensor}, not world_size="
                 f"{world_size}; accepted: sizes that multiply to the world size"
             )
         if parallelize_fn is not None and not callable(parallelize_fn):
-            raise TypeError(f"parallelize_fn={parallelize_fn!r}; accepted: a callable (module, device_mesh) -> module")
+            raise TypeError(
+                f"parallelize_fn is a {type(parallelize_fn).__name__}; accepted: a callable "
+                "(module, device_mesh) -> module"
+            )
         return cls(data, tensor, parallelize_fn)
 
     def mesh(self) -> Any:
@@ -78,7 +87,7 @@ def apply_plan(module: nn.Module, mesh: Any, parallelize_fn: Callable | None) ->
 
     if isinstance(module, LightningModule) and parallelize_fn is None:
         module._device_mesh = mesh
-        with torch.device("meta"):
+        with torch.device("meta"), _named_failure(f"{type(module).__name__}.configure_model"):
             module.configure_model()
         return module
     if parallelize_fn is None:
@@ -87,8 +96,19 @@ def apply_plan(module: nn.Module, mesh: Any, parallelize_fn: Callable | None) ->
             f"applies it to self.device_mesh['tensor_parallel'], or parallelize_fn=(module, device_mesh) -> module "
             f"for {type(module).__name__}"
         )
-    with torch.device("meta"):
+    name = getattr(parallelize_fn, "__name__", type(parallelize_fn).__name__)
+    with torch.device("meta"), _named_failure(f"parallelize_fn {name} on {type(module).__name__}"):
         parallelized = parallelize_fn(module, mesh)
     if not isinstance(parallelized, nn.Module):
         raise TypeError(f"parallelize_fn returned {type(parallelized).__name__}; accepted: the module")
     return parallelized
+
+
+@contextmanager
+def _named_failure(what: str) -> Iterator[None]:
+    """A failure of the user's plan (an attribute it does not find, a size it cannot split) as a
+    ``ValueError`` naming the plan and the model; the original is its cause."""
+    try:
+        yield
+    except (AttributeError, KeyError, IndexError, TypeError, ValueError, RuntimeError) as error:
+        raise ValueError(f"{what} failed: {type(error).__name__}: {error}") from error
