@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from dist_utils import run_ranks
+from test_plan import Layer, Stack
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from tp_models import SEQ, Block, TinyLM, lm_loss, parallelize_sequence_on_mesh
@@ -21,25 +22,6 @@ from fsdp_strategy.plan.cli import main as fsdp_plan
 from fsdp_strategy.plan.tracker import LiveBytes
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-class Layer(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.relu(self.up(x)))
-
-
-class Stack(nn.Module):
-    def __init__(self, width: int = 48, depth: int = 3) -> None:
-        super().__init__()
-        self.layers = nn.Sequential(*[Layer(width) for _ in range(depth)])
-        self.head = nn.Linear(width, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.layers(x)).logsumexp(-1).mean()
 
 
 def split_layers(model: Stack, device_mesh) -> Stack:
