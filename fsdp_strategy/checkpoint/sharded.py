@@ -225,11 +225,15 @@ def optimizer_keys(count: int) -> list[str]:
 MODEL_KEYS = ("model", "state_dict")  # the Trainer's layout (Lightning FSDPStrategy's); ModelParallelStrategy's
 
 
+def model_key_in(tops: set[str]) -> str | None:
+    """Which of ``MODEL_KEYS`` a folder's top-level DCP keys hold its model under (None: neither)."""
+    return next((key for key in MODEL_KEYS if key in tops), None)
+
+
 def model_key(paths: dict[str, tuple]) -> str:
     """The DCP key a folder's model is under (``{stored key: path}`` of ``stored_tensors``): one of
     ``MODEL_KEYS`` (``model`` where it holds none)."""
-    tops = {path[0] for path in paths.values()}
-    return next((key for key in MODEL_KEYS if key in tops), "model")
+    return model_key_in({path[0] for path in paths.values()}) or "model"
 
 
 def trainer_model_key(view: ShardsView) -> str:

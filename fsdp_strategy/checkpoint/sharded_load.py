@@ -15,7 +15,14 @@ from torch import nn
 
 from fsdp_strategy.checkpoint import layout, module_state, names, storage
 from fsdp_strategy.checkpoint.layout import CheckpointError, shortened
-from fsdp_strategy.checkpoint.sharded import MODEL_KEYS, checkpoint_view, dcp_reader, optimizer_keys, stored_tensors
+from fsdp_strategy.checkpoint.sharded import (
+    MODEL_KEYS,
+    checkpoint_view,
+    dcp_reader,
+    model_key_in,
+    optimizer_keys,
+    stored_tensors,
+)
 from fsdp_strategy.checkpoint.storage import Location
 from fsdp_strategy.engine import control
 from fsdp_strategy.engine.view import ShardsView
@@ -352,7 +359,7 @@ def _resolve_keys(
     names), those, which must all be there; a folder in the Trainer's layout answers to any names,
     in order (``model``, ``optimizer_0``, ...)."""
     tops = stored.tops()
-    model_key = next((key for key in MODEL_KEYS if key in tops), None)
+    model_key = model_key_in(tops)
     trainer_layout = model_key is not None and (count == 0 or set(optimizer_keys(count)) <= tops)
     if keys is None or (trainer_layout and not {keys[0], *keys[1]} <= tops):
         if model_key is None and not tops:  # a model without tensors: nothing to load
