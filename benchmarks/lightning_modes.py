@@ -78,22 +78,32 @@ def _module(mode: str, config, lr: float):
     return GPTStep()
 
 
-def _timer():
+def _timer(warmup: int):
     import lightning as L
 
+    from fsdp_strategy.engine.trace import host_times
+
     class StepTimer(L.Callback):
-        """Per-step wall time of this rank, started after a barrier."""
+        """Per-step wall time of this rank, started after a barrier; from step ``warmup`` on, the
+        engine's host seconds per range (``host``, empty for other strategies)."""
 
         def __init__(self) -> None:
             self.times: list[float] = []
             self._start = 0.0
+            self._recording = host_times()
+            self.host: dict[str, float] = {}
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            if batch_idx == warmup:
+                self.host = self._recording.__enter__()
             dist.barrier()
             self._start = time.perf_counter()
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
             self.times.append(time.perf_counter() - self._start)
+
+        def on_train_end(self, trainer, pl_module) -> None:
+            self._recording.__exit__(None, None, None)
 
     return StepTimer()
 
@@ -121,7 +131,7 @@ def _rank(rank: int, world: int, mode: str, args, port: int, queue) -> None:
     generator = torch.Generator().manual_seed(1)
     data = torch.randint(0, args.vocab, (total * args.batch * world, args.seq_len + 1), generator=generator)
     module = _module(mode, config, lr=1e-3)
-    timer = _timer()
+    timer = _timer(args.warmup)
     trainer = L.Trainer(
         strategy=_strategy(mode),
         accelerator="cpu",
@@ -144,7 +154,18 @@ def _rank(rank: int, world: int, mode: str, args, port: int, queue) -> None:
         totals = [vars(t) for t in ledger.last_step.values()]
         comm = (sum(t["payload_bytes"] for t in totals), sum(t["wire_bytes"] for t in totals))
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    queue.put((rank, {"times": times.tolist(), "losses": (losses / world).tolist(), "rss": rss, "comm": comm}))
+    queue.put(
+        (
+            rank,
+            {
+                "times": times.tolist(),
+                "losses": (losses / world).tolist(),
+                "rss": rss,
+                "comm": comm,
+                "host": {name: seconds / args.steps for name, seconds in timer.host.items()},
+            },
+        )
+    )
 
 
 def _free_port() -> int:
@@ -170,4 +191,5 @@ def run_lightning_mode(mode: str, args) -> dict:
         "rss_mib": max(r["rss"] for r in results.values()) / 2**20,
         "comm_mib": None if first["comm"] is None else (first["comm"][0] / 2**20, first["comm"][1] / 2**20),
         "losses": first["losses"],
+        "host_s": first["host"],
     }

@@ -5,6 +5,7 @@ engine's own account."""
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 from dist_utils import run_ranks
@@ -14,9 +15,9 @@ from pattern_models import lm_loss as next_token_loss
 from torch import nn
 
 from fsdp_strategy import MixedPrecision
-from fsdp_strategy.engine import get_scheduler, shard_model
+from fsdp_strategy.engine import get_scheduler, shard_model, trace
 from fsdp_strategy.engine.flight import STAMP_SLOTS
-from fsdp_strategy.engine.trace import PREFIX
+from fsdp_strategy.engine.trace import PREFIX, host_times
 from fsdp_strategy.engine.unit import ShardedState
 
 HOOKS = ("pre_forward", "post_forward", "pre_backward", "post_backward", "end_of_backward")
@@ -153,9 +154,19 @@ def _profiled_body(rank: int, world: int) -> dict:
     counts: dict[str, int] = {}
     for name, _, _ in spans:
         counts[name.removeprefix(PREFIX)] = counts.get(name.removeprefix(PREFIX), 0) + 1
+    ledger = scheduler.ledger.snapshot()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    start = time.perf_counter()
+    with host_times() as seconds:  # the same ranges clocked without a profiler, an optimizer step included
+        lm_loss(model, make_batches(1, 2 * world)[0][rank::world]).backward()
+        optimizer.step()
+    step_seconds = time.perf_counter() - start
     return {
+        "host_seconds": dict(seconds),
+        "step_seconds": step_seconds,
+        "clock_off_after": trace._host_seconds is None,
         "counts": counts,
-        "ledger": scheduler.ledger.snapshot(),
+        "ledger": ledger,
         "inside_hooks": all(
             any(h0 <= start and end <= h1 for h0, h1 in hooks)
             for name, start, end in spans
@@ -182,6 +193,16 @@ def test_schedule_counts_bytes_and_memory(tmp_path):
     assert profiled["reduce_copy_in"] == profiled["reduce_apply"] == _calls(ledger, "reduce_scatter") > 0
     assert profiled["wait_all_gather"] == _calls(ledger, "all_gather")
     assert all(profiled.get(hook, 0) > 0 for hook in HOOKS) and result["profiled"]["inside_hooks"]
+    # a unit's turn to reduce, inside a hook: every unit that ran, the embedding's too (its tied weight is the
+    # root's, so it has nothing to reduce-scatter)
+    assert profiled["reduce"] == _calls(ledger, "reduce_scatter") + 1
+    # host_times(): every range clocked, the hooks (which hold the rest) within the step's wall time
+    host = result["profiled"]["host_seconds"]
+    top_level = [*HOOKS, "before_optimizer_step", "after_optimizer_step"]
+    assert all(host.get(name, 0) > 0 for name in [*top_level, "reduce", "wait_all_gather", "gather_copy_in"])
+    assert sum(host[name] for name in top_level) <= result["profiled"]["step_seconds"]
+    assert host["reduce"] <= host["post_backward"] + host["end_of_backward"]
+    assert result["profiled"]["clock_off_after"]
     units = 3  # root (embedding+head, frozen, scale), blocks.0, blocks.1 ran; "skipped" never runs
 
     full = result["full"]

@@ -21,6 +21,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 from fsdp_strategy.engine.device import DeviceLayer
 from fsdp_strategy.engine.group_agreement import GroupAgreement
 from fsdp_strategy.engine.optimizer_kinds import OptimizerKinds
+from fsdp_strategy.engine.trace import traced
 from fsdp_strategy.engine.unit import FSDPUnit, ShardedState
 from fsdp_strategy.engine.whole_matrix import WholeMatrixSteps
 from fsdp_strategy.options import UpdateKind
@@ -138,6 +139,7 @@ class OptimizerSteps:
         stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
         return [unit for unit in gathered if any(id(p.sharded) in stepped for p in unit.params)]
 
+    @traced("before_optimizer_step")
     def _before_step(self, optimizer: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         params = [p for group in optimizer.param_groups for p in group["params"]]
         if not self._concerns(params):
@@ -229,6 +231,7 @@ class OptimizerSteps:
             )
         self._checked[optimizer] = groups
 
+    @traced("after_optimizer_step")
     def _after_step(self, optimizer: Any) -> None:
         if id(optimizer) not in self._active:
             return  # another model's optimizer (an FSDP2 one's parameters may hold no storage)

@@ -38,6 +38,7 @@ import torch
 
 from fsdp_strategy.engine.buffers import PendingReduce, UndecidedGrad
 from fsdp_strategy.engine.device import DeviceLayer
+from fsdp_strategy.engine.trace import traced
 from fsdp_strategy.engine.unit import FSDPUnit
 
 
@@ -66,6 +67,7 @@ class Reductions:
         """A backward reduced them all (or the iteration failed): the next order starts empty."""
         self._ran_forward.clear()
 
+    @traced("reduce")
     def reduce(self, unit: FSDPUnit) -> None:
         """Issue ``unit``'s reduction (or stash its gradients inside ``no_sync``), finishing the
         one before it first."""
