@@ -116,6 +116,8 @@ class DeviceLayer:
         ([Note: host and device] 2)."""
         reduced = reduced.view(shard.shape)
         if not (self.offloaded and self.asynchronous) or accumulate:
+            if reduced.dtype == shard.dtype and reduced.device == shard.device:
+                return reduced  # what ``to`` returns, without its call
             return reduced.to(device=shard.device, dtype=shard.dtype)
         out = torch.empty(shard.shape, dtype=shard.dtype, device=shard.device, pin_memory=self._pin)
         out.copy_(reduced, non_blocking=True)

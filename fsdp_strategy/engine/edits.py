@@ -142,11 +142,22 @@ def _raise_for(lossy: list[LostEditCheck]) -> NoReturn:
 
 def keep_full_edits(unit: str, params: list[ShardedParam], every_param: bool) -> list[LostEditCheck]:
     """Write each rank's rows of the changed full parameters (every one, or those with a visible
-    trace) into its shards; the checks of changes a lower ``param_dtype`` may have lost."""
-    checks = []
+    trace) into its shards, those of a unit's own dtype in one ``_foreach_copy_``; the checks of
+    changes a lower ``param_dtype`` may have lost."""
+    checks, kept, targets, rows = [], [], [], []
     for param in params:
-        if every_param or param.visibly_edited():
-            lost = param.keep_full_edits()
-            if lost is not None:
-                checks.append(LostEditCheck(unit, param.fqn, param.param_dtype, param.sharded.dtype, lost))
+        if not (every_param or param.visibly_edited()):
+            continue
+        if param.param_dtype != param.sharded.dtype:
+            checks.append(
+                LostEditCheck(unit, param.fqn, param.param_dtype, param.sharded.dtype, param.keep_full_edits())
+            )
+            continue
+        target, own_rows = param.rows_to_keep()
+        kept.append(param.sharded)
+        targets.append(target)
+        rows.append(own_rows)
+    if targets:  # mostly the same values: not a change autograd should see
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(kept)):
+            torch._foreach_copy_(targets, rows)
     return checks

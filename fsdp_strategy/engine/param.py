@@ -109,6 +109,10 @@ class ShardedParam:
                 self.world * self.shard_numel, dtype=self.param_dtype, device=compute_device
             )
         self._full = self._padded_full[: self.dim0 * self.row_numel].view(self.shape)
+        # views of the full parameter's storage, made once: they follow its storage through each resize
+        self._full_rows = self._padded_full.view(self.world, self.shard_numel)  # a gather's layout
+        self._own_rows = self._full.view(self.dim0, self.row_numel)[shard_rank * self.chunk_rows :][: self.chunk_rows]
+        self._even = self.chunk_rows > 0 and self.chunk_rows * self.world == self.dim0  # no padding rows
         self.unsharded = nn.Parameter(self._wrapped(self._full), requires_grad=requires_grad)
         self._agreed_requires_grad = requires_grad  # [Note: requires_grad on either side]
         self.stashed_grad: torch.Tensor | None = None  # no_sync: the full gradient so far, in reduce dtype
@@ -129,7 +133,7 @@ class ShardedParam:
         """Whether the full parameter still holds the engine's storage (not new ``.data``). On a memory
         plan's fake tensors ``is_set_to`` is False for a view of the same storage (a tensor-parallel
         parameter's local tensor is one), so there the storage and the view are compared."""
-        local = local_of(self.unsharded)
+        local = self.unsharded if self.tp is None else local_of(self.unsharded)  # a call less per plain one
         if local.is_set_to(self._full):
             return True
         return isinstance(local, FakeTensor) and _same_view(local, self._full)
@@ -215,29 +219,39 @@ class ShardedParam:
             self.unsharded.data = self._wrapped(self._full)
         if not self.unsharded_allocated:
             self._padded_full.untyped_storage().resize_(self.unsharded_nbytes)
-        return self._padded_full.view(self.world, self.shard_numel)
+        return self._full_rows
 
-    def keep_full_edits(self) -> torch.Tensor | None:
-        """Copy this rank's rows of the full parameter into the shard, so that a change made to the
-        full parameter while it was gathered persists ([Note: edits while gathered] in edits.py).
+    def rows_to_keep(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(shard rows, full rows)``: this rank's rows of the shard and of the full parameter's
+        current value, for ``keep_full_edits`` ([Note: edits while gathered] in edits.py).
 
         A full parameter whose ``.data`` was replaced (``p.data = ...``) gives its new value and is
-        pointed back at the engine's storage. Returns None once kept; where it is gathered in a
-        lower ``param_dtype`` it changes nothing and returns a 0-dim bool tensor on the device,
-        True where the rows differ from the shard (a change that cannot be kept exactly), for the
-        caller to read when it syncs anyway. Costs: one copy of this rank's rows (1/N of the
-        parameter); with a lower ``param_dtype`` a comparison instead.
-        """
-        value = local_of(self.unsharded).detach()
+        pointed back at the engine's storage. Costs: a few views (none of the full parameter's own
+        rows: made once)."""
+        rows = self._own_rows
         if not self._holds_full():
+            value = local_of(self.unsharded).detach()
             if value.shape != self.shape:
                 raise RuntimeError(
                     f"fsdp_custom: the full parameter {self.fqn!r} was given data of shape {tuple(value.shape)} "
                     f"while gathered; its shape is {tuple(self.shape)}"
                 )
             self.unsharded.data = self._wrapped(self._full)
-        rows = value.reshape(self.dim0, self.row_numel)[self.shard_rank * self.chunk_rows :][: self.chunk_rows]
+            rows = value.reshape(self.dim0, self.row_numel)[self.shard_rank * self.chunk_rows :][: self.chunk_rows]
         target = self.sharded.detach().view(self.chunk_rows, self.row_numel)[: rows.shape[0]]
+        return target, rows
+
+    def keep_full_edits(self) -> torch.Tensor | None:
+        """Copy this rank's rows of the full parameter into the shard, so that a change made to the
+        full parameter while it was gathered persists ([Note: edits while gathered] in edits.py).
+
+        Returns None once kept; where it is gathered in a lower ``param_dtype`` it changes nothing
+        and returns a 0-dim bool tensor on the device, True where the rows differ from the shard (a
+        change that cannot be kept exactly), for the caller to read when it syncs anyway. Costs: one
+        copy of this rank's rows (1/N of the parameter); with a lower ``param_dtype`` a comparison
+        instead (edits.py copies a unit's parameters in one ``_foreach_copy_``).
+        """
+        target, rows = self.rows_to_keep()
         if self.param_dtype == self.sharded.dtype:
             with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.sharded):
                 target.copy_(rows)  # mostly the same values: not a change autograd should see
@@ -323,6 +337,9 @@ class ShardedParam:
         if grad is None and stashed is None:
             out.zero_()
             return False
+        if stashed is None and self._even:  # no padding rows: every rank's rows are a row of ``out``
+            out.copy_(real_view(grad.detach()).reshape(out.shape))
+            return True
         padded = out.view(self.world, self.chunk_rows, self.real_row_numel)
         first, second = (stashed, grad) if stashed is not None else (grad, None)
         full_chunks, rest = self._write_rows(padded, first.detach(), add=False)
