@@ -824,6 +824,30 @@ MUTATIONS = [
         "        return False\n",
         ("tests/test_plan_tensor_parallel.py::test_a_plan_then_a_two_d_run_in_the_same_process_family",),
     ),
+    Mutation(
+        "edits_foreach_copy_skipped",
+        "a unit's edits made while gathered (its own forward, training_step) are not written back into its shards",
+        "fsdp_strategy/engine/edits.py",
+        "            torch._foreach_copy_(targets, rows)\n",
+        "            pass\n",
+        ("tests/test_weight_edits.py::test_weights_changed_in_the_step_match_one_device",),
+    ),
+    Mutation(
+        "unpadded_grad_rows_swapped",
+        "an unpadded gradient enters its reduce buffer with the ranks' rows swapped (each rank reduces another's rows)",
+        "fsdp_strategy/engine/param.py",
+        "            out.copy_(real_view(grad.detach()).reshape(out.shape))\n",
+        "            out.copy_(real_view(grad.detach()).reshape(out.shape).flip(0))\n",
+        ("tests/test_parity.py::test_parity_world_2",),
+    ),
+    Mutation(
+        "host_times_not_clocked",
+        "host_times() records no time for the engine's ranges (the unit-cost benchmark reads zeros)",
+        "fsdp_strategy/engine/trace.py",
+        "            _host_seconds[self.name] += time.perf_counter() - self.start\n",
+        "            _host_seconds[self.name] += 0.0\n",
+        ("tests/test_comm_schedule.py::test_schedule_counts_bytes_and_memory",),
+    ),
 ]
 
 
