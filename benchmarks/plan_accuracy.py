@@ -39,7 +39,11 @@ from fsdp_strategy.plan import plan  # noqa: E402
 from fsdp_strategy.plan.run import STEPS, forward, loss_of  # noqa: E402
 
 # gloo's own collectives, the calls NCCL gets: the point-to-point exchange (gloo's default here)
-# also holds N - 2 received slices per reduce-scatter, which no GPU run allocates
+# also holds N - 2 received slices per reduce-scatter, which no GPU run allocates. gloo's own
+# reduce_scatter_tensor in turn copies its whole input (seen by a tracker only at the wait), which
+# no GPU run allocates either: a configuration that peaks in the last reductions' wait (small
+# activations, bf16-mixed's fp32 reduce input) measures that copy; at world 2 the exchange holds
+# no slices (N - 2 = 0) and measures what NCCL would (docs/memory-plans.md)
 LIGHTNING_ENV = {"LOCAL_RANK": "{rank}", "NODE_RANK": "0", "FSDP_CUSTOM_GLOO_P2P": "0"}
 
 
