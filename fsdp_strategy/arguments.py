@@ -208,9 +208,10 @@ class StrategyArguments:
         param_init_fn: ``(module) -> None``, called on each module that still has tensors on the
             meta device (``trainer.init_module(empty_init=True)``) to allocate and initialize them;
             default: ``reset_parameters()`` and the enclosing ``_init_weights`` (Hugging Face).
-        forward_prefetch: issue the next unit's all-gather when a unit's forward starts (default
-            ``True``, unlike FSDP1's ``False``: the engine never holds more than one unit ahead, so it
-            costs one unit of memory).
+        forward_prefetch: issue the next unit's all-gather when a unit's forward starts, where both
+            are called from the same module (default ``True``, unlike FSDP1's ``False``: the engine
+            never holds more than one unit ahead, so it costs one unit of memory; never from the
+            root, whose forward runs ``training_step``: [Note: no prefetch across user code]).
         backward_prefetch: ``"BACKWARD_PRE"`` (default: the next unit is gathered when a unit's
             backward starts), ``"BACKWARD_POST"`` (once its gradients are computed: less memory, less
             overlap) or ``None`` (only when backward reaches it). The numbers do not change.

@@ -828,8 +828,8 @@ MUTATIONS = [
         "edits_foreach_copy_skipped",
         "a unit's edits made while gathered (its own forward, training_step) are not written back into its shards",
         "fsdp_strategy/engine/edits.py",
-        "            torch._foreach_copy_(targets, rows)\n",
-        "            pass\n",
+        "                torch._foreach_copy_(targets, rows)\n",
+        "                pass\n",
         ("tests/test_weight_edits.py::test_weights_changed_in_the_step_match_one_device",),
     ),
     Mutation(
@@ -847,6 +847,22 @@ MUTATIONS = [
         "            _host_seconds[self.name] += time.perf_counter() - self.start\n",
         "            _host_seconds[self.name] += 0.0\n",
         ("tests/test_comm_schedule.py::test_schedule_counts_bytes_and_memory",),
+    ),
+    Mutation(
+        "prefetch_across_user_code",
+        "a unit prefetches the next one across training_step's code (a WGAN's .data clamp unseen by its forward)",
+        "fsdp_strategy/engine/order.py",
+        "    return bool(unit.parent) and unit.parent == target.parent\n",
+        "    return True\n",
+        ("tests/test_weight_edits.py::test_weights_changed_in_the_step_match_one_device",),
+    ),
+    Mutation(
+        "edits_lost_before_a_refused_one",
+        "new .data of the parameters before one refused for its shape is dropped from their shards",
+        "fsdp_strategy/engine/edits.py",
+        "    finally:  # also when a later parameter's new ``.data`` is refused: the ones before it are kept\n",
+        "    except BaseException:\n        targets = []\n        raise\n    finally:\n",
+        ("tests/test_weight_edits.py::test_new_data_of_the_wrong_shape_is_an_error_and_the_others_are_kept",),
     ),
 ]
 

@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from fsdp_strategy import FSDPCustomStrategy, MixedPrecision
 from fsdp_strategy.checkpoint import full_state_dict
+from fsdp_strategy.engine import get_scheduler, shard_model
 
 PER_RANK = 2
 STEPS = 3
@@ -202,6 +203,37 @@ class EditThenCall(ClampInForward):
         return super().training_step(batch, batch_idx)
 
 
+class WGANClampFirst(Pattern):
+    """The original WGAN critic iteration: the critic clipped through ``.data`` (no trace) at the start
+    of the step, then real samples scored first. A gather issued ahead of the critic's first unit
+    (a prefetch from the root, before ``training_step`` ran) must not hand it the unclipped weights."""
+
+    def training_step(self, batch, batch_idx):
+        noise, real = batch
+        for param in self.critic.parameters():
+            param.data.clamp_(-0.2, 0.2)
+        loss = F.softplus(-self.critic(real)).mean() + F.softplus(self.critic(self.generator(noise).detach())).mean()
+        self.losses.append(loss.detach().reshape(1))
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.critic.parameters(), lr=1e-2)
+
+
+class WGANClampBetween(WGANClampFirst):
+    """The fake samples generated first, then the critic clipped through ``.data``, then scored: a
+    gather of the critic issued ahead from the generator's last unit must not carry the old weights."""
+
+    def training_step(self, batch, batch_idx):
+        noise, real = batch
+        fake = self.generator(noise).detach()
+        for param in self.critic.parameters():
+            param.data.clamp_(-0.2, 0.2)
+        loss = F.softplus(-self.critic(real)).mean() + F.softplus(self.critic(fake)).mean()
+        self.losses.append(loss.detach().reshape(1))
+        return loss
+
+
 PATTERNS = {
     "gan": GAN,
     "two_steps": TwoSteps,
@@ -211,6 +243,8 @@ PATTERNS = {
     "toggle": Toggle,
     "clamp_in_forward": ClampInForward,
     "edit_then_call": EditThenCall,
+    "wgan_clamp_first": WGANClampFirst,
+    "wgan_clamp_between": WGANClampBetween,
 }
 
 
@@ -372,3 +406,39 @@ def test_lost_edits_are_raised_on_every_rank_and_forward_only_iterations_need_no
     assert first["uneven_forward_only"] == second["uneven_forward_only"] == "ok"
     assert "parameters ['lin.weight'] of unit 'root' were changed while gathered in bfloat16" in first["last_step_edit"]
     assert "another rank found a change made while its parameters were gathered" in second["last_step_edit"], second
+
+
+class TwoLayers(nn.Module):
+    """After its own use in forward: ``a.weight`` given new data, then ``b.weight`` data of the wrong shape."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.b(self.a(x))
+        self.a.weight.data = self.a.weight.data * 0.5
+        self.b.weight.data = torch.zeros(2, 2)
+        return out
+
+
+def _wrong_shape_body(rank: int, world: int) -> dict:
+    torch.manual_seed(0)
+    model = TwoLayers()
+    before = model.a.weight.detach().clone()
+    shard_model(model)  # one unit: the write-back at its reshard sees both
+    try:
+        with torch.no_grad():
+            model(torch.randn(2, 4))
+        error = "no error"
+    except RuntimeError as raised:
+        error = str(raised)
+    get_scheduler(model).reset()  # what the next forward does first: the unit resharded, its changes not kept
+    kept = full_state_dict(model, rank0_only=False)["a.weight"]
+    return {"error": error, "a kept": torch.equal(kept, before * 0.5), "ratio": (kept.norm() / before.norm()).item()}
+
+
+def test_new_data_of_the_wrong_shape_is_an_error_and_the_others_are_kept(tmp_path):
+    result = run_ranks(_wrong_shape_body, 2, tmp_path)[0]
+    assert "'b.weight' was given data of shape (2, 2) while gathered; its shape is (3, 4)" in result["error"]
+    assert result["a kept"], result  # the valid new data of the parameter before it is in its shard

@@ -145,19 +145,20 @@ def keep_full_edits(unit: str, params: list[ShardedParam], every_param: bool) ->
     trace) into its shards, those of a unit's own dtype in one ``_foreach_copy_``; the checks of
     changes a lower ``param_dtype`` may have lost."""
     checks, kept, targets, rows = [], [], [], []
-    for param in params:
-        if not (every_param or param.visibly_edited()):
-            continue
-        if param.param_dtype != param.sharded.dtype:
-            checks.append(
-                LostEditCheck(unit, param.fqn, param.param_dtype, param.sharded.dtype, param.keep_full_edits())
-            )
-            continue
-        target, own_rows = param.rows_to_keep()
-        kept.append(param.sharded)
-        targets.append(target)
-        rows.append(own_rows)
-    if targets:  # mostly the same values: not a change autograd should see
-        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(kept)):
-            torch._foreach_copy_(targets, rows)
+    try:
+        for param in params:
+            if not (every_param or param.visibly_edited()):
+                continue
+            if param.param_dtype != param.sharded.dtype:
+                lost = param.keep_full_edits()  # compared, not copied
+                checks.append(LostEditCheck(unit, param.fqn, param.param_dtype, param.sharded.dtype, lost))
+                continue
+            target, own_rows = param.rows_to_keep()
+            kept.append(param.sharded)
+            targets.append(target)
+            rows.append(own_rows)
+    finally:  # also when a later parameter's new ``.data`` is refused: the ones before it are kept
+        if targets:  # mostly the same values: not a change autograd should see
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tuple(kept)):
+                torch._foreach_copy_(targets, rows)
     return checks

@@ -91,3 +91,17 @@ class ExecutionOrder:
     def discard(self) -> None:
         """Drop the runs in progress (a failed iteration); finished records stay."""
         self._current.clear()
+
+
+def called_alike(unit: Any, target: Any) -> bool:
+    """[Note: no prefetch across user code]
+    A forward prefetch copies the target unit's shards when it is issued; a change made to them
+    through ``.data`` before the target runs leaves no trace (``FSDPUnit._gather_is_stale`` sees
+    version counters only), so the target would compute with the old values: a WGAN clipping its
+    critic with ``p.data.clamp_`` in ``training_step``. So a unit prefetches the next one only where
+    no user step code runs between their calls: both are called from the same module, not the root
+    (whose forward runs ``training_step`` under Lightning), as the blocks of a model's layer list are.
+    Not from the root to its first unit, nor from one model to another (a GAN's generator to its
+    critic). Left: code that calls two units of one module itself and edits the second through
+    ``.data`` between the calls. Costs: two attribute reads per prefetch."""
+    return bool(unit.parent) and unit.parent == target.parent

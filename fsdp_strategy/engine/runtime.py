@@ -46,7 +46,7 @@ from fsdp_strategy.engine.collectives import CommContext
 from fsdp_strategy.engine.guard import shard_used_by
 from fsdp_strategy.engine.iteration import BackwardPass, Step, autograd_running, cast_inputs
 from fsdp_strategy.engine.optimizer_steps import OptimizerSteps
-from fsdp_strategy.engine.order import ExecutionOrder, Prefetch
+from fsdp_strategy.engine.order import ExecutionOrder, Prefetch, called_alike
 from fsdp_strategy.engine.param import ShardedParam
 from fsdp_strategy.engine.reductions import Reductions, check_no_late_grads
 from fsdp_strategy.engine.replica_agreement import ReplicaAgreement
@@ -139,8 +139,8 @@ class Scheduler:
         if not in_backward and self.step.forward_phase is not None:
             state.ran_in_forward_pass()
             target = self._order.record(self.step.forward_phase, unit)
-            if target is not None and self.prefetch.forward:
-                target.unshard()  # [Note: bounded prefetch]
+            if target is not None and self.prefetch.forward and called_alike(unit, target):
+                target.unshard()  # [Note: bounded prefetch], [Note: no prefetch across user code]
         if torch.is_grad_enabled():
             args, kwargs = unit.arm_post_backward(frame, in_backward, args, kwargs, self._post_backward)
         return args, kwargs

@@ -69,6 +69,7 @@ class FSDPUnit:
         self, name: str, module: nn.Module, params: list[ShardedParam], context: UnitContext, is_root: bool = False
     ) -> None:
         self.name = name
+        self.parent = None if is_root else name.rpartition(".")[0]  # the module it is called from ("": the root)
         self.training = UnitState(is_root)  # where it is in the iteration (state.py); the Scheduler drives it
         self.module = module
         self.params = params
