@@ -372,8 +372,8 @@ MUTATIONS = [
         "lost_edits_read_at_reshard",
         "a lower param_dtype's write-back check is read at each reshard (a host wait per unit per step on a GPU)",
         "fsdp_strategy/engine/unit.py",
-        "        self.lost_edits.add(keep_full_edits(self.name, self.params, every_param))\n",
-        "        checks = keep_full_edits(self.name, self.params, every_param)\n"
+        "        self.lost_edits.add(keep_full_edits(self.name, self.params, every_param and not self._aliased))\n",
+        "        checks = keep_full_edits(self.name, self.params, every_param and not self._aliased)\n"
         "        if any(bool(check.lost) for check in checks):\n"
         "            raise RuntimeError('fsdp_custom: a change made while gathered was lost')\n"
         "        self.lost_edits.add(checks)\n",
@@ -863,6 +863,15 @@ MUTATIONS = [
         "    finally:  # also when a later parameter's new ``.data`` is refused: the ones before it are kept\n",
         "    except BaseException:\n        targets = []\n        raise\n    finally:\n",
         ("tests/test_weight_edits.py::test_new_data_of_the_wrong_shape_is_an_error_and_the_others_are_kept",),
+    ),
+    Mutation(
+        "aliased_new_data_dropped",
+        "with a shard group of one (NO_SHARD, one device), new .data given while gathered is dropped",
+        "fsdp_strategy/engine/unit.py",
+        "        if self.state is not ShardedState.UNSHARDED:\n            return\n        # [Note: aliased shards]",
+        "        if self.state is not ShardedState.UNSHARDED or self._aliased:\n"
+        "            return\n        # [Note: aliased shards]",
+        ("tests/test_weight_edits.py::test_new_data_given_while_gathered_is_kept_with_and_without_sharding",),
     ),
 ]
 

@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from fsdp_strategy import FSDPCustomStrategy, MixedPrecision
 from fsdp_strategy.checkpoint import full_state_dict
-from fsdp_strategy.engine import get_scheduler, shard_model
+from fsdp_strategy.engine import get_scheduler, shard_model, summon_full_params
 
 PER_RANK = 2
 STEPS = 3
@@ -442,3 +442,37 @@ def test_new_data_of_the_wrong_shape_is_an_error_and_the_others_are_kept(tmp_pat
     result = run_ranks(_wrong_shape_body, 2, tmp_path)[0]
     assert "'b.weight' was given data of shape (2, 2) while gathered; its shape is (3, 4)" in result["error"]
     assert result["a kept"], result  # the valid new data of the parameter before it is in its shard
+
+
+class HalveInForward(nn.Module):
+    """A MoCo / EMA-style replacement: ``weight.data`` given a new tensor in the module's forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.lin.weight.data = self.lin.weight.data * 0.5
+        return self.lin(x)
+
+
+def _new_data_body(rank: int, world: int) -> dict:
+    results = {}
+    for sharding in ("FULL_SHARD", "NO_SHARD"):  # NO_SHARD: a shard group of one, the shard is the full parameter
+        torch.manual_seed(0)
+        model = HalveInForward()
+        before = model.lin.weight.detach().clone()
+        shard_model(model, sharding_strategy=sharding)
+        with torch.no_grad():
+            model(torch.randn(2, 4))
+        after_forward = full_state_dict(model, rank0_only=False)["lin.weight"]
+        with summon_full_params(model, writeback=True):
+            model.lin.weight.data = model.lin.weight.data * 0.5
+        after_summon = full_state_dict(model, rank0_only=False)["lin.weight"]
+        results[sharding] = (torch.equal(after_forward, before * 0.5), torch.equal(after_summon, before * 0.25))
+    return results
+
+
+def test_new_data_given_while_gathered_is_kept_with_and_without_sharding(tmp_path):
+    results = run_ranks(_new_data_body, 2, tmp_path)[0]
+    assert results == {"FULL_SHARD": (True, True), "NO_SHARD": (True, True)}, results

@@ -240,6 +240,7 @@ class FSDPUnit:
         if self._aliased or not self.params:
             for param in self.params:
                 param.install(unsharded=True)
+                param.mark_filled()  # what keep_edits compares with
             self.state = ShardedState.UNSHARDED
             return
         self.unshard()
@@ -281,9 +282,10 @@ class FSDPUnit:
         """Write changes of the full parameters back into the shards ([Note: edits while gathered]):
         of every parameter, or of those with a visible trace only. A change that cannot be kept
         exactly is checked on the device and reported later by ``lost_edits``, without a wait."""
-        if self.state is not ShardedState.UNSHARDED or self._aliased:
+        if self.state is not ShardedState.UNSHARDED:
             return
-        self.lost_edits.add(keep_full_edits(self.name, self.params, every_param))
+        # [Note: aliased shards]: a change in place is the shard's own; new ``.data`` (a visible trace) is not
+        self.lost_edits.add(keep_full_edits(self.name, self.params, every_param and not self._aliased))
 
     def reshard(self, keep_edits: bool | None = None) -> None:
         """Register the shards again and free the full parameters (and any gather in flight).
