@@ -134,7 +134,7 @@ def test_precision_rules_convert_a_batch_as_the_precision_plugins_do():
 
     from fsdp_strategy import FSDPCustomPrecision
     from fsdp_strategy.config import PrecisionRules
-    from fsdp_strategy.plan.run import planned_input
+    from fsdp_strategy.plan.copies import planned_input
 
     @dataclasses.dataclass
     class Batch:

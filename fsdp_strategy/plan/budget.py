@@ -38,8 +38,9 @@ from torch import nn
 
 from fsdp_strategy.config import ShardingStrategy
 from fsdp_strategy.engine.diagnosis import plural
+from fsdp_strategy.plan.copies import meta_copy
 from fsdp_strategy.plan.result import MemoryPlan, _size
-from fsdp_strategy.plan.run import Planned, _meta_copy, run
+from fsdp_strategy.plan.run import Planned, run
 from fsdp_strategy.wrap import ModuleNames
 
 FLOPS_PER_SECOND = {"32": 60e12, "16": 400e12, "bf16": 400e12}  # nominal dense rates (H100-class, TF32 for fp32)
@@ -127,7 +128,7 @@ def choose(
     that would fit when none does."""
     set_aside = reserve_of(budget, reserve)
     usable = budget - set_aside
-    blocks_of, names = block_class(_meta_copy(model))
+    blocks_of, names = block_class(meta_copy(model))
     fixed = {key: value for key, value in planned.strategy_kwargs.items() if key not in _CHOSEN}
     given = ShardingStrategy.from_any(planned.strategy_kwargs.get("sharding_strategy", "FULL_SHARD"))
     kept = given.hybrid or given is ShardingStrategy.NO_SHARD  # chosen by the mesh or the user, not the budget

@@ -20,9 +20,7 @@ cannot be planned on fake tensors; that is reported as such.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import itertools
 import warnings
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -35,6 +33,7 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicO
 from fsdp_strategy.config import PrecisionRules
 from fsdp_strategy.engine.traversal import map_tensors
 from fsdp_strategy.options import StrategyOptions
+from fsdp_strategy.plan.copies import allocate, meta_copy, planned_input
 from fsdp_strategy.plan.flops import FlopCount
 from fsdp_strategy.plan.repeats import LayerList, Moment, PlannedRun, find_layer_list, plan_layers, runs_alike
 from fsdp_strategy.plan.result import PARTS, MemoryPlan
@@ -136,7 +135,7 @@ def run(model: nn.Module, example_input: Any, planned: Planned) -> MemoryPlan:
     with fake_world(planned.world_size), warnings.catch_warnings():
         warnings.simplefilter("ignore")  # self.log() without a trainer, and the like
         mesh = build_mesh(shape, "cpu")  # outside fake mode: the mesh reads its rank layout
-        module, data_group = _meta_copy(model, configure=parallel is None), None
+        module, data_group = meta_copy(model, configure=parallel is None), None
         if parallel is not None:  # [Note: planning tensor parallel]
             two_d = parallel.mesh()
             module, data_group = apply_plan(module, two_d, parallel.parallelize_fn), two_d["data_parallel"].get_group()
@@ -223,7 +222,7 @@ class _PlannedSteps:
         options = dataclasses.replace(
             self.options.sharding,
             mixed_precision=self.options.sharding.mixed_precision or precision.engine_mixed_precision,
-            param_init_fn=lambda m: _allocate(m, device),
+            param_init_fn=lambda m: allocate(m, device),
             sync_module_states=False,
         )
         scheduler = shard_with_options(module, options, device, self.data_group, self.mesh)
@@ -357,50 +356,6 @@ def _planned_forward(module: nn.Module, batch: Any) -> Any:
             "(e.g. .item(), nonzero or data-dependent routing); measure such a model in a short real run "
             "with the MemoryMonitor callback instead"
         ) from error
-
-
-def _meta_copy(model: nn.Module, configure: bool = True) -> nn.Module:
-    """A copy of ``model`` with every parameter and buffer on the meta device (ties kept, nothing
-    allocated), a LightningModule's ``configure_model`` run on the meta device (with ``configure``),
-    no trainer attached."""
-    from lightning.pytorch import LightningModule
-
-    memo: dict[int, Any] = {}
-    for tensor in itertools.chain(model.parameters(), model.buffers()):
-        meta = tensor.detach().to("meta")
-        memo[id(tensor)] = nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
-    for attribute in ("_trainer", "_fabric"):
-        attached = getattr(model, attribute, None)
-        if attached is not None:
-            memo[id(attached)] = None
-    copied = copy.deepcopy(model, memo)
-    if configure and isinstance(copied, LightningModule):
-        with torch.device("meta"):
-            copied.configure_model()
-    return copied
-
-
-def _allocate(module: nn.Module, device: torch.device) -> None:
-    """Give ``module``'s own meta parameters and buffers (fake) storage on ``device``; values are never
-    read. New objects, not ``to_empty``'s swap: the fake mode holds weak references to the meta ones."""
-    for name, param in module._parameters.items():
-        if param is not None and param.is_meta:
-            module._parameters[name] = nn.Parameter(torch.empty_like(param, device=device), param.requires_grad)
-    for name, buffer in module._buffers.items():
-        if buffer is not None and buffer.is_meta:
-            module._buffers[name] = torch.empty_like(buffer, device=device)
-
-
-def planned_input(batch: Any, precision: PrecisionRules, device: torch.device) -> Any:
-    """``batch`` as the planned step receives it: each tensor (inside mappings, lists, tuples, named
-    tuples and dataclasses, as Lightning's ``convert_input`` enters them) a new one of its shape on
-    ``device``, floating ones in the dtype the precision computes in. Under ``FakeTensorMode``: fake."""
-
-    def planned(tensor: torch.Tensor) -> torch.Tensor:
-        dtype = precision.input_dtype_of(tensor.dtype)
-        return torch.zeros(tensor.shape, dtype=dtype, device=device)
-
-    return map_tensors(batch, planned)
 
 
 def _short(value: Any) -> Any:
