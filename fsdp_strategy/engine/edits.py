@@ -150,7 +150,7 @@ def keep_full_edits(unit: str, params: list[ShardedParam], every_param: bool) ->
             if not (every_param or param.visibly_edited()):
                 continue
             if param.param_dtype != param.sharded.dtype:
-                lost = param.keep_full_edits()  # compared, not copied
+                lost = param.lost_edit_check()  # compared, not copied
                 checks.append(LostEditCheck(unit, param.fqn, param.param_dtype, param.sharded.dtype, lost))
                 continue
             target, own_rows = param.rows_to_keep()

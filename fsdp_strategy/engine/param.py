@@ -223,7 +223,7 @@ class ShardedParam:
 
     def rows_to_keep(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(shard rows, full rows)``: this rank's rows of the shard and of the full parameter's
-        current value, for ``keep_full_edits`` ([Note: edits while gathered] in edits.py).
+        current value, for edits.py's ``keep_full_edits`` ([Note: edits while gathered]).
 
         A full parameter whose ``.data`` was replaced (``p.data = ...``) gives its new value and is
         pointed back at the engine's storage. Costs: a few views (none of the full parameter's own
@@ -241,21 +241,13 @@ class ShardedParam:
         target = self.sharded.detach().view(self.chunk_rows, self.row_numel)[: rows.shape[0]]
         return target, rows
 
-    def keep_full_edits(self) -> torch.Tensor | None:
-        """Copy this rank's rows of the full parameter into the shard, so that a change made to the
-        full parameter while it was gathered persists ([Note: edits while gathered] in edits.py).
-
-        Returns None once kept; where it is gathered in a lower ``param_dtype`` it changes nothing
-        and returns a 0-dim bool tensor on the device, True where the rows differ from the shard (a
-        change that cannot be kept exactly), for the caller to read when it syncs anyway. Costs: one
-        copy of this rank's rows (1/N of the parameter); with a lower ``param_dtype`` a comparison
-        instead (edits.py copies a unit's parameters in one ``_foreach_copy_``).
-        """
+    def lost_edit_check(self) -> torch.Tensor:
+        """Where the full parameter is gathered in a lower ``param_dtype``, whose changes its shard
+        cannot keep exactly: a 0-dim bool tensor on the device, True where this rank's rows differ
+        from the shard, for the caller to read when it syncs anyway; nothing is changed ([Note: edits
+        while gathered] in edits.py, which copies the changes of the other parameters). Costs: a
+        comparison of this rank's rows (1/N of the parameter)."""
         target, rows = self.rows_to_keep()
-        if self.param_dtype == self.sharded.dtype:
-            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.sharded):
-                target.copy_(rows)  # mostly the same values: not a change autograd should see
-            return None
         kept = target.to(rows.device, rows.dtype)
         return ~((rows == kept) | (rows.isnan() & kept.isnan())).all()
 
