@@ -873,6 +873,22 @@ MUTATIONS = [
         "            return\n        # [Note: aliased shards]",
         ("tests/test_weight_edits.py::test_new_data_given_while_gathered_is_kept_with_and_without_sharding",),
     ),
+    Mutation(
+        "complex_rows_at_an_odd_stride",
+        "a gathered complex parameter is viewed in place even where its pairs start at an odd offset or row stride",
+        "fsdp_strategy/engine/flat.py",
+        " or any(stride % 2 for stride in flat.stride()[:-1]):",
+        ":",
+        ("tests/test_complex_tensors.py::test_complex_parameters_and_buffers_train_as_one_process",),
+    ),
+    Mutation(
+        "complex_rows_viewed_in_place",
+        "a checkpoint's gathered complex rows are viewed as complex in place (NO_SHARD: pairs at an odd offset fail)",
+        "fsdp_strategy/engine/unit.py",
+        "rows = [complex_from_real(c, d) if d.is_complex",
+        "rows = [c.contiguous().view(d) if d.is_complex",
+        ("tests/test_complex_tensors.py::test_complex_parameters_and_buffers_train_as_one_process",),
+    ),
 ]
 
 

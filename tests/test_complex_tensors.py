@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from fsdp_strategy import FSDPCustomFabricStrategy, FSDPCustomStrategy, MixedPrecision
-from fsdp_strategy.checkpoint import consolidate, full_state_dict
+from fsdp_strategy.checkpoint import consolidate, full_state_dict, load_full_state_dict
 from fsdp_strategy.engine import get_scheduler, shard_model
 from fsdp_strategy.plan import plan
 
@@ -139,6 +139,21 @@ def _engine_body(rank: int, world: int) -> dict:
     buffer = io.BytesIO()
     torch.save(full_state_dict(mixed, rank0_only=False), buffer)
     results["mixed saved"] = buffer.tell() > 0
+    # complex pairs at an odd offset of the flat buffer (after 3 real elements), or in rows of an odd length
+    values = {"a": torch.arange(3.0), "b": torch.tensor([5.0]), "c": torch.tensor([1 + 2j, 3 - 4j])}
+    values["d"] = torch.tensor([7.0])
+    for strategy in ("NO_SHARD", "FULL_SHARD"):
+        for names in (("a", "c"), ("a", "b", "c", "d")):
+            expected = {k: values[k] for k in names}
+            odd = nn.ParameterDict({k: nn.Parameter(v.clone()) for k, v in expected.items()})
+            shard_model(odd, sharding_strategy=strategy)
+            saved = full_state_dict(odd, rank0_only=False)
+            loaded = {k: v * 2 for k, v in expected.items()}
+            load_full_state_dict(odd, loaded)
+            again = full_state_dict(odd, rank0_only=False)
+            results[f"odd {names} {strategy}"] = all(
+                torch.equal(saved[k], expected[k]) and torch.equal(again[k], loaded[k]) for k in expected
+            )
     results["bf16"] = {
         "losses": losses,
         "ref_losses": ref_losses,
@@ -160,6 +175,7 @@ def test_complex_parameters_and_buffers_train_as_one_process(tmp_path, world):
     assert torch.equal(bf16["gathered"]["phase"], bf16["master_phase"])
     assert_matches(bf16, "bf16 gathers", rel=2e-3)
     assert results["mixed saved"]
+    assert all(ok for key, ok in results.items() if key.startswith("odd")), results
 
 
 # ---- the Trainer and Fabric, every precision ---------------------------------------------------

@@ -35,11 +35,11 @@ def real_view(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def complex_from_real(flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A 1-D real tensor of pairs as ``dtype`` (complex): the inverse of ``real_view`` (copies where
-    the pairs are not aligned for a view)."""
+    """A real tensor of pairs (its last dimension) as ``dtype`` (complex): the inverse of ``real_view``
+    (copies where the pairs are not aligned for a view: an odd offset or row stride)."""
     flat = flat.to(real_dtype(dtype))
-    if flat.storage_offset() % 2 or not flat.is_contiguous():
-        flat = flat.clone()
+    if flat.storage_offset() % 2 or not flat.is_contiguous() or any(stride % 2 for stride in flat.stride()[:-1]):
+        flat = flat.clone(memory_format=torch.contiguous_format)
     return flat.view(dtype)
 
 

@@ -28,7 +28,7 @@ from fsdp_strategy.engine.buffers import GatherResult
 from fsdp_strategy.engine.collectives import CommContext, CommGroup
 from fsdp_strategy.engine.device import DeviceLayer
 from fsdp_strategy.engine.edits import LostEdits, keep_full_edits
-from fsdp_strategy.engine.flat import real_dtype
+from fsdp_strategy.engine.flat import complex_from_real, real_dtype
 from fsdp_strategy.engine.iteration import PostBackward
 from fsdp_strategy.engine.param import ShardedParam
 from fsdp_strategy.engine.state import AfterPostBackward, Frame, UnitState
@@ -325,7 +325,7 @@ class FSDPUnit:
         gather.wait()
         if not keep:
             return []
-        rows = [c.contiguous().view(d) if d.is_complex else c for c, d in zip(gather.pieces(), dtypes)]
+        rows = [complex_from_real(c, d) if d.is_complex else c for c, d in zip(gather.pieces(), dtypes)]
         fulls = [param.full_from_rows(r) for param, r in zip(self.params, rows)]
         if gather.layout.bytes_mode:  # views of one byte buffer as several dtypes: torch.save refuses them
             fulls = [full.clone() for full in fulls]
