@@ -181,6 +181,52 @@ class LoRAModel(nn.Module):
         return self.head(x)
 
 
+class Int8LoRALinear(nn.Module):
+    """Weight-only int8 quantization (an int8 weight and a per-row scale, both frozen parameters, as
+    QLoRA-style base layers hold them) plus a trainable low-rank adapter: an integer nn.Parameter."""
+
+    def __init__(self, dim: int = DIM, rank: int = 2) -> None:
+        super().__init__()
+        weight = torch.randn(dim, dim) * 0.3
+        scale = weight.abs().amax(dim=1, keepdim=True) / 127
+        self.codes = nn.Parameter(torch.round(weight / scale).to(torch.int8), requires_grad=False)
+        self.scale = nn.Parameter(scale, requires_grad=False)
+        self.lora_a = nn.Parameter(torch.randn(rank, dim) * 0.1)
+        self.lora_b = nn.Parameter(torch.randn(dim, rank) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        base = F.linear(x, self.codes.to(x.dtype) * self.scale)
+        return base + F.linear(F.linear(x, self.lora_a), self.lora_b)
+
+
+class Int8LoRABlock(nn.Module):
+    """A residual block of two int8 LoRA layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.one = Int8LoRALinear()
+        self.two = Int8LoRALinear()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.two(torch.tanh(self.one(x)))
+
+
+class Int8LoRAModel(nn.Module):
+    """A trainable embedding and head around 3 int8 LoRA blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList([Int8LoRABlock() for _ in range(3)])
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
 class Critic(nn.Module):
     """A WGAN critic on continuous inputs (for the gradient penalty)."""
 

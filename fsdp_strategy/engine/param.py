@@ -299,9 +299,10 @@ class ShardedParam:
     def register_grad_hooks(self, on_full: Callable, on_shard: Callable) -> None:
         """Hooks after a gradient accumulates into the full parameter (``on_full``) and, unless they
         are one tensor, into the shard (``on_shard``: a use of the shard outside its unit), kept when
-        the parameter is unfrozen later ([Note: a backward no unit hook sees] in runtime.py)."""
+        the parameter is unfrozen later ([Note: a backward no unit hook sees] in runtime.py). None for an
+        integer parameter (frozen for good: autograd refuses ``requires_grad`` on it)."""
         for tensor, hook in ((self.unsharded, on_full), (None if self.aliased else self.sharded, on_shard)):
-            if tensor is not None:
+            if tensor is not None and (tensor.is_floating_point() or tensor.is_complex()):
                 trainable = tensor.requires_grad
                 tensor.requires_grad_(True).register_post_accumulate_grad_hook(hook)
                 tensor.requires_grad_(trainable)
