@@ -889,6 +889,15 @@ MUTATIONS = [
         "rows = [c.contiguous().view(d) if d.is_complex",
         ("tests/test_complex_tensors.py::test_complex_parameters_and_buffers_train_as_one_process",),
     ),
+    Mutation(
+        "summon_writes_back_unit_by_unit",
+        "summon_full_params(writeback=True) writes each unit back as it frees it (a swap between units crashes)",
+        "fsdp_strategy/engine/summon.py",
+        "                unit.keep_edits(every_param=True)\n        for unit in scheduler.units:\n"
+        "            unit.unpin(keep_edits=False)",
+        "                pass\n        for unit in scheduler.units:\n            unit.unpin(keep_edits=writeback)",
+        ("tests/test_weight_edits.py::test_new_data_given_while_gathered_is_kept_with_and_without_sharding",),
+    ),
 ]
 
 

@@ -470,9 +470,34 @@ def _new_data_body(rank: int, world: int) -> dict:
             model.lin.weight.data = model.lin.weight.data * 0.5
         after_summon = full_state_dict(model, rank0_only=False)["lin.weight"]
         results[sharding] = (torch.equal(after_forward, before * 0.5), torch.equal(after_summon, before * 0.25))
+    for wrap in ("default", "per-layer"):
+        results[f"swap {wrap}"] = _swap_between_units(rank, world, {nn.Linear} if wrap == "per-layer" else None)
     return results
+
+
+def _swap_between_units(rank: int, world: int, policy: set | None) -> float:
+    """An EMA-style weight swap between two layers (``a.data, b.data = b.data, a.data``) inside
+    ``summon_full_params(writeback=True)`` before each step; the largest difference from one process."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    reference = copy.deepcopy(model)
+    shard_model(model, auto_wrap_policy=policy)
+    optimizer, ref_optimizer = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference))
+    inputs = torch.randn(3, world, 3, 4)
+    for batch in inputs:
+        with summon_full_params(model, writeback=True):
+            model[0].weight.data, model[2].weight.data = model[2].weight.data, model[0].weight.data
+        reference[0].weight.data, reference[2].weight.data = reference[2].weight.data, reference[0].weight.data
+        model(batch[rank]).square().sum().backward()
+        (sum(reference(x).square().sum() for x in batch) / world).backward()
+        for opt in (optimizer, ref_optimizer):
+            opt.step()
+            opt.zero_grad()
+    full = full_state_dict(model, rank0_only=False)
+    return max((full[name] - value).abs().max().item() for name, value in reference.state_dict().items())
 
 
 def test_new_data_given_while_gathered_is_kept_with_and_without_sharding(tmp_path):
     results = run_ranks(_new_data_body, 2, tmp_path)[0]
-    assert results == {"FULL_SHARD": (True, True), "NO_SHARD": (True, True)}, results
+    assert results["FULL_SHARD"] == (True, True) and results["NO_SHARD"] == (True, True), results
+    assert results["swap default"] < 1e-6 and results["swap per-layer"] < 1e-6, results  # the swap crashed per layer
