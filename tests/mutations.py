@@ -898,6 +898,22 @@ MUTATIONS = [
         "                pass\n        for unit in scheduler.units:\n            unit.unpin(keep_edits=writeback)",
         ("tests/test_weight_edits.py::test_new_data_given_while_gathered_is_kept_with_and_without_sharding",),
     ),
+    Mutation(
+        "float8_in_the_reduce_promotion",
+        "a unit's default reduce dtype promotes float8 parameters too (torch refuses: a frozen fp8 base fails)",
+        "fsdp_strategy/engine/unit.py",
+        "if not (d.is_floating_point and d.itemsize == 1)]",
+        "]",
+        ("tests/test_patterns.py::test_patterns_world_2",),
+    ),
+    Mutation(
+        "meta_init_data_writes_unseen",
+        "a non-floating tensor written through .data in reset_parameters() is taken for uninitialized",
+        "fsdp_strategy/engine/init.py",
+        "    return bool((tensor.detach().reshape(-1).contiguous().view(torch.uint8) == UNWRITTEN_BYTE).all())",
+        "    return True",
+        ("tests/test_meta_init.py::test_integer_and_bool_tensors_written_through_data_are_initialized",),
+    ),
 ]
 
 

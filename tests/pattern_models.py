@@ -181,15 +181,19 @@ class LoRAModel(nn.Module):
         return self.head(x)
 
 
-class Int8LoRALinear(nn.Module):
-    """Weight-only int8 quantization (an int8 weight and a per-row scale, both frozen parameters, as
-    QLoRA-style base layers hold them) plus a trainable low-rank adapter: an integer nn.Parameter."""
+class QuantizedLoRALinear(nn.Module):
+    """Weight-only quantization (int8 or float8 codes and a per-row scale, both frozen parameters, as
+    QLoRA-style base layers hold them) plus a trainable low-rank adapter: an integer or float8
+    nn.Parameter beside float32 ones."""
 
-    def __init__(self, dim: int = DIM, rank: int = 2) -> None:
+    def __init__(self, codes_dtype: torch.dtype, dim: int = DIM, rank: int = 2) -> None:
         super().__init__()
         weight = torch.randn(dim, dim) * 0.3
-        scale = weight.abs().amax(dim=1, keepdim=True) / 127
-        self.codes = nn.Parameter(torch.round(weight / scale).to(torch.int8), requires_grad=False)
+        largest = 127 if codes_dtype == torch.int8 else torch.finfo(codes_dtype).max
+        scale = weight.abs().amax(dim=1, keepdim=True) / largest
+        codes = weight / scale
+        codes = torch.round(codes) if codes_dtype == torch.int8 else codes
+        self.codes = nn.Parameter(codes.to(codes_dtype), requires_grad=False)
         self.scale = nn.Parameter(scale, requires_grad=False)
         self.lora_a = nn.Parameter(torch.randn(rank, dim) * 0.1)
         self.lora_b = nn.Parameter(torch.randn(dim, rank) * 0.1)
@@ -199,25 +203,25 @@ class Int8LoRALinear(nn.Module):
         return base + F.linear(F.linear(x, self.lora_a), self.lora_b)
 
 
-class Int8LoRABlock(nn.Module):
-    """A residual block of two int8 LoRA layers."""
+class QuantizedLoRABlock(nn.Module):
+    """A residual block of two quantized LoRA layers."""
 
-    def __init__(self) -> None:
+    def __init__(self, codes_dtype: torch.dtype) -> None:
         super().__init__()
-        self.one = Int8LoRALinear()
-        self.two = Int8LoRALinear()
+        self.one = QuantizedLoRALinear(codes_dtype)
+        self.two = QuantizedLoRALinear(codes_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.two(torch.tanh(self.one(x)))
 
 
-class Int8LoRAModel(nn.Module):
-    """A trainable embedding and head around 3 int8 LoRA blocks."""
+class QuantizedLoRAModel(nn.Module):
+    """A trainable embedding and head around 3 quantized LoRA blocks (int8 codes by default)."""
 
-    def __init__(self) -> None:
+    def __init__(self, codes_dtype: torch.dtype = torch.int8) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, DIM)
-        self.blocks = nn.ModuleList([Int8LoRABlock() for _ in range(3)])
+        self.blocks = nn.ModuleList([QuantizedLoRABlock(codes_dtype) for _ in range(3)])
         self.head = nn.Linear(DIM, VOCAB)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -182,6 +182,29 @@ def test_integer_and_bool_buffers_nothing_initialized_are_named_not_zeroed():
     assert model.perm.tolist() == list(range(7, -1, -1)) and bool(model.mask.all())
 
 
+class DataWrites(IndexMix):
+    """IndexMix whose reset_parameters() writes the buffers and an int8 parameter through ``.data``
+    (which keeps no version): written, not uninitialized."""
+
+    def __init__(self) -> None:
+        super().__init__(writes=False)
+        self.codes = nn.Parameter(torch.zeros(3, 5, dtype=torch.int8), requires_grad=False)
+
+    def reset_parameters(self) -> None:
+        self.lin.reset_parameters()
+        self.perm.data.copy_(torch.arange(7, -1, -1))
+        self.mask.data.zero_()
+        self.codes.data = torch.arange(15, dtype=torch.int8).view(3, 5)
+
+
+def test_integer_and_bool_tensors_written_through_data_are_initialized():
+    with torch.device("meta"):
+        model = DataWrites()
+    shard_model(model)  # was refused: "cannot initialize ['perm', 'mask', 'codes'] from the meta device"
+    assert model.perm.tolist() == list(range(7, -1, -1)) and not bool(model.mask.any())
+    assert torch.equal(full_state_dict(model)["codes"], torch.arange(15, dtype=torch.int8).view(3, 5))
+
+
 def test_param_init_fn_initializes_what_reset_parameters_cannot():
     def init(module: nn.Module) -> None:
         module.to_empty(device=torch.device("cpu"), recurse=False)

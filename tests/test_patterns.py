@@ -22,13 +22,13 @@ from pattern_models import (
     FreezeInStep,
     GeneratorCritic,
     InsideForward,
-    Int8LoRABlock,
-    Int8LoRAModel,
     LoRABlock,
     LoRAModel,
     MLPBlock,
     MoE,
     MultiTask,
+    QuantizedLoRABlock,
+    QuantizedLoRAModel,
     Readers,
     Recurrent,
     SharedProjection,
@@ -116,7 +116,8 @@ PATTERNS = {
     "multitask": (MultiTask, {EarlyExit, TaskHeads, nn.Embedding}, _lm, _multitask_data, None, 4),
     "finetune": (Dense, {MLPBlock, nn.Embedding}, _lm, _tokens, _finetune, 6),
     "lora": (LoRAModel, {LoRABlock}, _lm, _tokens, None, 4),
-    "int8_lora": (Int8LoRAModel, {Int8LoRABlock}, _lm, _tokens, None, 3),
+    "int8_lora": (QuantizedLoRAModel, {QuantizedLoRABlock}, _lm, _tokens, None, 3),
+    "fp8_lora": (lambda: QuantizedLoRAModel(torch.float8_e4m3fn), {QuantizedLoRABlock}, _lm, _tokens, None, 3),
     "gradient_penalty": (Critic, {MLPBlock}, _gp, _gan_data, None, 4),
     "checkpointed_stages": (lambda: Staged(reentrant=False), {MLPBlock}, _lm, _tokens, None, 3),
     "checkpointed_stages_reentrant": (lambda: Staged(reentrant=True), {MLPBlock}, _lm, _tokens, None, 3),
@@ -129,7 +130,7 @@ PATTERNS = {
     "freeze_inside_step": (FreezeInStep, {MLPBlock}, _gan, _gan_data, None, 3),
     "two_root_forwards_one_backward": (Dense, {MLPBlock, nn.Embedding}, _two_root_forwards, _tokens, None, 3),
 }
-UNUSED_PARAMETER_PATTERNS = ["moe", "multitask", "finetune", "lora", "int8_lora"]
+UNUSED_PARAMETER_PATTERNS = ["moe", "multitask", "finetune", "lora", "int8_lora", "fp8_lora"]
 
 
 def _run_patterns(rank: int, world: int, strategy: str, names: list[str]) -> dict:
@@ -196,7 +197,7 @@ def test_a_parameter_no_rank_used_keeps_no_gradient_and_one_used_somewhere_gets_
 
 
 def test_no_shard_patterns_world_2(tmp_path):
-    results = run_ranks(_run_patterns, 2, tmp_path, "NO_SHARD", ["dense", "moe", "multitask", "int8_lora"])
+    results = run_ranks(_run_patterns, 2, tmp_path, "NO_SHARD", ["dense", "moe", "multitask", "int8_lora", "fp8_lora"])
     for rank_result in results:
         for name, result in rank_result.items():
             assert_matches(result, f"{name} (NO_SHARD)")

@@ -28,6 +28,8 @@ from torch import nn
 
 from fsdp_strategy.engine.param import ParamUse
 
+UNWRITTEN_BYTE = 0xA5  # what a non-floating tensor materialized from the meta device holds until written
+
 ParamInitFn = Callable[[nn.Module], None]
 
 
@@ -60,9 +62,9 @@ def weight_initializers(root: nn.Module) -> dict[int, Callable[[nn.Module], None
 
 
 def _allocate_meta(module: nn.Module, device: torch.device) -> dict[str, tuple[torch.Tensor, int]]:
-    """Replace the module's own meta tensors by fresh ones on ``device`` (floating: NaN; others:
-    zero); return ``name -> (tensor, its version now)``: a non-floating tensor nothing wrote to
-    has the same object and version afterwards."""
+    """Replace the module's own meta tensors by fresh ones on ``device`` (floating and complex: NaN;
+    others: every byte ``UNWRITTEN_BYTE``); return ``name -> (tensor, its version now)``: a
+    non-floating tensor nothing wrote to has the same object, version and bytes afterwards."""
     allocated = {}
     with torch.no_grad():
         for store in (module._parameters, module._buffers):
@@ -70,10 +72,10 @@ def _allocate_meta(module: nn.Module, device: torch.device) -> dict[str, tuple[t
                 if tensor is None or not tensor.is_meta:
                     continue
                 fresh = torch.empty_like(tensor, device=device)
-                if fresh.is_floating_point():
+                if fresh.is_floating_point() or fresh.is_complex():
                     fresh.fill_(float("nan"))
                 else:
-                    fresh.zero_()
+                    fresh.reshape(-1).view(torch.uint8).fill_(UNWRITTEN_BYTE)
                 if isinstance(tensor, nn.Parameter):
                     fresh = nn.Parameter(fresh, requires_grad=tensor.requires_grad)
                 store[name] = fresh
@@ -157,12 +159,15 @@ def materialize(
 
 
 def _unwritten(tensor: torch.Tensor, fresh: torch.Tensor, version: int) -> bool:
-    """Whether nothing initialized an allocated tensor: a floating one is still NaN somewhere; any
-    other is still the allocated object, unchanged since (its version counter: an integer
-    permutation or a bool mask zero-filled would otherwise pass as initialized)."""
-    if tensor.is_floating_point():
+    """Whether nothing initialized an allocated tensor: a floating or complex one is still NaN
+    somewhere; any other is still the allocated object with its version and every byte as allocated
+    (a value test alone would take a zero-filled bool mask or an integer permutation for unwritten; the
+    version alone misses writes through ``.data``, which keeps no version)."""
+    if tensor.is_floating_point() or tensor.is_complex():
         return bool(torch.isnan(tensor).any())
-    return tensor is fresh and tensor._version == version
+    if tensor is not fresh or tensor._version != version:
+        return False
+    return bool((tensor.detach().reshape(-1).contiguous().view(torch.uint8) == UNWRITTEN_BYTE).all())
 
 
 def _run_initializers(

@@ -57,6 +57,14 @@ class UnitContext(NamedTuple):
     stamp_slots: int = 0  # elements per rank each collective carries for its order stamp ([Note: order stamps])
 
 
+def default_reduce_dtype(dtypes: list[torch.dtype]) -> torch.dtype:
+    """A unit's reduce dtype without ``mixed_precision.reduce_dtype``: its parameters' real dtypes
+    promoted together, float8 ones left out (torch promotes none of them: a frozen float8 base weight
+    beside a LoRA adapter; a float8 gradient is reduced in the others' dtype, float32 if alone)."""
+    promotable = [real_dtype(d) for d in dtypes if not (d.is_floating_point and d.itemsize == 1)]
+    return functools.reduce(torch.promote_types, promotable or [torch.float32])
+
+
 class FSDPUnit:
     """One unit: its ShardedParams, their flat layout, and gather / reduce / reshard.
 
@@ -87,8 +95,7 @@ class FSDPUnit:
         self.unsharded_nbytes = sum(p.unsharded_nbytes for p in params)  # full parameters, padding included
         self._gather: GatherResult | None = None
         self._param_dtypes = [p.param_dtype for p in params]  # gathered in these ([Note: flat buffers of any dtype])
-        shard_reals = [real_dtype(p.sharded.dtype) for p in params] or [torch.float32]
-        self._reduce_dtype = context.reduce_dtype or functools.reduce(torch.promote_types, shard_reals)
+        self._reduce_dtype = context.reduce_dtype or default_reduce_dtype([p.sharded.dtype for p in params])
         data_parallel_size = self.shard_comm.size * self.replicate_comm.size
         divide_before, divide_after = collectives.divide_factors(data_parallel_size, self._reduce_dtype)
         self._reduce = buffers.ReduceSpec(
