@@ -21,7 +21,7 @@ def summon_all_units(scheduler: Scheduler, writeback: bool = False) -> Iterator[
         lossy = [p.fqn for p in params if p.param_dtype != p.sharded.dtype]
         if lossy:
             raise ValueError(
-                f"summon_full_params(writeback=True) would round the shards: parameters {lossy[:5]} are gathered "
+                f"summon_full_params(writeback=True) would round the shards: parameters {_names(lossy)} are gathered "
                 "in mixed_precision.param_dtype, not their own dtype. Use writeback=False, or load new "
                 "weights with load_full_state_dict"
             )
