@@ -215,20 +215,12 @@ class QuantizedLoRABlock(nn.Module):
         return x + self.two(torch.tanh(self.one(x)))
 
 
-class QuantizedLoRAModel(nn.Module):
-    """A trainable embedding and head around 3 quantized LoRA blocks (int8 codes by default)."""
+class QuantizedLoRAModel(Dense):
+    """Dense with 3 quantized LoRA blocks (int8 codes by default) for its MLP blocks."""
 
     def __init__(self, codes_dtype: torch.dtype = torch.int8) -> None:
         super().__init__()
-        self.embed = nn.Embedding(VOCAB, DIM)
         self.blocks = nn.ModuleList([QuantizedLoRABlock(codes_dtype) for _ in range(3)])
-        self.head = nn.Linear(DIM, VOCAB)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.embed(tokens)
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
 
 
 class Critic(nn.Module):
