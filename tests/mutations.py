@@ -914,6 +914,30 @@ MUTATIONS = [
         "    return True",
         ("tests/test_meta_init.py::test_integer_and_bool_tensors_written_through_data_are_initialized",),
     ),
+    Mutation(
+        "meta_complex_imaginary_not_marked",
+        "a complex tensor from the meta device is NaN in its real part only (a half-written one passes)",
+        "fsdp_strategy/engine/init.py",
+        'complex(float("nan"), float("nan")) if fresh.is_complex() else float("nan")',
+        'float("nan")',
+        ("tests/test_meta_init.py::test_meta_init_refuses_half_written_complex_and_leaves_no_invalid_bool",),
+    ),
+    Mutation(
+        "meta_bools_left_invalid",
+        "a bool tensor written in part keeps bytes no bool may hold",
+        "fsdp_strategy/engine/init.py",
+        "data.masked_fill_(data == UNWRITTEN_BYTE, 0)",
+        "data.add_(0)",
+        ("tests/test_meta_init.py::test_meta_init_refuses_half_written_complex_and_leaves_no_invalid_bool",),
+    ),
+    Mutation(
+        "meta_empty_integer_refused",
+        "an empty integer buffer from the meta device is taken for uninitialized",
+        "fsdp_strategy/engine/init.py",
+        " or not tensor.numel():  # empty",
+        ":  # empty",
+        ("tests/test_meta_init.py::test_meta_init_refuses_half_written_complex_and_leaves_no_invalid_bool",),
+    ),
 ]
 
 

@@ -205,6 +205,37 @@ def test_integer_and_bool_tensors_written_through_data_are_initialized():
     assert torch.equal(full_state_dict(model)["codes"], torch.arange(15, dtype=torch.int8).view(3, 5))
 
 
+class PartWrites(nn.Module):
+    """reset_parameters() writes a bool mask in part, a complex buffer's real part only (``half``),
+    and nothing to an empty integer cache."""
+
+    def __init__(self, half: bool) -> None:
+        super().__init__()
+        self.half = half
+        self.register_buffer("mask", torch.zeros(5, dtype=torch.bool))
+        self.register_buffer("phase", torch.zeros(3, dtype=torch.complex64))
+        self.register_buffer("cache", torch.zeros(0, dtype=torch.long))
+
+    def reset_parameters(self) -> None:
+        self.mask[:2] = True
+        self.phase.real.copy_(torch.arange(3.0))
+        if not self.half:
+            self.phase.imag.zero_()
+
+
+def test_meta_init_refuses_half_written_complex_and_leaves_no_invalid_bool():
+    with torch.device("meta"):
+        model = PartWrites(half=True)
+    with pytest.raises(ValueError, match=r"\['phase'\]"):  # its imaginary part was left unwritten
+        shard_model(model)
+    with torch.device("meta"):
+        model = PartWrites(half=False)
+    shard_model(model)  # the empty cache needs no initialization
+    assert model.mask.tolist() == [True, True, False, False, False]
+    assert (~model.mask).tolist() == [False, False, True, True, True]  # no byte a bool cannot hold
+    assert torch.equal(model.phase, torch.arange(3.0).to(torch.complex64))
+
+
 def test_param_init_fn_initializes_what_reset_parameters_cannot():
     def init(module: nn.Module) -> None:
         module.to_empty(device=torch.device("cpu"), recurse=False)

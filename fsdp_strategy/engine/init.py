@@ -73,7 +73,7 @@ def _allocate_meta(module: nn.Module, device: torch.device) -> dict[str, tuple[t
                     continue
                 fresh = torch.empty_like(tensor, device=device)
                 if fresh.is_floating_point() or fresh.is_complex():
-                    fresh.fill_(float("nan"))
+                    fresh.fill_(complex(float("nan"), float("nan")) if fresh.is_complex() else float("nan"))
                 else:
                     fresh.reshape(-1).view(torch.uint8).fill_(UNWRITTEN_BYTE)
                 if isinstance(tensor, nn.Parameter):
@@ -155,7 +155,18 @@ def materialize(
     for prefix, module, fresh in allocated:
         tensors = {**module._parameters, **module._buffers}
         stuck.extend(f"{_dotted(prefix)}{name}" for name, made in fresh.items() if _unwritten(tensors[name], *made))
+        for name in fresh:
+            _clear_unwritten_bools(tensors[name])
     _raise_if_stuck(stuck)
+
+
+def _clear_unwritten_bools(tensor: torch.Tensor) -> None:
+    """A bool tensor written in part keeps ``UNWRITTEN_BYTE`` elsewhere, which no bool may hold (``~mask``
+    misreads it): those elements become False, as a zero-filled allocation left them."""
+    if tensor.dtype == torch.bool and tensor.numel():
+        with torch.no_grad():
+            data = tensor.detach().reshape(-1).view(torch.uint8)
+            data.masked_fill_(data == UNWRITTEN_BYTE, 0)
 
 
 def _unwritten(tensor: torch.Tensor, fresh: torch.Tensor, version: int) -> bool:
@@ -165,7 +176,7 @@ def _unwritten(tensor: torch.Tensor, fresh: torch.Tensor, version: int) -> bool:
     version alone misses writes through ``.data``, which keeps no version)."""
     if tensor.is_floating_point() or tensor.is_complex():
         return bool(torch.isnan(tensor).any())
-    if tensor is not fresh or tensor._version != version:
+    if tensor is not fresh or tensor._version != version or not tensor.numel():  # empty: nothing to write
         return False
     return bool((tensor.detach().reshape(-1).contiguous().view(torch.uint8) == UNWRITTEN_BYTE).all())
 
