@@ -938,6 +938,14 @@ MUTATIONS = [
         ":  # empty",
         ("tests/test_meta_init.py::test_meta_init_refuses_half_written_complex_and_leaves_no_invalid_bool",),
     ),
+    Mutation(
+        "refused_edit_leaves_unit_gathered",
+        "a refused edit at reshard leaves the unit gathered, the refused full parameter in the module",
+        "fsdp_strategy/engine/unit.py",
+        "        finally:  # also when an edit is refused: the module gets its shards back, not the refused data\n",
+        "        except BaseException:\n            raise\n        if True:\n",
+        ("tests/test_weight_edits.py::test_new_data_of_the_wrong_shape_is_an_error_and_the_others_are_kept",),
+    ),
 ]
 
 

@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from fsdp_strategy import FSDPCustomStrategy, MixedPrecision
 from fsdp_strategy.checkpoint import full_state_dict
-from fsdp_strategy.engine import get_scheduler, shard_model, summon_full_params
+from fsdp_strategy.engine import shard_model, summon_full_params
 
 PER_RANK = 2
 STEPS = 3
@@ -414,18 +414,21 @@ class TwoLayers(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 3)
+        self.edit = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.b(self.a(x))
-        self.a.weight.data = self.a.weight.data * 0.5
-        self.b.weight.data = torch.zeros(2, 2)
+        if self.edit:
+            self.a.weight.data = self.a.weight.data * 0.5
+            self.b.weight.data = torch.zeros(2, 2)
         return out
 
 
 def _wrong_shape_body(rank: int, world: int) -> dict:
     torch.manual_seed(0)
     model = TwoLayers()
-    before = model.a.weight.detach().clone()
+    before, b_before = model.a.weight.detach().clone(), model.b.weight.detach().clone()
+    a_bias, b_bias = model.a.bias.detach().clone(), model.b.bias.detach().clone()
     shard_model(model)  # one unit: the write-back at its reshard sees both
     try:
         with torch.no_grad():
@@ -433,15 +436,26 @@ def _wrong_shape_body(rank: int, world: int) -> dict:
         error = "no error"
     except RuntimeError as raised:
         error = str(raised)
-    get_scheduler(model).reset()  # what the next forward does first: the unit resharded, its changes not kept
-    kept = full_state_dict(model, rank0_only=False)["a.weight"]
-    return {"error": error, "a kept": torch.equal(kept, before * 0.5), "ratio": (kept.norm() / before.norm()).item()}
+    full = full_state_dict(model, rank0_only=False)  # right after the caught error: the unit is resharded
+    kept, b_weight = full["a.weight"], full["b.weight"]
+    model.edit = False
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        expected = F.linear(F.linear(x, before * 0.5, a_bias), b_before, b_bias)
+        after = model(x)
+    return {
+        "error": error,
+        "a kept": torch.equal(kept, before * 0.5),
+        "b unchanged": torch.equal(b_weight, b_before),
+        "next forward": torch.allclose(after, expected),
+    }
 
 
 def test_new_data_of_the_wrong_shape_is_an_error_and_the_others_are_kept(tmp_path):
     result = run_ranks(_wrong_shape_body, 2, tmp_path)[0]
     assert "'b.weight' was given data of shape (2, 2) while gathered; its shape is (3, 4)" in result["error"]
     assert result["a kept"], result  # the valid new data of the parameter before it is in its shard
+    assert result["b unchanged"] and result["next forward"], result  # the refused data left with the error
 
 
 class HalveInForward(nn.Module):

@@ -306,17 +306,19 @@ class FSDPUnit:
             gather.wait()
             self.memory.freed(self.name, gather.nbytes, "gather_buffer")
         exposed = self.training.covered()
-        if self.state is ShardedState.UNSHARDED and keep_edits is not False:
-            self.keep_edits(every_param=bool(keep_edits) or exposed)
-        if self.state is ShardedState.UNSHARDED:
-            for param in self.params:
-                param.sync_requires_grad()  # a change made to the full parameter outlives it
-                param.install(unsharded=False)
-                param.free_unsharded()
-            if not self._aliased:
-                self.memory.freed(self.name, self.unsharded_nbytes, "params")
-                self.device_layer.resharded()
-        self.state = ShardedState.SHARDED
+        try:
+            if self.state is ShardedState.UNSHARDED and keep_edits is not False:
+                self.keep_edits(every_param=bool(keep_edits) or exposed)
+        finally:  # also when an edit is refused: the module gets its shards back, not the refused data
+            if self.state is ShardedState.UNSHARDED:
+                for param in self.params:
+                    param.sync_requires_grad()  # a change made to the full parameter outlives it
+                    param.install(unsharded=False)
+                    param.free_unsharded()
+                if not self._aliased:
+                    self.memory.freed(self.name, self.unsharded_nbytes, "params")
+                    self.device_layer.resharded()
+            self.state = ShardedState.SHARDED
 
     def gather_full(self, shards: list[torch.Tensor], keep: bool = True) -> list[torch.Tensor]:
         """All-gather one shard-shaped tensor per parameter (in its own dtype) into full tensors.
