@@ -893,9 +893,11 @@ MUTATIONS = [
         "summon_writes_back_unit_by_unit",
         "summon_full_params(writeback=True) writes each unit back as it frees it (a swap between units crashes)",
         "fsdp_strategy/engine/summon.py",
-        "                unit.keep_edits(every_param=True)\n        for unit in scheduler.units:\n"
-        "            unit.unpin(keep_edits=False)",
-        "                pass\n        for unit in scheduler.units:\n            unit.unpin(keep_edits=writeback)",
+        "                    unit.keep_edits(every_param=True)\n"
+        "        finally:  # also when one is refused: no unit stays pinned\n"
+        "            for unit in scheduler.units:\n                unit.unpin(keep_edits=False)",
+        "                    pass\n        finally:\n            for unit in scheduler.units:\n"
+        "                unit.unpin(keep_edits=writeback)",
         ("tests/test_weight_edits.py::test_new_data_given_while_gathered_is_kept_with_and_without_sharding",),
     ),
     Mutation(

@@ -35,11 +35,13 @@ def summon_all_units(scheduler: Scheduler, writeback: bool = False) -> Iterator[
         yield
     finally:
         edited = [p for p, version in versions if p.unsharded._version != version]
-        if writeback:  # every unit's first: a full parameter may hold another unit's storage (an EMA swap)
+        try:
+            if writeback:  # every unit's first: a full parameter may hold another unit's storage (an EMA swap)
+                for unit in scheduler.units:
+                    unit.keep_edits(every_param=True)
+        finally:  # also when one is refused: no unit stays pinned
             for unit in scheduler.units:
-                unit.keep_edits(every_param=True)
-        for unit in scheduler.units:
-            unit.unpin(keep_edits=False)
+                unit.unpin(keep_edits=False)
     if edited and not writeback:
         _warn_not_written_back(edited)
 
