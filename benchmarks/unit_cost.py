@@ -27,7 +27,7 @@ import statistics
 import sys
 from types import SimpleNamespace
 
-from lightning_modes import run_lightning_mode
+from lightning_modes import THREAD_KINDS, run_lightning_mode
 
 MODES = ["L_ddp", "L_fsdp2", "L_custom"]
 BLOCKS = (4, 32)
@@ -66,6 +66,7 @@ def _median_row(rows: list[dict]) -> dict:
     row["step_s"] = statistics.median(r["step_s"] for r in rows)
     row["rounds"] = [r["step_s"] for r in rows]
     row["host_s"] = {name: statistics.median(r["host_s"].get(name, 0.0) for r in rows) for name in rows[0]["host_s"]}
+    row["cpu_s"] = {kind: statistics.median(r["cpu_s"].get(kind, 0.0) for r in rows) for kind in rows[0]["cpu_s"]}
     return row
 
 
@@ -110,6 +111,7 @@ def report(rows: dict[tuple[str, str], dict]) -> str:
             f"| {mode} | {_ms(four['step_s'])} / {_ms(many['step_s'])} | {added} | {_ms(tiny['step_s'])} "
             f"| {fixed} | {dloss:.1e} |"
         )
+    lines += ["", *_cpu_table(rows)]
     four, many = rows["L_custom", "4"]["host_s"], rows["L_custom", "32"]["host_s"]
     lines += ["", "| fsdp_custom host time, ms per step | 4 units | 32 units | per unit |", "|---|---|---|---|"]
     for phase in [*PHASES, *INSIDE]:
@@ -119,6 +121,32 @@ def report(rows: dict[tuple[str, str], dict]) -> str:
     total_a, total_b = (sum(host.get(p, 0.0) for p in TOP_LEVEL) for host in (four, many))
     lines.append(f"| all hooks | {_ms(total_a)} | {_ms(total_b)} | {_ms((total_b - total_a) / span)} |")
     return "\n".join(lines)
+
+
+def _cpu_table(rows: dict[tuple[str, str], dict]) -> list[str]:
+    """CPU time per unit per step over DDP's, by thread (rank 0's process): the slope from 4 to 32
+    units of each kind's CPU per step, minus DDP's; beside it the wall time per unit over DDP. With
+    both ranks on 2 cores the wall time follows the CPU time of all threads."""
+    if not rows["L_ddp", "4"]["cpu_s"]:
+        return ["(CPU by thread: needs Linux's /proc)"]
+    span = BLOCKS[1] - BLOCKS[0]
+
+    def slope(mode: str, kind: str | None) -> float:
+        four, many = rows[mode, "4"], rows[mode, "32"]
+        if kind is None:
+            return (many["step_s"] - four["step_s"]) / span
+        return (many["cpu_s"].get(kind, 0.0) - four["cpu_s"].get(kind, 0.0)) / span
+
+    kinds = " | ".join(THREAD_KINDS)
+    lines = [
+        f"| mode | CPU per unit over DDP, ms: {kinds} | all threads | wall per unit over DDP, ms |",
+        "|---|" + "---|" * (len(THREAD_KINDS) + 2),
+    ]
+    for mode in MODES[1:]:
+        kinds = [slope(mode, kind) - slope("L_ddp", kind) for kind in THREAD_KINDS]
+        wall = slope(mode, None) - slope("L_ddp", None)
+        lines.append(f"| {mode} | " + " | ".join(map(_ms, kinds)) + f" | {_ms(sum(kinds))} | {_ms(wall)} |")
+    return lines
 
 
 def main() -> None:
