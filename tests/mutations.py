@@ -948,6 +948,30 @@ MUTATIONS = [
         "        except BaseException:\n            raise\n        if True:\n",
         ("tests/test_weight_edits.py::test_new_data_of_the_wrong_shape_is_an_error_and_the_others_are_kept",),
     ),
+    Mutation(
+        "shard_hooks_not_shared",
+        "gradient hooks registered on a shard between steps are not shared with its full parameter (never fire)",
+        "fsdp_strategy/engine/param_hooks.py",
+        "        unsharded._backward_hooks = hooks\n\n\ndef _refuse",
+        "        pass\n\n\ndef _refuse",
+        ("tests/test_param_hooks.py::test_gradient_hooks_run_on_the_full_gradient_and_unsupported_ones_are_refused",),
+    ),
+    Mutation(
+        "original_hooks_dropped_at_sharding",
+        "the original parameter's gradient hooks are dropped when the model is sharded",
+        "fsdp_strategy/engine/param_hooks.py",
+        "    if hooks:\n        sharded._backward_hooks = hooks",
+        "    if False:\n        sharded._backward_hooks = hooks",
+        ("tests/test_param_hooks.py::test_gradient_hooks_run_on_the_full_gradient_and_unsupported_ones_are_refused",),
+    ),
+    Mutation(
+        "max_norm_embedding_accepted",
+        "an embedding with max_norm is sharded (rows renormalized on another rank are lost)",
+        "fsdp_strategy/engine/unsupported.py",
+        "if sub.max_norm is not None and shard_size > 1:",
+        "if sub.max_norm is not None and shard_size > 1 and False:",
+        ("tests/test_param_hooks.py::test_gradient_hooks_run_on_the_full_gradient_and_unsupported_ones_are_refused",),
+    ),
 ]
 
 

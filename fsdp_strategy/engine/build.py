@@ -25,6 +25,7 @@ from fsdp_strategy.engine.param import ShardedParam, ShardLayout
 from fsdp_strategy.engine.placement import Placement, plan_units
 from fsdp_strategy.engine.runtime import Scheduler
 from fsdp_strategy.engine.unit import FSDPUnit, UnitContext
+from fsdp_strategy.engine.unsupported import refuse_unsupported_modules
 from fsdp_strategy.options import ShardingOptions
 from fsdp_strategy.wrap import select_unit_modules
 
@@ -58,6 +59,7 @@ def plan(module: nn.Module, options: ShardingOptions) -> Plan:
 def build(module: nn.Module, sharding: Plan, options: ShardingOptions, where: Where, comm: CommContext) -> list:
     """Materialize, (optionally) synchronize and shard unit by unit; return the units, root first.
     Peak memory: about one unit's full size beyond the shards."""
+    refuse_unsupported_modules(module, sharding.ignored.module_ids, where.shard_comm.size)
     precision = options.mixed_precision or MixedPrecision()
     distributed = where.shard_comm.size > 1 or where.replicate_comm.size > 1
     slots = STAMP_SLOTS if options.check_collective_order and distributed else 0

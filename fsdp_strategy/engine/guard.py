@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from fsdp_strategy.engine.param import ShardedParam
+from fsdp_strategy.engine.param_hooks import own_hook
 from fsdp_strategy.engine.unit import FSDPUnit, ShardedState
 
 
@@ -77,4 +78,4 @@ def shard_used_by(param: ShardedParam) -> Any:
             "runs training_step (the default wrapping)"
         )
 
-    return hook
+    return own_hook(hook)

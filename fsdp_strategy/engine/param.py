@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_strategy.engine.device import DeviceLayer
 from fsdp_strategy.engine.flat import complex_from_real, real_view
+from fsdp_strategy.engine.param_hooks import move_grad_hooks
 from fsdp_strategy.engine.tensor_parallel import TPSpec, local_of
 
 
@@ -79,7 +80,7 @@ class ShardedParam:
         self.replaced = weakref.ref(param)  # the model's parameter before sharding (an optimizer may still hold it)
         self.tp = TPSpec.of(param)  # None: a plain parameter ([Note: tensor parallel parameters])
         requires_grad = param.requires_grad  # a DTensor's, not its local tensor's
-        param = local_of(param)
+        original, param = param, local_of(param)
         self.shape = param.shape
         self.dim0 = param.shape[0] if param.dim() > 0 else 1
         self.row_numel = math.prod(param.shape[1:])
@@ -114,6 +115,7 @@ class ShardedParam:
         self._own_rows = self._full.view(self.dim0, self.row_numel)[shard_rank * self.chunk_rows :][: self.chunk_rows]
         self._even = self.chunk_rows > 0 and self.chunk_rows * self.world == self.dim0  # no padding rows
         self.unsharded = nn.Parameter(self._wrapped(self._full), requires_grad=requires_grad)
+        move_grad_hooks(original, self.sharded, self.unsharded, fqn)  # [Note: gradient hooks on parameters]
         self._agreed_requires_grad = requires_grad  # [Note: requires_grad on either side]
         self.stashed_grad: torch.Tensor | None = None  # no_sync: the full gradient so far, in reduce dtype
         self._stash_mark: tuple[weakref.ref, int] | None = None  # sharded.grad and its version at the stash
