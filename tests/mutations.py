@@ -972,6 +972,14 @@ MUTATIONS = [
         "if sub.max_norm is not None and shard_size > 1 and False:",
         ("tests/test_param_hooks.py::test_gradient_hooks_run_on_the_full_gradient_and_unsupported_ones_are_refused",),
     ),
+    Mutation(
+        "hooks_shared_outside_backward_only",
+        "gradient hooks registered on a shard during a step (after its unit's forward) are shared a step late",
+        "fsdp_strategy/engine/unit.py",
+        "        share_grad_hooks(self.params)  # [Note: gradient hooks on parameters]",
+        "        if torch._C._current_graph_task_id() == -1:\n            share_grad_hooks(self.params)",
+        ("tests/test_param_hooks.py::test_gradient_hooks_run_on_the_full_gradient_and_unsupported_ones_are_refused",),
+    ),
 ]
 
 

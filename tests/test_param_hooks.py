@@ -28,10 +28,15 @@ def _half(grad: torch.Tensor) -> torch.Tensor:
     return grad * 0.5
 
 
+def _double(grad: torch.Tensor) -> torch.Tensor:
+    return grad * 2
+
+
 def _train_with_hooks(rank: int, world: int, policy: set | None) -> float:
-    """Hooks registered before sharding (on the original parameter) and after (on the shard, from
-    ``named_parameters()`` at rest), one removed by its handle after the second step; 4 SGD steps
-    against one process with the same hooks on the same batches (DDP's mean)."""
+    """Hooks registered before sharding (on the original parameter), after (on the shard, from
+    ``named_parameters()`` at rest) and during a step between forward and backward (on whatever the
+    module holds then), one removed by its handle after the second step; 4 SGD steps against one
+    process with the same hooks on the same batches (DDP's mean)."""
     torch.manual_seed(0)
     model = Dense()
     reference = copy.deepcopy(model)
@@ -48,7 +53,11 @@ def _train_with_hooks(rank: int, world: int, policy: set | None) -> float:
             reference_half.remove()
         generator = torch.Generator().manual_seed(step)
         batches = [torch.randint(0, VOCAB, (2, 6), generator=generator) for _ in range(world)]
-        lm_loss(model(batches[rank]), batches[rank]).backward()
+        loss = lm_loss(model(batches[rank]), batches[rank])
+        if step == 1:  # mid-step: the block's unit was resharded after its forward (per block)
+            dict(model.named_parameters())["blocks.0.up.weight"].register_hook(_double)
+            reference.blocks[0].up.weight.register_hook(_double)
+        loss.backward()
         optimizer.step()
         optimizer.zero_grad()
         for tokens in batches:

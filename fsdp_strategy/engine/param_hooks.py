@@ -9,8 +9,12 @@ clamp) would be lost without a word. The shard and the full parameter therefore 
 dict (``Tensor._backward_hooks``, which autograd reads at each call): a hook registered on either
 runs on the full local gradient before the reduction, as DDP runs it before its all-reduce, and
 the handle the user holds removes it from both. The original parameter's hooks are moved when the
-model is sharded; hooks on a shard are shared at the start of each iteration
-(``share_grad_hooks``), before any gradient exists.
+model is sharded; hooks on a shard are shared whenever its unit is about to be used
+(``share_grad_hooks`` in ``FSDPUnit.wait_unshard``: each forward and each backward gather), so a
+hook registered during a step (in ``training_step``, or between forward and backward) takes effect
+in that step's backward. A hook that reads its own parameter (``lambda g: g + 0.1 * p``) reads the
+tensor it closed over: the original parameter, which no longer trains, or the shard: not the full
+parameter DDP would read.
 
 A post-accumulate-grad hook (``register_post_accumulate_grad_hook``: the optimizer-in-backward
 pattern) expects the final gradient of the parameter the optimizer steps, the shard's after the
@@ -44,12 +48,19 @@ def move_grad_hooks(original: torch.Tensor, sharded: torch.Tensor, unsharded: to
         unsharded._backward_hooks = hooks
 
 
+def refuse_post_accumulate_hooks(params: Iterable[Any]) -> None:
+    """At the start of an iteration: a user's post-accumulate-grad hook on a shard is refused
+    ([Note: gradient hooks on parameters])."""
+    for param in params:
+        _refuse_post_accumulate(param.sharded, param.fqn, "on its shard")
+
+
 def share_grad_hooks(params: Iterable[Any]) -> None:
-    """At the start of an iteration: every shard's gradient hooks are its full parameter's too;
-    a user's post-accumulate-grad hook on a shard is refused ([Note: gradient hooks on parameters])."""
+    """Before a unit's full parameters are used (each gather, and a gathered unit's next use):
+    every shard's gradient hooks are its full parameter's too ([Note: gradient hooks on
+    parameters]). Costs: per parameter, two attribute reads."""
     for param in params:
         sharded, unsharded = param.sharded, param.unsharded
-        _refuse_post_accumulate(sharded, param.fqn, "on its shard")
         hooks = sharded._backward_hooks
         if not hooks or hooks is unsharded._backward_hooks:
             continue

@@ -31,6 +31,7 @@ from fsdp_strategy.engine.edits import LostEdits, keep_full_edits
 from fsdp_strategy.engine.flat import complex_from_real, real_dtype
 from fsdp_strategy.engine.iteration import PostBackward
 from fsdp_strategy.engine.param import ShardedParam
+from fsdp_strategy.engine.param_hooks import share_grad_hooks
 from fsdp_strategy.engine.state import AfterPostBackward, Frame, UnitState
 from fsdp_strategy.engine.traversal import grad_tensors, replace_grad_tensors
 
@@ -242,6 +243,7 @@ class FSDPUnit:
         """
         for param in self.params:
             param.sync_requires_grad()
+        share_grad_hooks(self.params)  # [Note: gradient hooks on parameters]
         if self.state is ShardedState.UNSHARDED:
             return
         if self._aliased or not self.params:
