@@ -287,6 +287,7 @@ def _report(kind: str, seq: int, unit: str = "blocks.1", waiting: bool = True) -
     ("peer", "expected"),
     [
         (Peer(1, None, PeerState.GONE), "rank 1 (node ?, host ?, pid ?): LOST, its process has exited"),
+        (Peer(1, None, PeerState.GONE), "gloo's \"Received data size doesn't match\" there means the ranks issued"),
         (
             Peer(1, {"node": 1, "host": "b", "pid": 7}, PeerState.SILENT),
             "rank 1 (node 1, host b, pid 7): NOT RESPONDING, no heartbeat for 5 s and no report",

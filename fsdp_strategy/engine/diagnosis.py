@@ -125,7 +125,11 @@ def peer_line(peer: Peer, mine: dict[str, Any] | None, silence: float, layout: t
         assert peer.report is not None
         return f"{name}: {relation(peer.report, mine)}"
     if peer.state is PeerState.GONE:
-        return f"{name}: LOST, its process has exited (killed, or out of memory?)"
+        return (
+            f"{name}: LOST, its process has exited (killed, out of memory, or aborted: its own output says why; "
+            "gloo's \"Received data size doesn't match\" there means the ranks issued different collectives, "
+            "e.g. a unit reached in backward on some ranks only)"
+        )
     if peer.state is PeerState.SILENT_ALIVE:
         return (
             f"{name}: NOT RESPONDING, its process is alive but sent no heartbeat for {silence:.0f} s and no report "
