@@ -952,9 +952,11 @@ MUTATIONS = [
         "shard_hooks_not_shared",
         "gradient hooks registered on a shard between steps are not shared with its full parameter (never fire)",
         "fsdp_strategy/engine/param_hooks.py",
-        "        unsharded._backward_hooks = hooks\n\n\ndef _refuse",
-        "        pass\n\n\ndef _refuse",
-        ("tests/test_param_hooks.py::test_gradient_hooks_run_on_the_full_gradient_and_unsupported_ones_are_refused",),
+        "            )\n        unsharded._backward_hooks = hooks",
+        "            )\n        pass",
+        (
+            "tests/test_param_hooks.py::test_gradient_hooks_run_on_the_full_gradient_and_post_accumulate_hooks_on_the_reduced_shard",
+        ),
     ),
     Mutation(
         "original_hooks_dropped_at_sharding",
@@ -962,7 +964,9 @@ MUTATIONS = [
         "fsdp_strategy/engine/param_hooks.py",
         "    if hooks:\n        sharded._backward_hooks = hooks",
         "    if False:\n        sharded._backward_hooks = hooks",
-        ("tests/test_param_hooks.py::test_gradient_hooks_run_on_the_full_gradient_and_unsupported_ones_are_refused",),
+        (
+            "tests/test_param_hooks.py::test_gradient_hooks_run_on_the_full_gradient_and_post_accumulate_hooks_on_the_reduced_shard",
+        ),
     ),
     Mutation(
         "max_norm_embedding_accepted",
@@ -970,7 +974,9 @@ MUTATIONS = [
         "fsdp_strategy/engine/unsupported.py",
         "if sub.max_norm is not None and shard_size > 1:",
         "if sub.max_norm is not None and shard_size > 1 and False:",
-        ("tests/test_param_hooks.py::test_gradient_hooks_run_on_the_full_gradient_and_unsupported_ones_are_refused",),
+        (
+            "tests/test_param_hooks.py::test_gradient_hooks_run_on_the_full_gradient_and_post_accumulate_hooks_on_the_reduced_shard",
+        ),
     ),
     Mutation(
         "hooks_shared_outside_backward_only",
@@ -978,7 +984,19 @@ MUTATIONS = [
         "fsdp_strategy/engine/unit.py",
         "        share_grad_hooks(self.params)  # [Note: gradient hooks on parameters]",
         "        if torch._C._current_graph_task_id() == -1:\n            share_grad_hooks(self.params)",
-        ("tests/test_param_hooks.py::test_gradient_hooks_run_on_the_full_gradient_and_unsupported_ones_are_refused",),
+        (
+            "tests/test_param_hooks.py::test_gradient_hooks_run_on_the_full_gradient_and_post_accumulate_hooks_on_the_reduced_shard",
+        ),
+    ),
+    Mutation(
+        "post_accumulate_hooks_not_run",
+        "a shard's post-accumulate-grad hooks are not run after its reduced gradient is applied (never fire)",
+        "fsdp_strategy/engine/buffers.py",
+        "                run_post_accumulate_hooks(param.sharded, spec.device_layer)",
+        "                pass",
+        (
+            "tests/test_param_hooks.py::test_gradient_hooks_run_on_the_full_gradient_and_post_accumulate_hooks_on_the_reduced_shard",
+        ),
     ),
 ]
 

@@ -1,6 +1,7 @@
-"""A user's gradient hooks on parameters run on the full gradient, as without sharding ([Note: gradient
-hooks on parameters]); what the engine cannot do exactly is refused by name ([Note: modules refused at
-sharding]): post-accumulate-grad hooks on shards, embeddings with ``max_norm`` or ``sparse=True``."""
+"""A user's gradient hooks on parameters run on the full gradient, as without sharding, and post-accumulate-grad
+hooks on the shard's reduced gradient, as FSDP2 runs them ([Note: gradient hooks on parameters]); what the engine
+cannot do exactly is refused by name ([Note: modules refused at sharding]): embeddings with ``max_norm`` or
+``sparse=True``."""
 
 from __future__ import annotations
 
@@ -77,18 +78,45 @@ def _refusal(build) -> str:
     return "not refused"
 
 
-def _post_accumulate_before() -> None:
+def _recorded_grads_are_the_shards(rank: int, world: int) -> dict:
+    """Post-accumulate-grad hooks registered before sharding and on a shard after it run once per
+    backward with the shard's reduced gradient in ``grad`` (FSDP2's rule), as torch's MemTracker
+    reads it."""
+    torch.manual_seed(0)
     model = Dense()
-    model.head.weight.register_post_accumulate_grad_hook(lambda p: None)
+    seen: dict[str, list[torch.Tensor]] = {"head.weight": [], "blocks.0.up.weight": []}
+    model.head.weight.register_post_accumulate_grad_hook(lambda p: seen["head.weight"].append(p.grad.clone()))
     shard_model(model, auto_wrap_policy={MLPBlock})
-
-
-def _post_accumulate_on_shard() -> None:
-    model = Dense()
-    shard_model(model, auto_wrap_policy={MLPBlock})
-    dict(model.named_parameters())["blocks.0.up.weight"].register_post_accumulate_grad_hook(lambda p: None)
-    tokens = torch.randint(0, VOCAB, (2, 6))
+    shard = dict(model.named_parameters())["blocks.0.up.weight"]
+    shard.register_post_accumulate_grad_hook(lambda p: seen["blocks.0.up.weight"].append(p.grad.clone()))
+    tokens = torch.randint(0, VOCAB, (2, 6), generator=torch.Generator().manual_seed(rank))
     lm_loss(model(tokens), tokens).backward()
+    params = dict(model.named_parameters())
+    return {name: (len(grads), (grads[-1] - params[name].grad).abs().max().item()) for name, grads in seen.items()}
+
+
+def _optimizer_in_backward(rank: int, world: int, policy: set | None) -> float:
+    """torch's optimizer-in-backward pattern: one SGD per parameter, stepped by its post-accumulate-grad
+    hook; 3 steps against one process doing the same on the mean gradient."""
+    torch.manual_seed(0)
+    model = Dense()
+    reference = copy.deepcopy(model)
+    shard_model(model, auto_wrap_policy=policy)
+    for net in (model, reference):
+        optimizers = {param: torch.optim.SGD([param], lr=0.5) for param in net.parameters()}
+
+        def step(param: torch.Tensor, optimizers: dict = optimizers) -> None:
+            optimizers[param].step()
+            optimizers[param].zero_grad()
+
+        for param in net.parameters():
+            param.register_post_accumulate_grad_hook(step)
+    for index in range(3):
+        generator = torch.Generator().manual_seed(index)
+        batches = [torch.randint(0, VOCAB, (2, 6), generator=generator) for _ in range(world)]
+        lm_loss(model(batches[rank]), batches[rank]).backward()
+        sum(lm_loss(reference(tokens), tokens) for tokens in batches).div(world).backward()
+    return weight_error(model, reference)
 
 
 def _embedding(**kwargs) -> None:
@@ -99,22 +127,21 @@ def _embedding(**kwargs) -> None:
 
 def _hooks_body(rank: int, world: int) -> dict:
     out = {name: _train_with_hooks(rank, world, policy) for name, policy in POLICIES.items()}
-    out["post_accumulate_before"] = _refusal(_post_accumulate_before)
-    out["post_accumulate_on_shard"] = _refusal(_post_accumulate_on_shard)
+    out["post_accumulate"] = _recorded_grads_are_the_shards(rank, world)
+    out["optimizer_in_backward"] = {name: _optimizer_in_backward(rank, world, p) for name, p in POLICIES.items()}
     out["max_norm"] = _refusal(lambda: _embedding(max_norm=0.5))
     out["sparse"] = _refusal(lambda: _embedding(sparse=True))
     return out
 
 
 @pytest.mark.parametrize("world", [2, 3])
-def test_gradient_hooks_run_on_the_full_gradient_and_unsupported_ones_are_refused(tmp_path, world):
+def test_gradient_hooks_run_on_the_full_gradient_and_post_accumulate_hooks_on_the_reduced_shard(tmp_path, world):
     for result in run_ranks(_hooks_body, world, tmp_path, timeout=240):
         for policy in POLICIES:
             assert result[policy] < 1e-6, (policy, result[policy])
-        assert "post-accumulate-grad hook registered before the model was sharded" in result["post_accumulate_before"]
-        assert "'head.weight'" in result["post_accumulate_before"]
-        assert "post-accumulate-grad hook registered on its shard" in result["post_accumulate_on_shard"]
-        assert "'blocks.0.up.weight'" in result["post_accumulate_on_shard"]
+        assert result["post_accumulate"] == {"head.weight": (1, 0.0), "blocks.0.up.weight": (1, 0.0)}
+        for policy, error in result["optimizer_in_backward"].items():
+            assert error < 1e-6, (policy, error)
         assert "embed (Embedding) has max_norm=0.5" in result["max_norm"]
         assert "embed (Embedding) has sparse=True" in result["sparse"]
 

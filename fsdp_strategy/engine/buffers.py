@@ -38,6 +38,7 @@ from fsdp_strategy.engine.collectives import CommContext, CommGroup, Pending
 from fsdp_strategy.engine.device import DeviceLayer
 from fsdp_strategy.engine.flat import FlatLayout, real_dtype, real_view
 from fsdp_strategy.engine.param import ShardedParam
+from fsdp_strategy.engine.param_hooks import run_post_accumulate_hooks
 from fsdp_strategy.engine.trace import span
 
 
@@ -224,6 +225,7 @@ def _apply_reduced(
         for param, piece, flag, has_grad in zip(params, pieces, flags, used):
             if has_grad:
                 param.accumulate_sharded_grad(piece, spec.device_layer)
+                run_post_accumulate_hooks(param.sharded, spec.device_layer)
             else:
                 undecided.append(UndecidedGrad(param, piece, flag))
     return undecided

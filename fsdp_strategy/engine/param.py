@@ -115,7 +115,7 @@ class ShardedParam:
         self._own_rows = self._full.view(self.dim0, self.row_numel)[shard_rank * self.chunk_rows :][: self.chunk_rows]
         self._even = self.chunk_rows > 0 and self.chunk_rows * self.world == self.dim0  # no padding rows
         self.unsharded = nn.Parameter(self._wrapped(self._full), requires_grad=requires_grad)
-        move_grad_hooks(original, self.sharded, self.unsharded, fqn)  # [Note: gradient hooks on parameters]
+        move_grad_hooks(original, self.sharded, self.unsharded)  # [Note: gradient hooks on parameters]
         self._agreed_requires_grad = requires_grad  # [Note: requires_grad on either side]
         self.stashed_grad: torch.Tensor | None = None  # no_sync: the full gradient so far, in reduce dtype
         self._stash_mark: tuple[weakref.ref, int] | None = None  # sharded.grad and its version at the stash

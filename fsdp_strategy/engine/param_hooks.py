@@ -17,9 +17,13 @@ tensor it closed over: the original parameter, which no longer trains, or the sh
 parameter DDP would read.
 
 A post-accumulate-grad hook (``register_post_accumulate_grad_hook``: the optimizer-in-backward
-pattern) expects the final gradient of the parameter the optimizer steps, the shard's after the
-reduction; the engine does not call such hooks, so they are refused by name instead of never
-firing. Costs: per parameter and iteration, two attribute reads.
+pattern, torch's ``MemTracker``) expects the final gradient of the parameter the optimizer steps:
+the shard's, after the reduction. The engine calls a shard's hooks right after its reduced gradient
+is added into ``sharded.grad`` (``run_post_accumulate_hooks``), as FSDP2 calls them in
+``foreach_reduce``; an offloaded gradient's copy to host memory is waited for first. The original
+parameter's are registered on the shard when the model is sharded (their handles then remove them
+from the original only). Costs: per parameter and iteration, two attribute reads; per reduced
+parameter, one more.
 """
 
 from __future__ import annotations
@@ -38,21 +42,19 @@ def own_hook(hook: Callable) -> Callable:
     return hook
 
 
-def move_grad_hooks(original: torch.Tensor, sharded: torch.Tensor, unsharded: torch.Tensor, fqn: str) -> None:
+def move_grad_hooks(original: torch.Tensor, sharded: torch.Tensor, unsharded: torch.Tensor) -> None:
     """When a model is sharded: the original parameter's gradient hooks become the shard's and the
-    full parameter's ([Note: gradient hooks on parameters]); its post-accumulate-grad hooks are refused."""
-    _refuse_post_accumulate(original, fqn, "before the model was sharded")
+    full parameter's, its post-accumulate-grad hooks the shard's ([Note: gradient hooks on parameters])."""
+    post = list((getattr(original, "_post_accumulate_grad_hooks", None) or {}).values())
+    if post:
+        trainable = sharded.requires_grad
+        for hook in post:
+            sharded.requires_grad_(True).register_post_accumulate_grad_hook(hook)
+        sharded.requires_grad_(trainable)
     hooks = original._backward_hooks
     if hooks:
         sharded._backward_hooks = hooks
         unsharded._backward_hooks = hooks
-
-
-def refuse_post_accumulate_hooks(params: Iterable[Any]) -> None:
-    """At the start of an iteration: a user's post-accumulate-grad hook on a shard is refused
-    ([Note: gradient hooks on parameters])."""
-    for param in params:
-        _refuse_post_accumulate(param.sharded, param.fqn, "on its shard")
 
 
 def share_grad_hooks(params: Iterable[Any]) -> None:
@@ -73,12 +75,12 @@ def share_grad_hooks(params: Iterable[Any]) -> None:
         unsharded._backward_hooks = hooks
 
 
-def _refuse_post_accumulate(tensor: torch.Tensor, fqn: str, where: str) -> None:
-    hooks = getattr(tensor, "_post_accumulate_grad_hooks", None) or {}
-    if any(not getattr(hook, OWN, False) for hook in hooks.values()):
-        raise RuntimeError(
-            f"fsdp_custom: parameter {fqn!r} has a post-accumulate-grad hook registered {where} "
-            "(register_post_accumulate_grad_hook, e.g. an optimizer stepped inside backward). The engine does "
-            "not call such hooks on sharded parameters, so it would never run. Step the optimizer after "
-            "backward (the Trainer does), or remove the hook"
-        )
+def run_post_accumulate_hooks(shard: torch.Tensor, device_layer: Any) -> None:
+    """After a reduced gradient was added into ``shard.grad``: the user's post-accumulate-grad hooks
+    of ``shard``, in registration order ([Note: gradient hooks on parameters])."""
+    hooks = getattr(shard, "_post_accumulate_grad_hooks", None)
+    if not hooks or (len(hooks) == 1 and getattr(next(iter(hooks.values())), OWN, False)):
+        return
+    device_layer.before_host_reads_grads()  # an offloaded gradient's copy has landed
+    for hook in [hook for hook in hooks.values() if not getattr(hook, OWN, False)]:
+        hook(shard)

@@ -38,6 +38,7 @@ import torch
 
 from fsdp_strategy.engine.buffers import PendingReduce, UndecidedGrad
 from fsdp_strategy.engine.device import DeviceLayer
+from fsdp_strategy.engine.param_hooks import run_post_accumulate_hooks
 from fsdp_strategy.engine.trace import traced
 from fsdp_strategy.engine.unit import FSDPUnit
 
@@ -108,6 +109,7 @@ class Reductions:
         for entry, count in zip(undecided, counts):
             if count > 0:
                 entry.param.accumulate_sharded_grad(entry.reduced, self.device_layer)
+                run_post_accumulate_hooks(entry.param.sharded, self.device_layer)
 
     def buffers(self) -> list[torch.Tensor]:
         """The buffers of the reductions in flight (the reduce buffer and its output each)."""

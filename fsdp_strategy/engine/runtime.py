@@ -48,7 +48,6 @@ from fsdp_strategy.engine.iteration import BackwardPass, Step, autograd_running,
 from fsdp_strategy.engine.optimizer_steps import OptimizerSteps
 from fsdp_strategy.engine.order import ExecutionOrder, Prefetch, called_alike
 from fsdp_strategy.engine.param import ShardedParam
-from fsdp_strategy.engine.param_hooks import refuse_post_accumulate_hooks
 from fsdp_strategy.engine.reductions import Reductions, check_no_late_grads
 from fsdp_strategy.engine.replica_agreement import ReplicaAgreement
 from fsdp_strategy.engine.state import AfterPostBackward, Frame, UnitState
@@ -246,7 +245,6 @@ class Scheduler:
         if stale:
             log.warning("fsdp_custom: the previous iteration did not finish (an exception in backward?); resetting")
             self.reset()
-        refuse_post_accumulate_hooks(self.sharded_params())  # [Note: gradient hooks on parameters]
         self.observer.recorder.iteration += 1
         self.step = Step(forward_phase=("forward", torch.is_grad_enabled()))
         self._order.start(self.step.forward_phase)
