@@ -22,7 +22,7 @@ the shard's, after the reduction. The engine calls a shard's hooks right after i
 is added into ``sharded.grad`` (``run_post_accumulate_hooks``), as FSDP2 calls them in
 ``foreach_reduce``; an offloaded gradient's copy to host memory is waited for first. The original
 parameter's are registered on the shard when the model is sharded (their handles then remove them
-from the original only). Costs: per parameter and iteration, two attribute reads; per reduced
+from the original only). Costs: per parameter and gather, two attribute reads; per reduced
 parameter, one more.
 """
 
@@ -33,11 +33,13 @@ from typing import Any
 
 import torch
 
+from fsdp_strategy.engine.device import DeviceLayer
+
 OWN = "_fsdp_custom_own_hook"  # marks the engine's own post-accumulate-grad hooks
 
 
 def own_hook(hook: Callable) -> Callable:
-    """Mark ``hook`` as the engine's (``share_grad_hooks`` refuses the others on a shard)."""
+    """Mark ``hook`` as the engine's (``run_post_accumulate_hooks`` runs only the others)."""
     setattr(hook, OWN, True)
     return hook
 
@@ -60,7 +62,7 @@ def move_grad_hooks(original: torch.Tensor, sharded: torch.Tensor, unsharded: to
 def share_grad_hooks(params: Iterable[Any]) -> None:
     """Before a unit's full parameters are used (each gather, and a gathered unit's next use):
     every shard's gradient hooks are its full parameter's too ([Note: gradient hooks on
-    parameters]). Costs: per parameter, two attribute reads."""
+    parameters]). Costs: per parameter and gather, two attribute reads."""
     for param in params:
         sharded, unsharded = param.sharded, param.unsharded
         hooks = sharded._backward_hooks
@@ -75,7 +77,7 @@ def share_grad_hooks(params: Iterable[Any]) -> None:
         unsharded._backward_hooks = hooks
 
 
-def run_post_accumulate_hooks(shard: torch.Tensor, device_layer: Any) -> None:
+def run_post_accumulate_hooks(shard: torch.Tensor, device_layer: DeviceLayer) -> None:
     """After a reduced gradient was added into ``shard.grad``: the user's post-accumulate-grad hooks
     of ``shard``, in registration order ([Note: gradient hooks on parameters])."""
     hooks = getattr(shard, "_post_accumulate_grad_hooks", None)
