@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_strategy.engine.device import DeviceLayer
 from fsdp_strategy.engine.flat import complex_from_real, real_view
-from fsdp_strategy.engine.param_hooks import move_grad_hooks
+from fsdp_strategy.engine.param_hooks import move_grad_hooks, register_post_accumulate
 from fsdp_strategy.engine.tensor_parallel import TPSpec, local_of
 
 
@@ -305,9 +305,7 @@ class ShardedParam:
         integer parameter (frozen for good: autograd refuses ``requires_grad`` on it)."""
         for tensor, hook in ((self.unsharded, on_full), (None if self.aliased else self.sharded, on_shard)):
             if tensor is not None and (tensor.is_floating_point() or tensor.is_complex()):
-                trainable = tensor.requires_grad
-                tensor.requires_grad_(True).register_post_accumulate_grad_hook(hook)
-                tensor.requires_grad_(trainable)
+                register_post_accumulate(tensor, hook)
 
     def stash_cleared(self) -> bool:
         """[Note: zero_grad under no_sync] Whether the gradients were zeroed since the stash began:

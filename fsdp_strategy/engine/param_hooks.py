@@ -44,15 +44,19 @@ def own_hook(hook: Callable) -> Callable:
     return hook
 
 
+def register_post_accumulate(tensor: torch.Tensor, hook: Callable) -> None:
+    """Register a post-accumulate-grad hook on a leaf parameter, frozen or not (kept when it is
+    unfrozen later): torch registers them only while ``requires_grad`` is set."""
+    trainable = tensor.requires_grad
+    tensor.requires_grad_(True).register_post_accumulate_grad_hook(hook)
+    tensor.requires_grad_(trainable)
+
+
 def move_grad_hooks(original: torch.Tensor, sharded: torch.Tensor, unsharded: torch.Tensor) -> None:
     """When a model is sharded: the original parameter's gradient hooks become the shard's and the
     full parameter's, its post-accumulate-grad hooks the shard's ([Note: gradient hooks on parameters])."""
-    post = list((getattr(original, "_post_accumulate_grad_hooks", None) or {}).values())
-    if post:
-        trainable = sharded.requires_grad
-        for hook in post:
-            sharded.requires_grad_(True).register_post_accumulate_grad_hook(hook)
-        sharded.requires_grad_(trainable)
+    for hook in list((getattr(original, "_post_accumulate_grad_hooks", None) or {}).values()):
+        register_post_accumulate(sharded, hook)
     hooks = original._backward_hooks
     if hooks:
         sharded._backward_hooks = hooks
