@@ -998,6 +998,14 @@ MUTATIONS = [
             "tests/test_param_hooks.py::test_gradient_hooks_run_on_the_full_gradient_and_post_accumulate_hooks_on_the_reduced_shard",
         ),
     ),
+    Mutation(
+        "clip_norm_zero_on_the_host",
+        "clipping's norm of no gradients is a zero made on the host (copied to the GPU: a host wait per step)",
+        "fsdp_strategy/engine/clipping.py",
+        "        return torch.zeros((), dtype=torch.float32, device=device)",
+        "        return torch.zeros((), dtype=torch.float32)",
+        ("tests/test_host_reads.py::test_a_steady_state_step_reads_nothing_on_the_host",),
+    ),
 ]
 
 

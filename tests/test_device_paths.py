@@ -120,6 +120,9 @@ def test_gpu_acceptance_script_runs_on_the_cpu():
     script = Path(__file__).with_name("gpu") / "acceptance.py"
     done = subprocess.run([sys.executable, str(script), "--cpu"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "all checks passed" in done.stdout, done.stdout + excerpt(done.stderr, 3000)
-    rows = [line for line in done.stdout.splitlines() if line.startswith("| ") and "---" not in line][1:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    per_rank = [line for line in lines if line.startswith("| rank ")]  # printed by each rank as a check ends
+    rows = [line for line in lines if line not in per_rank][1:]
+    assert len(per_rank) == 12 and all("| pass |" in line for line in per_rank), per_rank
     assert len(rows) == 23 and all("| pass |" in row or "| skip | not implemented: needs CUDA |" in row for row in rows)
     assert sum("world 2 (gloo)" in row and "| pass |" in row for row in rows) == 6, rows  # the multi-rank checks

@@ -22,6 +22,7 @@ import torch
 from dist_utils import run_ranks
 from test_strategy import LIGHTNING_ENV, quiet_trainer
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -39,6 +40,9 @@ CPU_ONLY = ("engine/monitoring.py", "check")
 # the SIGTERM agreement's sum: a CPU tensor on a gloo group on every device ([Note: preemption at an
 # agreed step]); Lightning's own is a tensor on the root device, read with ``item()``
 CPU_FLAGS = {CPU_ONLY, ("strategy_preemption.py", "_ranks_received")}
+# factories whose tensor lands on the default device (the host) unless given one: on CUDA, the copy
+# to the device such a tensor needs before it meets a gradient is a host wait
+FACTORIES = {torch.zeros, torch.ones, torch.empty, torch.full, torch.tensor, torch.scalar_tensor, torch.arange}
 TRAINER_ROOTS = ("fsdp_strategy/", "lightning/pytorch/loops/")
 
 
@@ -110,6 +114,21 @@ class HostReads(TorchDispatchMode):
             setattr(torch.Tensor, name, original)
 
 
+class HostFactories(TorchFunctionMode):
+    """Count tensors the engine makes without naming a device (``torch.zeros(())``): on CPU every
+    tensor is on the host, so only the missing ``device`` argument tells that it would be there on CUDA."""
+
+    def __init__(self, reads: HostReads) -> None:
+        super().__init__()
+        self.reads = reads
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in FACTORIES and "device" not in kwargs:
+            self.reads._note(None)
+        return func(*args, **kwargs)
+
+
 CONFIGS = {
     f"{precision}/{strategy}/{wrap}{'/offload' if offload else ''}": (precision, strategy, wrap, offload)
     for precision in ("fp32", "bf16")
@@ -120,8 +139,9 @@ CONFIGS = {
 
 
 def _reads_per_step(rank: int, world: int) -> dict[str, list[Any]]:
-    """The engine's host reads in each of the last three of six steps, per config (accumulation
-    over two micro-batches under ``no_sync`` and gradient clipping included)."""
+    """The engine's host reads, and tensors it makes on the host, in each of the last three of six
+    steps, per config (accumulation over two micro-batches under ``no_sync`` and gradient clipping
+    included)."""
     results = {}
     for name, (precision, strategy, wrap, offload) in CONFIGS.items():
         torch.manual_seed(0)
@@ -137,7 +157,7 @@ def _reads_per_step(rank: int, world: int) -> dict[str, list[Any]]:
         scheduler = get_scheduler(model)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         steps = []
-        with HostReads() as reads:
+        with HostReads() as reads, HostFactories(reads):
             for step in range(6):
                 reads.counting = step >= 3
                 reads.places.clear()

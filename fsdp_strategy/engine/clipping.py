@@ -36,7 +36,7 @@ def clip_grad_norm(
     infinite = norm_type == float("inf")
     split = [p.sharded.grad for p in params if p.sharded.grad is not None and p.tp is not None and p.tp.sharded]
     whole = [p.sharded.grad for p in params if p.sharded.grad is not None and (p.tp is None or not p.tp.sharded)]
-    norms = (_total_norm(split, norm_type), _total_norm(whole, norm_type))
+    norms = (_total_norm(split, norm_type, device), _total_norm(whole, norm_type, device))
     dtype = torch.promote_types(*(n.dtype for n in norms))
     terms = torch.stack([n.to(device, dtype) for n in norms])
     if not infinite:
@@ -48,7 +48,7 @@ def clip_grad_norm(
     total = torch.maximum(terms[0], terms[1]) if infinite else terms[0] + terms[1] / replicas
     own = [p.grad for p in ignored if p.grad is not None]
     if own:  # this rank's own, as FSDP1 counts parameters it does not manage
-        term = _total_norm(own, norm_type).to(total)
+        term = _total_norm(own, norm_type, device).to(total)
         total = torch.maximum(total, term) if infinite else total + term.pow(norm_type)
     if not infinite:
         total = total.pow(1.0 / norm_type)
@@ -91,9 +91,10 @@ def norm_dtype(grad: torch.Tensor) -> torch.dtype:
     return torch.promote_types(real, torch.float32)
 
 
-def _total_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+def _total_norm(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
     """The ``norm_type``-norm of ``grads`` together: torch's ``get_total_norm`` over each gradient's
-    norm in ``norm_dtype`` (a complex gradient's norm is of its absolute values)."""
+    norm in ``norm_dtype`` (a complex gradient's norm is of its absolute values); a zero on
+    ``device`` where there are none (one made on the host would be copied to the GPU: a host wait)."""
     norms = [
         torch.linalg.vector_norm(grad if grad.is_complex() else grad.to(norm_dtype(grad)), norm_type).to(
             norm_dtype(grad)
@@ -101,6 +102,6 @@ def _total_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
         for grad in grads
     ]
     if not norms:
-        return torch.zeros((), dtype=torch.float32)
+        return torch.zeros((), dtype=torch.float32, device=device)
     widest = functools.reduce(torch.promote_types, (n.dtype for n in norms))
     return get_total_norm([n.to(widest) for n in norms], norm_type)

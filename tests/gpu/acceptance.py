@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import faulthandler
 import json
 import os
 import subprocess
@@ -42,6 +43,10 @@ from fsdp_strategy.checkpoint import full_state_dict, load_folder, save_folder  
 from fsdp_strategy.engine import get_scheduler, shard_model  # noqa: E402
 
 DEVICE = torch.device("cpu")
+
+
+class TorchCannot(Exception):
+    """A check torch itself cannot run in this setting (a skip, with the upstream issue, on any device)."""
 
 
 def _needs_cuda() -> None:
@@ -411,6 +416,11 @@ def tensor_parallel(**case) -> str:
     (SequenceParallel, loss_parallel) against the plain model in one process on the global batch."""
     from test_tensor_parallel import tolerances, train_two_d
 
+    if DEVICE.type == "cuda" and dist.get_backend() == "gloo":
+        raise TorchCannot(
+            "DTensor's all-gather of CUDA tensors over gloo crashes in torch (SIGSEGV, pytorch#152645): "
+            "runs with NCCL on two or more GPUs"
+        )
     case = {"dp": 1, "tp": dist.get_world_size(), "sequence_parallel": True, "loss_parallel": True, **case}
     errors, limits = train_two_d(case, DEVICE), tolerances(case)
     if any(errors[key] > limit for key, limit in limits.items()):
@@ -422,12 +432,15 @@ def _run_checks(
     checks: list[tuple[str, Callable[[], str]]], prefix: str = "", echo: bool = False
 ) -> list[tuple[str, str, str]]:
     """``(name, result, detail)`` per check; a check that raises ``NotImplementedError`` is a skip on
-    the CPU only: with CUDA present every check must run. ``echo`` prints each row as it ends (a run
+    the CPU only: with CUDA present every check must run; one torch cannot run here (``TorchCannot``)
+    is a skip that names the upstream issue. ``echo`` prints each row as it ends (a run
     cut off by a time limit still shows what it reached)."""
     rows = []
     for name, check in checks:
         try:
             row = ("pass", check())
+        except TorchCannot as limit:
+            row = ("skip", str(limit))
         except NotImplementedError as unimplemented:
             row = ("skip" if DEVICE.type == "cpu" else "FAIL", f"not implemented: {unimplemented}")
         except Exception as error:  # a row per failure; the traceback follows the table
@@ -435,26 +448,33 @@ def _run_checks(
             traceback.print_exc(file=sys.stderr)
         rows.append((prefix + name, *row))
         if echo:
-            print(f"| {rows[-1][0]} | {rows[-1][1]} | {rows[-1][2]} |", flush=True)
+            sys.stdout.write(f"| {rows[-1][0]} | {rows[-1][1]} | {rows[-1][2]} |\n")  # one write: ranks share a pipe
+            sys.stdout.flush()
     return rows
 
 
-def _multi_rank_worker(rank: int, world: int, backend: str, device_type: str, rendezvous: str, out: str) -> None:
-    """One rank of the multi-rank checks; its rows go to ``out``/rank<k>.json."""
+def _multi_rank_worker(
+    rank: int, world: int, backend: str, device_type: str, rendezvous: str, out: str, only: str | None
+) -> None:
+    """One rank of the multi-rank checks (those whose name holds ``only``, if given); its rows go to
+    ``out``/rank<k>.json and are printed as they end; a crash in native code prints every thread's
+    Python stack (faulthandler)."""
     global DEVICE
+    faulthandler.enable(all_threads=True)
     if device_type == "cuda":
         DEVICE = torch.device("cuda", rank % torch.cuda.device_count())
         torch.cuda.set_device(DEVICE)
     options = {"device_id": DEVICE} if backend == "nccl" else {}
     dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=rank, world_size=world, **options)
     try:
-        rows = _run_checks(MULTI_RANK_CHECKS, prefix=f"world {world} ({backend}): ")
+        checks = [check for check in MULTI_RANK_CHECKS if not only or only in check[0]]
+        rows = _run_checks(checks, prefix=f"rank {rank}, world {world} ({backend}): ", echo=True)
     finally:
         dist.destroy_process_group()
     Path(out, f"rank{rank}.json").write_text(json.dumps(rows))
 
 
-def multi_rank_rows(device_type: str) -> list[tuple[str, str, str]]:
+def multi_rank_rows(device_type: str, only: str | None = None) -> list[tuple[str, str, str]]:
     """The multi-rank checks on fresh spawned ranks: NCCL with one GPU per rank where there are two or
     more; two ranks over gloo on one GPU (CUDA tensors) or on the CPU otherwise. A rank's row is a
     pass only if every rank passed."""
@@ -463,11 +483,12 @@ def multi_rank_rows(device_type: str) -> list[tuple[str, str, str]]:
     gpus = torch.cuda.device_count() if device_type == "cuda" else 0
     world, backend = (gpus, "nccl") if gpus >= 2 else (2, "gloo")
     with tempfile.TemporaryDirectory() as folder:
-        args = (world, backend, device_type, str(Path(folder) / "rendezvous"), folder)
+        args = (world, backend, device_type, str(Path(folder) / "rendezvous"), folder, only)
         mp.start_processes(_multi_rank_worker, args=args, nprocs=world, start_method="spawn")
         per_rank = [json.loads(Path(folder, f"rank{rank}.json").read_text()) for rank in range(world)]
     rows = []
     for index, (name, result, detail) in enumerate(per_rank[0]):
+        name = name.split(", ", 1)[1]
         failed = [rank for rank in range(world) if per_rank[rank][index][1] == "FAIL"]
         rows.append((name, "FAIL" if failed else result, f"ranks {failed} failed" if failed else detail))
     return rows
@@ -478,7 +499,9 @@ def main(argv: list[str] | None = None) -> int:
     global DEVICE
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu", action="store_true", help="run on the CPU with gloo (the CUDA-only rows skip)")
-    parser.add_argument("-k", dest="only", help="run only the checks whose name holds this text (a rerun)")
+    parser.add_argument(
+        "-k", dest="only", help="run only the checks (world 1 and multi-rank) whose name holds this text (a rerun)"
+    )
     parser.add_argument("--no-multi-rank", action="store_true", help="skip the spawned multi-rank checks")
     args = parser.parse_args(argv)
     checks = [check for check in CHECKS if not args.only or args.only in check[0]]
@@ -500,7 +523,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = _run_checks(checks, echo=True)
     dist.destroy_process_group()
     try:
-        multi_rank = [] if args.no_multi_rank else multi_rank_rows(DEVICE.type)
+        multi_rank = [] if args.no_multi_rank else multi_rank_rows(DEVICE.type, args.only)
     except Exception as error:  # a rank that died: one failed row
         multi_rank = [("multi-rank checks", "FAIL", f"{type(error).__name__}: {str(error).splitlines()[0]}")]
         traceback.print_exc(file=sys.stderr)
