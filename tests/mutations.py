@@ -1006,6 +1006,14 @@ MUTATIONS = [
         "        return torch.zeros((), dtype=torch.float32)",
         ("tests/test_host_reads.py::test_a_steady_state_step_reads_nothing_on_the_host",),
     ),
+    Mutation(
+        "host_values_copied_blocking",
+        "a value made on the host goes to the device with a blocking copy (param group digests: a host wait per step)",
+        "fsdp_strategy/engine/device.py",
+        "        return staged.to(device, non_blocking=True)",
+        "        return staged.to(device)",
+        ("tests/test_host_reads.py::test_a_steady_state_step_reads_nothing_on_the_host",),
+    ),
 ]
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import warnings
+import weakref
 from collections import Counter
 from typing import Any
 
@@ -43,6 +44,7 @@ CPU_FLAGS = {CPU_ONLY, ("strategy_preemption.py", "_ranks_received")}
 # factories whose tensor lands on the default device (the host) unless given one: on CUDA, the copy
 # to the device such a tensor needs before it meets a gradient is a host wait
 FACTORIES = {torch.zeros, torch.ones, torch.empty, torch.full, torch.tensor, torch.scalar_tensor, torch.arange}
+MOVES = {torch.Tensor.to, torch.Tensor.cuda}  # of a host-made tensor to the device: blocking unless non_blocking
 TRAINER_ROOTS = ("fsdp_strategy/", "lightning/pytorch/loops/")
 
 
@@ -115,27 +117,42 @@ class HostReads(TorchDispatchMode):
 
 
 class HostFactories(TorchFunctionMode):
-    """Count tensors the engine makes without naming a device (``torch.zeros(())``): on CPU every
-    tensor is on the host, so only the missing ``device`` argument tells that it would be there on CUDA."""
+    """Count tensors the engine makes without naming a device (``torch.zeros(())``), and blocking
+    moves of those it makes on the host on purpose (``device="cpu"``, the string) to another device: on CPU
+    every tensor is on the host, so only the arguments tell what would be where on CUDA, and that a
+    plain ``.to(device)`` of a host tensor would wait there for the device to drain."""
 
     def __init__(self, reads: HostReads) -> None:
         super().__init__()
         self.reads = reads
+        self.host_made: dict[int, weakref.ref] = {}  # by id: a tensor's == is elementwise
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in FACTORIES and "device" not in kwargs:
             self.reads._note(None)
-        return func(*args, **kwargs)
+        made = self.host_made.get(id(args[0])) if args else None
+        if func in MOVES and made is not None and made() is args[0] and not kwargs.get("non_blocking", False):
+            self.reads._note(None)
+        result = func(*args, **kwargs)
+        if func in FACTORIES and kwargs.get("device") == "cpu":  # spelled out: the host, on every device
+            self.host_made[id(result)] = weakref.ref(result)
+        return result
+
+
+class AdamWOfOurs(torch.optim.AdamW):
+    """Not one of torch's own classes: measured at its first step, its param groups (a tensor
+    learning rate among them) compared across ranks after every step ([Note: param groups agree])."""
 
 
 CONFIGS = {
-    f"{precision}/{strategy}/{wrap}{'/offload' if offload else ''}": (precision, strategy, wrap, offload)
+    f"{precision}/{strategy}/{wrap}{'/offload' if offload else ''}": (precision, strategy, wrap, offload, False)
     for precision in ("fp32", "bf16")
     for strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
     for wrap in ("per-Linear", "one unit")
     for offload in ((False, True) if strategy == "FULL_SHARD" else (False,))
 }
+CONFIGS["fp32/FULL_SHARD/per-Linear/an optimizer not of torch"] = ("fp32", "FULL_SHARD", "per-Linear", False, True)
 
 
 def _reads_per_step(rank: int, world: int) -> dict[str, list[Any]]:
@@ -143,7 +160,7 @@ def _reads_per_step(rank: int, world: int) -> dict[str, list[Any]]:
     steps, per config (accumulation over two micro-batches under ``no_sync`` and gradient clipping
     included)."""
     results = {}
-    for name, (precision, strategy, wrap, offload) in CONFIGS.items():
+    for name, (precision, strategy, wrap, offload, ours) in CONFIGS.items():
         torch.manual_seed(0)
         model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(5)])
         mixed = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if precision == "bf16" else None
@@ -155,7 +172,10 @@ def _reads_per_step(rank: int, world: int) -> dict[str, list[Any]]:
             mixed_precision=mixed,
         )
         scheduler = get_scheduler(model)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        if ours:
+            optimizer = AdamWOfOurs(model.parameters(), lr=torch.tensor(1e-3), foreach=False)
+        else:
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         steps = []
         with HostReads() as reads, HostFactories(reads):
             for step in range(6):

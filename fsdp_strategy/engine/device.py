@@ -25,7 +25,10 @@ here and nowhere else:
    an order stamp) is never read by the host inside a step: each read would stall it until the
    device drains, and the next gather could not be issued ahead. The flag is copied to pinned
    memory ``non_blocking`` with an event (``copy_to_host``), and read once the event says it
-   landed: at the end of a later backward or the start of a later iteration.
+   landed: at the end of a later backward or the start of a later iteration. The other way, a
+   small value made on the host (a digest of an optimizer's settings) goes to the device through
+   ``copy_from_host``: staged in pinned memory and copied ``non_blocking``; a plain ``.to(device)``
+   waits for the device to drain.
 On the CPU there is no running ahead: copies are done when they return and all four are free.
 
 ``FSDP_CUSTOM_STREAM_CHECK=1`` replaces the layer of every engine in the process by
@@ -99,6 +102,18 @@ class DeviceLayer:
             event = torch.cuda.Event()
             event.record()
         return HostCopy(host, event)
+
+    @staticmethod
+    def copy_from_host(values: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """A small tensor made on the host, on ``device`` without a host wait ([Note: host and device] 4).
+        On CUDA it is copied into a new pinned block of torch's caching host allocator, which keeps the
+        block until the ``non_blocking`` copy has read it (an event), so ``values`` may change at once; a
+        blocking copy, or one from pageable memory (which CUDA may synchronize), would wait for the
+        device. Costs: two copies of its bytes."""
+        staged = values
+        if device.type == "cuda" and values.device.type == "cpu":
+            staged = torch.empty(values.shape, dtype=values.dtype, pin_memory=True).copy_(values)
+        return staged.to(device, non_blocking=True)
 
     # ---- copies -------------------------------------------------------------------------
 

@@ -15,7 +15,8 @@ attributes of scalar values and tensors (private ones too) and the entries of ``
 under keys that are not parameters, in ``BUCKETS`` groups by name (as many on every rank):
 - each rank digests each group's values but ``params`` on the host (plain values: numbers,
   strings, None and sequences of them, by value; a tensor by its shape and dtype; anything else by
-  its type), one 62-bit number per group, and sums the bits of its small tensors (up to ``SMALL``
+  its type), one 62-bit number per group, copied to the device without a host wait
+  (``DeviceLayer.copy_from_host``), and sums the bits of its small tensors (up to ``SMALL``
   elements: a learning rate kept as a tensor, a 0-dim statistic) where they are, without reading
   them;
 - one all-reduce MAX over the shard group of these two words per group and their negations: they
@@ -79,7 +80,8 @@ class GroupAgreement:
         groups = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
         groups += _attribute_buckets(optimizer)
         digests = [_digest(values) for values in groups]
-        words = torch.tensor(digests + [0] * len(groups), dtype=torch.int64).to(self._device)
+        host_words = torch.tensor(digests + [0] * len(groups), dtype=torch.int64, device="cpu")
+        words = DeviceLayer.copy_from_host(host_words, self._device)
         for index, values in enumerate(groups):  # only where a group holds small tensors: no launch otherwise
             checksum = self._checksum(values)
             if checksum is not None:
@@ -100,7 +102,8 @@ class GroupAgreement:
         for position, key in enumerate(sorted(values)):
             value = values[key]
             if torch.is_tensor(value) and 0 < value.numel() <= SMALL and not value.is_complex():
-                bits = value.detach().reshape(-1).to(self._device, torch.float64).view(torch.int64)
+                exact = value.detach().reshape(-1).to(torch.float64)
+                bits = DeviceLayer.copy_from_host(exact, self._device).view(torch.int64)
                 weights = torch.arange(1, bits.numel() + 1, device=self._device, dtype=torch.int64)
                 term = (bits * weights).sum() * (2 * position + 1)
                 total = term if total is None else total + term
