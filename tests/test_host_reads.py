@@ -233,7 +233,8 @@ def _trainer_reads(rank: int, world: int) -> dict[str, list]:
     data = DataLoader(TensorDataset(torch.randn(64, 8, generator=torch.Generator().manual_seed(0))), batch_size=4)
     out = {}
     for name in ("fsdp_custom", "ddp"):
-        with HostReads(TRAINER_ROOTS) as reads:
+        factories = HostFactories if name == "fsdp_custom" else lambda reads: contextlib.nullcontext()
+        with HostReads(TRAINER_ROOTS) as reads, factories(reads):
             per_step = _PerStep(reads)
             strategy = FSDPCustomStrategy(auto_wrap_policy={nn.Linear}) if name == "fsdp_custom" else "ddp"
             trainer = quiet_trainer(strategy=strategy, devices=world, max_steps=7, callbacks=[per_step])
@@ -244,8 +245,9 @@ def _trainer_reads(rank: int, world: int) -> dict[str, list]:
 
 def test_a_trainer_step_reads_nothing_on_the_host_where_ddp_reads_its_sigterm_flag(tmp_path):
     """The Trainer's own step under fsdp_custom: no read by the engine, the strategy or Lightning's
-    loops (Lightning's per-batch SIGTERM broadcast is replaced by a sum on the CPU: [Note: preemption
-    at an agreed step]); DDP's step reads one (that broadcast's ``item()`` on the root device)."""
+    loops, and no tensor made on the host there (Lightning's per-batch SIGTERM broadcast is replaced
+    by a sum on the CPU: [Note: preemption at an agreed step]); DDP's step reads one (that
+    broadcast's ``item()`` on the root device)."""
     for rank, runs in enumerate(run_ranks(_trainer_reads, 2, tmp_path, env=LIGHTNING_ENV, timeout=300)):
         assert len(runs["fsdp_custom"]) == len(runs["ddp"]) == 3
         assert all(step == {} for step in runs["fsdp_custom"]), (rank, runs["fsdp_custom"])
