@@ -36,6 +36,7 @@ sys.path.insert(0, str(TESTS))
 from dist_utils import free_port  # noqa: E402
 from models import Block, TiedLM, lm_loss, make_batches  # noqa: E402
 from oracle import assert_matches, train_pair  # noqa: E402
+from test_host_reads import AdamWOfOurs  # noqa: E402
 from test_patterns import PATTERNS  # noqa: E402
 
 from fsdp_strategy import MixedPrecision  # noqa: E402
@@ -244,17 +245,21 @@ def memory_account() -> str:
 def no_host_sync_in_a_step() -> str:
     """Steps after the first under ``torch.cuda.set_sync_debug_mode("error")``: no call of the
     engine waits for the device (the count tests/test_host_reads.py makes on the CPU), in fp32 and
-    bf16 (its lost-edit flags go to the host without blocking), FULL_SHARD and SHARD_GRAD_OP, with
-    ``clip_grad_norm_``. CPU offload is left out: its end of backward waits for the gradients'
-    copies to host memory by design. TiedLM's parameters no rank uses (a block never called, a
-    layer in each block) keep the one documented read: their usage flags at the end of backward
-    (``Reductions.settle``), and nowhere else."""
+    bf16 (its lost-edit flags go to the host without blocking), FULL_SHARD, SHARD_GRAD_OP and
+    NO_SHARD, with ``clip_grad_norm_``, and with an optimizer not of torch (measured at its first
+    step, its settings followed after each; at world 1 there are no ranks to compare its param groups
+    with: tests/test_host_reads.py counts that comparison's host work at world 2). CPU offload is
+    left out: its end of backward waits for the gradients' copies to host memory by design. TiedLM's
+    parameters no rank uses (a block never called, a layer in each block) keep the one documented
+    read: their usage flags at the end of backward (``Reductions.settle``), and nowhere else."""
     _needs_cuda()
     bf16 = {"mixed_precision": MixedPrecision(*[torch.bfloat16] * 3)}
     configs = {
         "fp32": ({}, None),
         "bf16": (bf16, None),
         "bf16 + SHARD_GRAD_OP": ({**bf16, "sharding_strategy": "SHARD_GRAD_OP"}, None),
+        "bf16 + NO_SHARD": ({**bf16, "sharding_strategy": "NO_SHARD"}, None),
+        "an optimizer not of torch": ({}, None),
         "bf16, parameters never used": (bf16, "settle"),
     }
     for name, (options, expected) in configs.items():
@@ -266,7 +271,8 @@ def no_host_sync_in_a_step() -> str:
                 del block.unused
         shard_model(model, auto_wrap_policy={Block}, device=DEVICE, **options)
         scheduler = get_scheduler(model)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        adamw = AdamWOfOurs if name == "an optimizer not of torch" else torch.optim.AdamW
+        optimizer = adamw(model.parameters(), lr=1e-3)
         synced_in = None
         for index, batch in enumerate(make_batches(5, 4).to(DEVICE)):
             torch.cuda.set_sync_debug_mode("error" if index >= 2 else "default")
