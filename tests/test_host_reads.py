@@ -44,6 +44,7 @@ CPU_FLAGS = {CPU_ONLY, ("strategy_preemption.py", "_ranks_received")}
 # factories whose tensor lands on the default device (the host) unless given one: on CUDA, the copy
 # to the device such a tensor needs before it meets a gradient is a host wait
 FACTORIES = {torch.zeros, torch.ones, torch.empty, torch.full, torch.tensor, torch.scalar_tensor, torch.arange}
+COPIED_FROM_HOST = {torch.tensor, torch.as_tensor}  # Python values: made on the host, then copied blocking
 MOVES = {torch.Tensor.to, torch.Tensor.cuda}  # of a host-made tensor to the device: blocking unless non_blocking
 TRAINER_ROOTS = ("fsdp_strategy/", "lightning/pytorch/loops/")
 
@@ -130,6 +131,8 @@ class HostFactories(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in FACTORIES and "device" not in kwargs:
+            self.reads._note(None)
+        if func in COPIED_FROM_HOST and kwargs.get("device") != "cpu":  # a blocking copy on CUDA
             self.reads._note(None)
         made = self.host_made.get(id(args[0])) if args else None
         if func in MOVES and made is not None and made() is args[0] and not kwargs.get("non_blocking", False):

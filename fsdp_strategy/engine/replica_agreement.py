@@ -91,9 +91,10 @@ class ReplicaAgreement:
 
 
 def _fingerprint(grad: torch.Tensor | None, device: torch.device) -> torch.Tensor:
-    """(sum, sum of absolute values) of a gradient shard in float64 on ``device``; (0, -1) without one."""
+    """(sum, sum of absolute values) of a gradient shard in float64 on ``device``; (0, -1) without one
+    (filled on the device: ``torch.tensor`` would copy from the host, a host wait on CUDA)."""
     if grad is None:
-        return torch.tensor([0.0, -1.0], dtype=torch.float64, device=device)
+        return torch.cat([torch.full((1,), value, dtype=torch.float64, device=device) for value in (0.0, -1.0)])
     values = real_view(grad.detach()).to(torch.float64)
     return torch.stack([values.sum(), values.abs().sum()]).to(device)
 
