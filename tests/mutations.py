@@ -300,6 +300,15 @@ MUTATIONS = [
         ("tests/test_optimizer_probe.py::test_real_optimizers_equal_one_process_on_the_global_batch[2]",),
     ),
     Mutation(
+        "host_count_moved_to_device",
+        "a step count an optimizer placed whole keeps on the host is moved to the device for its step (on CUDA "
+        "a blocking copy, and the optimizer then reads it off the device: a host wait per step)",
+        "fsdp_strategy/engine/whole_matrix.py",
+        "host = torch.is_tensor(value) and value.ndim == 0 and value.is_cpu  # a count read there",
+        "host = False  # a count read there",
+        ("tests/test_host_reads.py::test_a_steady_state_step_reads_nothing_on_the_host",),
+    ),
+    Mutation(
         "group_digest_ignores_values",
         "param groups are compared by their keys alone (a value one rank set from its parameters goes unseen)",
         "fsdp_strategy/engine/group_agreement.py",

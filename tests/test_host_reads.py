@@ -121,7 +121,9 @@ class HostFactories(TorchFunctionMode):
     """Count tensors the engine makes without naming a device (``torch.zeros(())``), and blocking
     moves of those it makes on the host on purpose (``device="cpu"``, the string) to another device: on CPU
     every tensor is on the host, so only the arguments tell what would be where on CUDA, and that a
-    plain ``.to(device)`` of a host tensor would wait there for the device to drain."""
+    plain ``.to(device)`` of a host tensor would wait there for the device to drain. Tensors others make
+    without a device count as the host's too (torch's optimizers keep step counts there, to read them
+    without a wait): the engine moving one waits, and leaves the optimizer reading it off the device."""
 
     def __init__(self, reads: HostReads) -> None:
         super().__init__()
@@ -138,7 +140,7 @@ class HostFactories(TorchFunctionMode):
         if func in MOVES and made is not None and made() is args[0] and not kwargs.get("non_blocking", False):
             self.reads._note(None)
         result = func(*args, **kwargs)
-        if func in FACTORIES and kwargs.get("device") == "cpu":  # spelled out: the host, on every device
+        if func in FACTORIES and kwargs.get("device") in ("cpu", None):  # the host, on every device
             self.host_made[id(result)] = weakref.ref(result)
         return result
 
@@ -149,13 +151,16 @@ class AdamWOfOurs(torch.optim.AdamW):
 
 
 CONFIGS = {
-    f"{precision}/{strategy}/{wrap}{'/offload' if offload else ''}": (precision, strategy, wrap, offload, False)
+    f"{precision}/{strategy}/{wrap}{'/offload' if offload else ''}": (precision, strategy, wrap, offload, "AdamW")
     for precision in ("fp32", "bf16")
     for strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
     for wrap in ("per-Linear", "one unit")
     for offload in ((False, True) if strategy == "FULL_SHARD" else (False,))
 }
-CONFIGS["fp32/FULL_SHARD/per-Linear/an optimizer not of torch"] = ("fp32", "FULL_SHARD", "per-Linear", False, True)
+CONFIGS["fp32/FULL_SHARD/per-Linear/an optimizer not of torch"] = ("fp32", "FULL_SHARD", "per-Linear", False, "ours")
+# placed whole ([Note: whole-matrix placement]): its step count, on the host, stays there with the owner
+_BASE = ("fp32", "FULL_SHARD", "per-Linear")
+CONFIGS.update({f"{'/'.join(_BASE)}{'/offload' * off}/Adafactor": (*_BASE, off, "Adafactor") for off in (False, True)})
 
 
 def _reads_per_step(rank: int, world: int) -> dict[str, list[Any]]:
@@ -163,7 +168,7 @@ def _reads_per_step(rank: int, world: int) -> dict[str, list[Any]]:
     steps, per config (accumulation over two micro-batches under ``no_sync`` and gradient clipping
     included)."""
     results = {}
-    for name, (precision, strategy, wrap, offload, ours) in CONFIGS.items():
+    for name, (precision, strategy, wrap, offload, kind) in CONFIGS.items():
         torch.manual_seed(0)
         model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(5)])
         mixed = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if precision == "bf16" else None
@@ -175,8 +180,10 @@ def _reads_per_step(rank: int, world: int) -> dict[str, list[Any]]:
             mixed_precision=mixed,
         )
         scheduler = get_scheduler(model)
-        if ours:
+        if kind == "ours":
             optimizer = AdamWOfOurs(model.parameters(), lr=torch.tensor(1e-3), foreach=False)
+        elif kind == "Adafactor":
+            optimizer = torch.optim.Adafactor(model.parameters(), lr=1e-2)
         else:
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         steps = []

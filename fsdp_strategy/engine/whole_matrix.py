@@ -230,7 +230,8 @@ class WholeMatrixSteps:
                 state[key] = value.to(layout[key].dtype).clone()
             for key, value in optimizer.state.get(param.sharded, {}).items():
                 if key not in state:  # whole on every rank already: this rank's copy
-                    state[key] = value.to(self._device) if torch.is_tensor(value) else value
+                    host = torch.is_tensor(value) and value.ndim == 0 and value.is_cpu  # a count read there: stays
+                    state[key] = value.to(self._device) if torch.is_tensor(value) and not host else value
             if state:
                 optimizer.state[proxy] = state
             proxies[id(param.sharded)] = proxy
@@ -346,8 +347,9 @@ class WholeMatrixSteps:
         return offset
 
     def _keep_apart(self, optimizer: torch.optim.Optimizer, param: ShardedParam, owned: dict | None) -> None:
-        """The state not shaped like ``param``: the owner keeps its stand-in's (``owned``), on the
-        shard's device; another rank drops any copy (one loaded from a checkpoint)."""
+        """The state not shaped like ``param``: the owner keeps its stand-in's (``owned``), on the shard's
+        device but a 0-dim tensor where the optimizer left it (Adafactor's step count on the host, read
+        there without a device wait); another rank drops any copy (one loaded from a checkpoint)."""
         state = optimizer.state[param.sharded]
         layout = self._layouts.get(id(param.sharded), ())
         for key in set(state) - {entry.key for entry in layout}:  # the optimizer deleted it in its step
@@ -359,7 +361,7 @@ class WholeMatrixSteps:
                 state.pop(entry.key, None)
                 continue
             value = owned[entry.key]
-            state[entry.key] = value.to(param.sharded.device) if torch.is_tensor(value) else value
+            state[entry.key] = value.to(param.sharded.device) if torch.is_tensor(value) and value.ndim else value
 
     def loaded(self, optimizer: torch.optim.Optimizer, rows: dict[int, dict[str, bool]]) -> None:
         """A checkpoint was loaded into these shards' state of ``optimizer``: ``{id(shard): {key:
