@@ -291,7 +291,9 @@ class FSDPCustomFabricStrategy(StrategyArguments, WatchedProcesses, LightningFSD
         error_if_nonfinite: bool = True,
     ) -> Tensor:
         """Clip ``optimizer``'s gradients by their global norm over every rank's shards (one
-        all-reduce); returns the norm before clipping. ``module`` must have been set up here."""
+        all-reduce); returns the norm before clipping. ``module`` must have been set up here.
+        ``error_if_nonfinite`` (Fabric's default) reads the norm on the host, as torch's
+        ``clip_grad_norm_`` does: on CUDA a wait for the device at each call."""
         if not is_sharded(module):
             raise TypeError(
                 f"Gradient clipping with {type(self).__name__} needs the module that fabric.setup returned, got "
