@@ -95,15 +95,17 @@ def _recorded_grads_are_the_shards(rank: int, world: int) -> dict:
     return {name: (len(grads), (grads[-1] - params[name].grad).abs().max().item()) for name, grads in seen.items()}
 
 
-def _optimizer_in_backward(rank: int, world: int, policy: set | None) -> float:
-    """torch's optimizer-in-backward pattern: one SGD per parameter, stepped by its post-accumulate-grad
-    hook; 3 steps against one process doing the same on the mean gradient."""
+def _optimizer_in_backward(rank: int, world: int, policy: set | None, optimizer_class: type = torch.optim.SGD) -> float:
+    """torch's optimizer-in-backward pattern: one optimizer per parameter (SGD; AdamW keeps its state
+    on the shard), stepped by its post-accumulate-grad hook; 3 steps against one process doing the
+    same on the mean gradient."""
     torch.manual_seed(0)
     model = Dense()
     reference = copy.deepcopy(model)
     shard_model(model, auto_wrap_policy=policy)
     for net in (model, reference):
-        optimizers = {param: torch.optim.SGD([param], lr=0.5) for param in net.parameters()}
+        lr = 0.5 if optimizer_class is torch.optim.SGD else 1e-2
+        optimizers = {param: optimizer_class([param], lr=lr) for param in net.parameters()}
 
         def step(param: torch.Tensor, optimizers: dict = optimizers) -> None:
             optimizers[param].step()
@@ -129,6 +131,9 @@ def _hooks_body(rank: int, world: int) -> dict:
     out = {name: _train_with_hooks(rank, world, policy) for name, policy in POLICIES.items()}
     out["post_accumulate"] = _recorded_grads_are_the_shards(rank, world)
     out["optimizer_in_backward"] = {name: _optimizer_in_backward(rank, world, p) for name, p in POLICIES.items()}
+    out["optimizer_in_backward"]["AdamW, per block"] = _optimizer_in_backward(
+        rank, world, {MLPBlock}, torch.optim.AdamW
+    )
     out["max_norm"] = _refusal(lambda: _embedding(max_norm=0.5))
     out["sparse"] = _refusal(lambda: _embedding(sparse=True))
     return out
