@@ -303,9 +303,9 @@ MUTATIONS = [
         "host_count_moved_to_device",
         "a step count an optimizer placed whole keeps on the host is moved to the device for its step (on CUDA "
         "a blocking copy, and the optimizer then reads it off the device: a host wait per step)",
-        "fsdp_strategy/engine/whole_matrix.py",
-        "host = torch.is_tensor(value) and value.ndim == 0 and value.is_cpu  # a count read there",
-        "host = False  # a count read there",
+        "fsdp_strategy/engine/state_layout.py",
+        '    if key == "step" and value.device.type == "cpu":',
+        "    if False:",
         ("tests/test_host_reads.py::test_a_steady_state_step_reads_nothing_on_the_host",),
     ),
     Mutation(
@@ -1014,6 +1014,15 @@ MUTATIONS = [
         "        return torch.zeros((), dtype=torch.float32, device=device)",
         "        return torch.zeros((), dtype=torch.float32)",
         ("tests/test_host_reads.py::test_a_steady_state_step_reads_nothing_on_the_host",),
+    ),
+    Mutation(
+        "host_state_left_for_the_step",
+        "every host tensor of an owner's state stays on the host for its step (a 0-dim one loaded under CPU "
+        "offload meets CUDA gradients there)",
+        "fsdp_strategy/engine/state_layout.py",
+        '    if key == "step" and value.device.type == "cpu":',
+        '    if value.device.type == "cpu":',
+        ("tests/test_whole_matrix.py::test_state_placed_for_an_owner_step_follows_torchs_own_rule",),
     ),
     Mutation(
         "host_values_copied_blocking",

@@ -411,3 +411,23 @@ def test_muon_with_adamw_state_dict_round_trips():
     assert optimizer.muon.state is optimizer.state and optimizer.adamw.param_groups[0] is optimizer.param_groups[1]
     train(resumed, optimizer, 2, 2)
     assert all(torch.equal(a, b) for a, b in zip(straight.state_dict().values(), resumed.state_dict().values()))
+
+
+def test_state_placed_for_an_owner_step_follows_torchs_own_rule():
+    """Where an owner's step finds its state (torch's rule of ``Optimizer.load_state_dict``), checked on
+    the "meta" device standing in for a GPU: a ``step`` count on the host stays there (Adafactor reads
+    it without a device wait) unless the group is capturable or fused; any other tensor, a 0-dim one
+    loaded on the host under CPU offload too (Amos's ``decay``), goes to the device."""
+    from types import SimpleNamespace
+
+    from fsdp_strategy.engine.state_layout import placed_for_step
+
+    weight = nn.Parameter(torch.ones(2, 2))
+    param = SimpleNamespace(sharded=weight)
+    device = torch.device("meta")
+    for capturable, step_device in ((False, "cpu"), (True, "meta")):
+        optimizer = torch.optim.Adafactor([weight]) if not capturable else torch.optim.Adam([weight], capturable=True)
+        assert placed_for_step(optimizer, param, "step", torch.tensor(3.0), device).device.type == step_device
+        assert placed_for_step(optimizer, param, "decay", torch.tensor(0.5), device).device.type == "meta"
+        assert placed_for_step(optimizer, param, "exp_avg", torch.zeros(2, 2), device).device.type == "meta"
+        assert placed_for_step(optimizer, param, "note", "kept", device) == "kept"

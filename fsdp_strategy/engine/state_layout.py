@@ -64,3 +64,17 @@ def entry_of_whole(param: ShardedParam, key: str, value: Any) -> StateEntry:
         return StateEntry(key, False, None, None)
     rows = tuple(value.shape) == tuple(param.shape) and not (param.shape == torch.Size([]) and key == "step")
     return StateEntry(key, rows, tuple(value.shape), value.dtype)
+
+
+def placed_for_step(optimizer: torch.optim.Optimizer, param: ShardedParam, key: Any, value: Any, device: Any) -> Any:
+    """A state value of ``param`` as the optimizer's step on ``device`` expects it, by torch's own rule
+    (``Optimizer.load_state_dict``): a ``step`` count on the host stays there (read there without a
+    device wait: Adafactor's) unless its group is ``capturable`` or ``fused``; any other tensor on
+    ``device``. Costs: a copy of a tensor not on ``device``."""
+    if not torch.is_tensor(value):
+        return value
+    if key == "step" and value.device.type == "cpu":
+        group = next(g for g in optimizer.param_groups if any(p is param.sharded for p in g["params"]))
+        if not (group.get("capturable") or group.get("fused")):
+            return value
+    return value.to(device)

@@ -44,7 +44,7 @@ from fsdp_strategy.engine import collectives, control
 from fsdp_strategy.engine.collectives import CommContext, CommGroup
 from fsdp_strategy.engine.diagnosis import count_of
 from fsdp_strategy.engine.param import ShardedParam
-from fsdp_strategy.engine.state_layout import StateEntry, entry_at_rest, entry_of_whole, later_layout
+from fsdp_strategy.engine.state_layout import StateEntry, entry_at_rest, entry_of_whole, later_layout, placed_for_step
 
 
 class _Step(NamedTuple):
@@ -230,8 +230,7 @@ class WholeMatrixSteps:
                 state[key] = value.to(layout[key].dtype).clone()
             for key, value in optimizer.state.get(param.sharded, {}).items():
                 if key not in state:  # whole on every rank already: this rank's copy
-                    host = torch.is_tensor(value) and value.ndim == 0 and value.is_cpu  # a count read there: stays
-                    state[key] = value.to(self._device) if torch.is_tensor(value) and not host else value
+                    state[key] = placed_for_step(optimizer, param, key, value, self._device)
             if state:
                 optimizer.state[proxy] = state
             proxies[id(param.sharded)] = proxy
