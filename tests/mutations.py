@@ -1025,6 +1025,14 @@ MUTATIONS = [
         ("tests/test_whole_matrix.py::test_state_placed_for_an_owner_step_follows_torchs_own_rule",),
     ),
     Mutation(
+        "clip_norm_order_unchecked",
+        "clipping by a norm order the shards cannot add up (-inf, 0, negative) is computed anyway (-inf: 1.0)",
+        "fsdp_strategy/engine/clipping.py",
+        "    if not norm_type > 0:  # NaN too",
+        "    if False:",
+        ("tests/test_misuse.py::test_clipping_by_a_norm_the_shards_cannot_add_up_is_refused_before_any_change",),
+    ),
+    Mutation(
         "host_values_copied_blocking",
         "a value made on the host goes to the device with a blocking copy (param group digests: a host wait per step)",
         "fsdp_strategy/engine/device.py",

@@ -147,3 +147,17 @@ def test_an_optimizer_created_before_sharding_is_refused(tmp_path):
         "engine", ""
     ), told
     assert "AdamW holds 4 parameters" in told.get("fabric", "") and "fabric.setup(model, optimizer)" in told["fabric"]
+
+
+def test_clipping_by_a_norm_the_shards_cannot_add_up_is_refused_before_any_change():
+    """``norm_type`` 0, negative and -inf are not sums or maxima over shards (-inf gave 1.0 where torch
+    gives the smallest gradient; 0 raised ZeroDivisionError): a clear error, the gradients unchanged."""
+    model = shard_model(nn.Linear(3, 2))
+    model(torch.randn(4, 3)).square().sum().backward()
+    before = [p.grad.clone() for p in model.parameters()]
+    for norm_type in (0, -1.0, float("-inf"), float("nan")):
+        with pytest.raises(ValueError, match=f"norm_type={float(norm_type)!r}: accepted: a positive number or inf"):
+            get_scheduler(model).clip_grad_norm_(1.0, norm_type)
+    assert all(torch.equal(p.grad, old) for p, old in zip(model.parameters(), before))
+    expected = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()], 3.0)
+    assert torch.allclose(get_scheduler(model).clip_grad_norm_(1e6, 3.0), expected)

@@ -28,11 +28,19 @@ def clip_grad_norm(
 ) -> torch.Tensor:
     """Clip the gradients of a model's ``sharded`` parameters (and its ``ignored_params``, this
     rank's own) by their global norm over ``shard_comm`` (see ``Scheduler.clip_grad_norm_``).
-    Costs: a norm per gradient and one all-reduce of a scalar."""
+    ``norm_type``: a positive number or inf, the norms whose shards' terms add up (or take the
+    maximum); 0, negative numbers and -inf are refused. Costs: a norm per gradient and one
+    all-reduce of a scalar."""
+    norm_type = float(norm_type)
+    if not norm_type > 0:  # NaN too
+        raise ValueError(
+            f"fsdp_custom: clip_grad_norm_ with norm_type={norm_type!r}: accepted: a positive number or inf "
+            "(the norms a sum or maximum over every rank's shards gives); 0, negative orders and -inf are not "
+            "computed across shards"
+        )
     chosen = None if parameters is None else {id(p) for p in parameters}
     params = [p for p in sharded if chosen is None or id(p.sharded) in chosen]
     ignored = [p for p in ignored_params.values() if chosen is None or id(p) in chosen]
-    norm_type = float(norm_type)
     infinite = norm_type == float("inf")
     split = [p.sharded.grad for p in params if p.sharded.grad is not None and p.tp is not None and p.tp.sharded]
     whole = [p.sharded.grad for p in params if p.sharded.grad is not None and (p.tp is None or not p.tp.sharded)]
