@@ -301,14 +301,7 @@ class FSDPCustomFabricStrategy(StrategyArguments, WatchedProcesses, LightningFSD
             )
         self.precision.unscale_gradients(optimizer)
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        norm = get_scheduler(module).clip_grad_norm_(max_norm, norm_type, parameters=params)
-        if error_if_nonfinite and not torch.isfinite(norm):
-            raise RuntimeError(
-                f"The total norm of order {norm_type} for gradients is non-finite, so it cannot be clipped. To "
-                "disable this error and scale the gradients by the non-finite norm anyway, set "
-                "`error_if_nonfinite=False`"
-            )
-        return norm
+        return get_scheduler(module).clip_grad_norm_(max_norm, norm_type, params, error_if_nonfinite)
 
     def all_reduce(self, tensor: Tensor, group: Any = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:
         return self.reduce(tensor, group, reduce_op)

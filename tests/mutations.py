@@ -1033,6 +1033,14 @@ MUTATIONS = [
         ("tests/test_misuse.py::test_clipping_by_a_norm_the_shards_cannot_add_up_is_refused_before_any_change",),
     ),
     Mutation(
+        "nonfinite_norm_unchecked",
+        "clipping with error_if_nonfinite=True clips by a non-finite norm (the gradients become NaN) without an error",
+        "fsdp_strategy/engine/clipping.py",
+        "    if error_if_nonfinite and not torch.isfinite(total):",
+        "    if False:",
+        ("tests/test_misuse.py::test_clipping_by_a_norm_the_shards_cannot_add_up_is_refused_before_any_change",),
+    ),
+    Mutation(
         "host_values_copied_blocking",
         "a value made on the host goes to the device with a blocking copy (param group digests: a host wait per step)",
         "fsdp_strategy/engine/device.py",

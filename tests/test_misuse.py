@@ -151,7 +151,8 @@ def test_an_optimizer_created_before_sharding_is_refused(tmp_path):
 
 def test_clipping_by_a_norm_the_shards_cannot_add_up_is_refused_before_any_change():
     """``norm_type`` 0, negative and -inf are not sums or maxima over shards (-inf gave 1.0 where torch
-    gives the smallest gradient; 0 raised ZeroDivisionError): a clear error, the gradients unchanged."""
+    gives the smallest gradient; 0 raised ZeroDivisionError): a clear error, the gradients unchanged.
+    A non-finite norm with ``error_if_nonfinite`` (Fabric's default) raises before clipping, as torch's."""
     model = shard_model(nn.Linear(3, 2))
     model(torch.randn(4, 3)).square().sum().backward()
     before = [p.grad.clone() for p in model.parameters()]
@@ -161,3 +162,8 @@ def test_clipping_by_a_norm_the_shards_cannot_add_up_is_refused_before_any_chang
     assert all(torch.equal(p.grad, old) for p, old in zip(model.parameters(), before))
     expected = torch.nn.utils.get_total_norm([p.grad for p in model.parameters()], 3.0)
     assert torch.allclose(get_scheduler(model).clip_grad_norm_(1e6, 3.0), expected)
+    model.weight.grad[0, 0] = float("inf")  # torch's error_if_nonfinite: raised before any gradient changes
+    before = [p.grad.clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="non-finite, so it cannot be clipped"):
+        get_scheduler(model).clip_grad_norm_(1.0, error_if_nonfinite=True)
+    assert all(torch.equal(p.grad, old) for p, old in zip(model.parameters(), before))

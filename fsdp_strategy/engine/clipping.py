@@ -25,6 +25,7 @@ def clip_grad_norm(
     max_norm: float,
     norm_type: float = 2.0,
     parameters: Iterable[torch.Tensor] | None = None,
+    error_if_nonfinite: bool = False,
 ) -> torch.Tensor:
     """Clip the gradients of a model's ``sharded`` parameters (and its ``ignored_params``, this
     rank's own) by their global norm over ``shard_comm`` (see ``Scheduler.clip_grad_norm_``).
@@ -60,6 +61,11 @@ def clip_grad_norm(
         total = torch.maximum(total, term) if infinite else total + term.pow(norm_type)
     if not infinite:
         total = total.pow(1.0 / norm_type)
+    if error_if_nonfinite and not torch.isfinite(total):  # torch's check, before any gradient changes
+        raise RuntimeError(
+            f"The total norm of order {norm_type} for gradients is non-finite, so it cannot be clipped. To disable "
+            "this error and scale the gradients by the non-finite norm anyway, set `error_if_nonfinite=False`"
+        )
     clip_grads_with_norm_([*(p.sharded for p in params), *ignored], max_norm, total)
     return total
 

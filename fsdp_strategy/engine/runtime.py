@@ -381,18 +381,19 @@ class Scheduler:
 
     @torch.no_grad()
     def clip_grad_norm_(
-        self, max_norm: float, norm_type: float = 2.0, parameters: Iterable[torch.Tensor] | None = None
+        self,
+        max_norm: float,
+        norm_type: float = 2.0,
+        parameters: Iterable[torch.Tensor] | None = None,
+        error_if_nonfinite: bool = False,
     ) -> torch.Tensor:
         """Clip sharded gradients by their global norm over all ranks: torch's ``get_total_norm`` on
-        this rank's shards, one all-reduce, torch's ``clip_grads_with_norm_``.
-
-        ``parameters``: the sharded parameters to clip together (e.g. one optimizer's); default
-        all. Replicas (NO_SHARD, HYBRID_SHARD) hold the same shard, so the norm is reduced over
-        the shard group only, and over tensor parallel ([Note: clipping across TP]). Returns the
-        total norm before clipping, as ``clip_grad_norm_`` does.
-        """
-        shard_comm = self.root_unit.shard_comm
-        sharded = self.sharded_params()
-        return clip_grad_norm(
-            sharded, self.ignored_params, shard_comm, self.comm, self.device, max_norm, norm_type, parameters
-        )
+        this rank's shards, one all-reduce, torch's ``clip_grads_with_norm_``. ``parameters``: the
+        sharded parameters to clip together (e.g. one optimizer's); default all. Replicas (NO_SHARD,
+        HYBRID_SHARD) hold the same shard, so the norm is reduced over the shard group only, and over
+        tensor parallel ([Note: clipping across TP]). Returns the total norm before clipping, as
+        ``clip_grad_norm_`` does; ``error_if_nonfinite=True`` raises before clipping where it is not
+        finite (torch's meaning: a read of the norm on the host)."""
+        where = (self.root_unit.shard_comm, self.comm, self.device)
+        chosen = (max_norm, norm_type, parameters, error_if_nonfinite)
+        return clip_grad_norm(self.sharded_params(), self.ignored_params, *where, *chosen)
