@@ -13,12 +13,14 @@ sees this only where the branch runs in its few steps. So after every step of an
 is not one of torch's own (declared ones too), the ranks compare its param groups, and its
 attributes of scalar values and tensors (private ones too) and the entries of ``optimizer.state``
 under keys that are not parameters, in ``BUCKETS`` groups by name (as many on every rank):
-- each rank digests each group's values but ``params`` on the host (plain values: numbers,
-  strings, None and sequences of them, by value; a tensor by its shape and dtype; anything else by
-  its type), one 62-bit number per group, copied to the device without a host wait
-  (``DeviceLayer.copy_from_host``), and sums the bits of its small tensors (up to ``SMALL``
-  elements: a learning rate kept as a tensor, a 0-dim statistic) where they are, without reading
-  them;
+- each rank digests each group's values but ``params`` on the host (plain values: numbers, numpy's
+  scalars and small arrays, strings, None and sequences and dicts of them, by value; a tensor by its
+  shape and dtype; anything else by its type), one 62-bit number per group, copied to the device
+  without a host wait (``DeviceLayer.copy_from_host``), and hashes its small tensors (up to
+  ``SMALL`` elements: a learning rate kept as a tensor, ``betas`` as a tuple of tensors, a 0-dim
+  statistic) where they are, without reading them: each element's exact bits (as float64, or int64 for integers) mixed
+  with its place (splitmix64's finalizer, on the device) and summed, so two values that differ
+  agree only by a 64-bit collision, not by cancelling each other (a plain weighted sum did);
 - one all-reduce MAX over the shard group of these two words per group and their negations: they
   agree where the maximum equals the minimum;
 - the verdict goes to the host as a ``HostCopy`` and is read by the rule of ``LostEdits``
@@ -31,10 +33,11 @@ under keys that are not parameters, in ``BUCKETS`` groups by name (as many on ev
   harmlessly; a statistic the update reads does not, and the warning says so): ending a healthy job
   for its bookkeeping would be worse.
 Not seen: a value every rank sets alike from what each holds (the number of elements it steps, equal
-across ranks by the padding) and a container attribute. Costs per step of such an optimizer: a
-digest of its values on the host (microseconds), an all-reduce of 32 bytes per group (and 8 x 32
-for the attributes) and a copy of one byte per group to the host. torch's own optimizers set no
-group value from data and are not checked.
+across ranks by the padding), a container attribute, and a tensor of more than ``SMALL`` elements
+that keeps its shape. Costs per step of such an optimizer: a digest of its values on the host
+(microseconds), about 20 elementwise ops per small tensor value (its hash), an all-reduce of 32
+bytes per group (and 8 x 32 for the attributes) and a copy of one byte per group to the host.
+torch's own optimizers set no group value from data and are not checked.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ import hashlib
 import logging
 import weakref
 from collections import deque
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -94,19 +98,16 @@ class GroupAgreement:
         self.raise_due()
 
     def _checksum(self, values: dict[str, Any]) -> torch.Tensor | None:
-        """A checksum of the small tensors among ``values`` (a learning rate kept as a tensor), computed
-        where they are, without reading them: their float64 bits, weighted by position, summed with
-        wrap-around; None where there are none. A tensor of more than ``SMALL`` elements counts by its
-        shape only (the digest)."""
+        """A hash of the small tensors among ``values`` at any depth (a learning rate kept as a tensor,
+        ``betas`` as a tuple of tensors), computed where they are, without reading them: per element,
+        its exact bits mixed with its place, summed with wrap-around; None where there are none. A tensor
+        of more than ``SMALL`` elements counts by its shape only (the digest)."""
         total = None
-        for position, key in enumerate(sorted(values)):
-            value = values[key]
-            if torch.is_tensor(value) and 0 < value.numel() <= SMALL and not value.is_complex():
-                exact = value.detach().reshape(-1).to(torch.float64)
-                bits = DeviceLayer.copy_from_host(exact, self._device).view(torch.int64)
-                weights = torch.arange(1, bits.numel() + 1, device=self._device, dtype=torch.int64)
-                term = (bits * weights).sum() * (2 * position + 1)
-                total = term if total is None else total + term
+        for place, value in _small_tensors(values, ""):
+            bits = DeviceLayer.copy_from_host(_exact_bits(value), self._device)
+            places = torch.arange(bits.numel(), device=self._device, dtype=torch.int64) + _digest({"place": place})
+            term = _mix(_mix(bits) + _mix(places)).sum()
+            total = term if total is None else total + term
         return total
 
     def raise_due(self, everything: bool = False) -> None:
@@ -189,4 +190,46 @@ def _plain(value: Any) -> Any:
         return tuple(sorted((repr(_plain(k)), _plain(v)) for k, v in value.items()))
     if torch.is_tensor(value):
         return ("tensor", tuple(value.shape), str(value.dtype))
+    if all(hasattr(value, name) for name in ("tobytes", "shape", "dtype", "size")):  # numpy's scalars and arrays
+        small = value.size <= SMALL  # np.float32(0.01) by its bytes
+        return ("array", tuple(value.shape), str(value.dtype), value.tobytes().hex() if small else None)
     return ("object", type(value).__qualname__)
+
+
+def _small_tensors(value: Any, place: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of 1 to ``SMALL`` elements in ``value`` (a param group's values, at any depth of
+    lists, tuples and dicts), each with its place in it (``['betas'][0]``)."""
+    if torch.is_tensor(value):
+        if 0 < value.numel() <= SMALL:
+            yield place, value
+    elif isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            yield from _small_tensors(item, f"{place}[{index}]")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            yield from _small_tensors(item, f"{place}[{key!r}]")
+
+
+def _exact_bits(value: torch.Tensor) -> torch.Tensor:
+    """``value``'s elements as int64 words that are equal only where the values are: integers (and
+    bools) as themselves, floating and complex ones by the bits of their float64 parts (exact for every
+    dtype up to float64: -0.0 and each NaN payload apart). On ``value``'s device; nothing is read."""
+    flat = value.detach().reshape(-1)
+    if flat.is_complex():
+        flat = torch.view_as_real(flat).reshape(-1)
+    if not flat.is_floating_point():
+        return flat.to(torch.int64)
+    return flat.to(torch.float64).contiguous().view(torch.int64)
+
+
+_MIX = (0xBF58476D1CE4E5B9 - 2**64, 0x94D049BB133111EB - 2**64)  # splitmix64's multipliers, as int64
+
+
+def _mix(words: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finalizer on int64 words (a bijection; wrap-around multiplies, logical shifts), so
+    that sums of mixed words collide by chance only, not by one value's change cancelling another's."""
+    for shift, multiplier in ((30, _MIX[0]), (27, _MIX[1]), (31, None)):
+        words = words ^ ((words >> shift) & ((1 << (64 - shift)) - 1))
+        if multiplier is not None:
+            words = words * multiplier
+    return words
