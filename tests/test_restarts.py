@@ -223,7 +223,9 @@ def test_slurm_requeue_saves_sharded_and_resumes_exactly(tmp_path, uninterrupted
 
 
 def _attempt(rank: int, port: int, delay: float, queue) -> None:
-    """One rank of one attempt: the agreed store, a gloo group on it and an all-reduce."""
+    """One rank of one attempt: the agreed store, a gloo group on it and an all-reduce. A key every
+    rank writes after the all-reduce must not be there before it (an earlier attempt wrote it): the
+    gloo group alone finds stale keys only by a race (whether a peer rewrites its address in time)."""
     import torch
     import torch.distributed as dist
 
@@ -232,11 +234,13 @@ def _attempt(rank: int, port: int, delay: float, queue) -> None:
     time.sleep(delay)
     try:
         store = rendezvous.attempt_store("127.0.0.1", port, rank, 2, timedelta(seconds=10))
+        earlier = store.check([f"attempt ended/{rank}"])
         dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=10))
         total = torch.tensor([rank + 1.0])
         dist.all_reduce(total)
         dist.destroy_process_group()
-        queue.put((rank, total.item()))
+        store.set(f"attempt ended/{rank}", "")
+        queue.put((rank, "read a key of an earlier attempt" if earlier else total.item()))
     except Exception as error:  # the test prints it
         queue.put((rank, f"{type(error).__name__}: {error}"))
 
