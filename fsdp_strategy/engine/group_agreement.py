@@ -18,9 +18,10 @@ under keys that are not parameters, in ``BUCKETS`` groups by name (as many on ev
   shape and dtype; anything else by its type), one 62-bit number per group, copied to the device
   without a host wait (``DeviceLayer.copy_from_host``), and hashes its small tensors (up to
   ``SMALL`` elements: a learning rate kept as a tensor, ``betas`` as a tuple of tensors, a 0-dim
-  statistic) where they are, without reading them: each element's exact bits (as float64, or int64 for integers) mixed
-  with its place (splitmix64's finalizer, on the device) and summed, so two values that differ
-  agree only by a 64-bit collision, not by cancelling each other (a plain weighted sum did);
+  statistic) where they are, without reading them: each element's exact bits (as float64, or
+  int64 for integers) mixed with its place (splitmix64's finalizer, on the device) and summed, so
+  two values that differ agree only by a 64-bit collision, not by cancelling each other (a plain
+  weighted sum did);
 - one all-reduce MAX over the shard group of these two words per group and their negations: they
   agree where the maximum equals the minimum;
 - the verdict goes to the host as a ``HostCopy`` and is read by the rule of ``LostEdits``
