@@ -1,12 +1,16 @@
 """A param group value one rank changed is an error on every rank, whatever the value is kept as
-([Note: param groups agree]): tensors inside a tuple (``betas``), numpy's scalars, integer tensors past
-2^53, -0.0, and two tensor values whose changes would cancel in a sum of their bits. Real gloo ranks,
-an optimizer that is not torch's own (the only ones compared), the default wrapping and per-Linear
-units; the unchanged control trains to one process's weights."""
+([Note: param groups agree]): tensors inside a tuple (``betas``), numpy's scalars, ``Fraction``, enum
+members, integer tensors past 2^53, -0.0, and two tensor values whose changes would cancel in a sum of
+their bits; also where the change makes that rank alone measure the optimizer again. Values equal on
+every rank (an object key, a numpy object array, dtype keys) are no error. Real gloo ranks, an optimizer
+that is not torch's own (the only ones compared), the default wrapping and per-Linear units; what every
+rank agrees on trains to one process's weights."""
 
 from __future__ import annotations
 
+import enum
 import math
+from fractions import Fraction
 
 import numpy as np
 import torch
@@ -23,8 +27,9 @@ CHANGED_BEFORE = 2  # rank 1 changes the value before this step (counted from 0)
 class PlainSGD(torch.optim.Optimizer):
     """SGD with weight decay, reading ``lr``, ``betas[0]`` and ``momentum`` as plain numbers or tensors."""
 
-    def __init__(self, params, lr, betas=(1.0, 0.99), momentum=1.0, weight_decay=0.0):
-        super().__init__(params, {"lr": lr, "betas": betas, "momentum": momentum, "weight_decay": weight_decay})
+    def __init__(self, params, lr, betas=(1.0, 0.99), momentum=1.0, weight_decay=0.0, **others):
+        defaults = {"lr": lr, "betas": betas, "momentum": momentum, "weight_decay": weight_decay}
+        super().__init__(params, {**defaults, **others})
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -46,8 +51,40 @@ def _cancelling(optimizer: PlainSGD) -> None:
     group["momentum"].view(torch.int64).sub_(3)
 
 
-CASES = {  # name -> (the optimizer's settings, what rank 1 changes)
+class Phase(enum.Enum):
+    ADAM = 1
+    SGD = 2
+
+
+def _weight_decay_raised(optimizer: PlainSGD) -> None:
+    optimizer.param_groups[0]["weight_decay"] = 0.01  # from 0: may switch a branch, so it is measured again
+
+
+AGREED = {  # name -> (the optimizer's settings, what every rank changes): no error, one process's weights
     "unchanged": (lambda: {"lr": torch.tensor(0.01)}, None),
+    "weight decay raised from 0 on every rank (measured again)": (lambda: {"lr": 0.01}, _weight_decay_raised),
+    "equal values kept as objects": (
+        lambda: {
+            "lr": 0.01,
+            "held": np.array([float("0.9")], dtype=object),  # its bytes are addresses, other ones on each rank
+            "by_dtype": {torch.float32: None, torch.bfloat16: 0.1},  # keys alike as plain data: not sorted by value
+            "phase": Phase.ADAM,
+        },
+        None,
+    ),
+}
+MEASURED_APART = {  # name -> (settings, what rank 1 changes): measured again on rank 1 only
+    "weight decay raised from 0": (lambda: {"lr": 0.01}, _weight_decay_raised),
+    "a tensor weight decay filled in place with its own value": (
+        lambda: {"lr": 0.01, "weight_decay": torch.tensor(0.0)},
+        lambda optimizer: optimizer.param_groups[0]["weight_decay"].fill_(0.0),
+    ),
+    "an enum member": (
+        lambda: {"lr": 0.01, "phase": Phase.ADAM},
+        lambda optimizer: optimizer.param_groups[0].__setitem__("phase", Phase.SGD),
+    ),
+}
+CASES = {  # name -> (settings, what rank 1 changes): a value that differs, measured again nowhere
     "betas a tuple of tensors, one ulp": (
         lambda: {"lr": 0.01, "betas": (torch.tensor(0.9), torch.tensor(0.99))},
         lambda optimizer: _next_up(optimizer.param_groups[0]["betas"][0]),
@@ -59,6 +96,10 @@ CASES = {  # name -> (the optimizer's settings, what rank 1 changes)
     "two tensors whose bits change by +3 and -3": (
         lambda: {"lr": torch.tensor(0.01, dtype=torch.float64), "momentum": torch.tensor(0.5, dtype=torch.float64)},
         _cancelling,
+    ),
+    "a Fraction learning rate": (
+        lambda: {"lr": Fraction(1, 100)},
+        lambda optimizer: optimizer.param_groups[0].__setitem__("lr", Fraction(1, 50)),
     ),
     "an int64 tensor past 2^53, plus one": (
         lambda: {"lr": 0.01, "momentum": torch.tensor(2**60)},
@@ -81,13 +122,14 @@ def _batches() -> list[torch.Tensor]:
     return [torch.randn(6, 6, dtype=torch.float64, generator=generator) for _ in range(4)]
 
 
-def _train(model: nn.Module, optimizer: PlainSGD, change, rank: int, world: int) -> str:
-    """Train on this rank's rows of each batch; rank 1 applies ``change`` before step ``CHANGED_BEFORE``."""
+def _train(model: nn.Module, optimizer: PlainSGD, change, rank: int | None, world: int) -> str:
+    """Train on this rank's rows of each batch (``rank`` None: one process on the global batch); ``change``
+    before step ``CHANGED_BEFORE``."""
     try:
         for step, batch in enumerate(_batches()):
-            if step == CHANGED_BEFORE and rank == 1 and change is not None:
+            if step == CHANGED_BEFORE and change is not None:
                 change(optimizer)
-            model(batch.chunk(world)[rank]).square().mean().backward()
+            model(batch if rank is None else batch.chunk(world)[rank]).square().mean().backward()
             optimizer.step()
             optimizer.zero_grad()
     except RuntimeError as error:
@@ -96,30 +138,38 @@ def _train(model: nn.Module, optimizer: PlainSGD, change, rank: int, world: int)
 
 
 def _body(rank: int, world: int) -> dict:
-    out = {}
+    padding = [object() for _ in range(1000 * rank)]  # objects at other addresses on each rank, as in processes
+    out = {"padding": len(padding)}
     for wrapping, options in WRAPPINGS.items():
-        for name, (settings, change) in CASES.items():
-            model = shard_model(_mlp(), **options)
-            error = _train(model, PlainSGD(model.parameters(), **settings()), change, rank, world)
+        for name, (settings, change) in {**AGREED, **MEASURED_APART, **CASES}.items():
+            model = shard_model(_mlp(), collective_timeout=20, **options)  # a hang ends in 20 s
+            changed = change if name in AGREED or rank == 1 else None
+            error = _train(model, PlainSGD(model.parameters(), **settings()), changed, rank, world)
             out[(wrapping, name)] = (error, full_state_dict(model, rank0_only=False))
             get_scheduler(model).close()
     return out
 
 
 def test_a_value_one_rank_changed_is_an_error_on_every_rank_however_it_is_kept(tmp_path):
+    """Also where the change makes only that rank measure the optimizer again (before: a hang until the
+    collective timeout, the ranks in two different collectives)."""
     ranks = run_ranks(_body, 2, tmp_path, timeout=240)
-    model = _mlp()
-    optimizer = PlainSGD(model.parameters(), **CASES["unchanged"][0]())
-    for batch in _batches():  # one process on the global batch: the mean over both ranks' rows
-        model(batch).square().mean().backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    oracle = {}
+    for name, (settings, change) in AGREED.items():
+        model = _mlp()
+        assert not _train(model, PlainSGD(model.parameters(), **settings()), change, None, 2)
+        oracle[name] = model.state_dict()
+    changed = f"param group 0 holds other values on other ranks after its step {CHANGED_BEFORE + 1}"
     for results in ranks:
+        del results["padding"]
         for (wrapping, name), (error, weights) in results.items():
-            if name == "unchanged":
-                assert not error, (wrapping, error)
-                for key, value in model.state_dict().items():
+            if name in AGREED:
+                assert not error, (wrapping, name, error)
+                for key, value in oracle[name].items():
                     torch.testing.assert_close(weights[key], value, rtol=1e-12, atol=1e-12)
+            elif name in MEASURED_APART:
+                assert (
+                    "PlainSGD's param groups or attributes were changed between its steps on some ranks only" in error
+                )
             else:
-                expected = f"param group 0 holds other values on other ranks after its step {CHANGED_BEFORE + 1}"
-                assert f"PlainSGD's {expected}" in error, (wrapping, name, error)
+                assert f"PlainSGD's {changed}" in error, (wrapping, name, error)

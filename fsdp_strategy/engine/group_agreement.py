@@ -13,9 +13,10 @@ sees this only where the branch runs in its few steps. So after every step of an
 is not one of torch's own (declared ones too), the ranks compare its param groups, and its
 attributes of scalar values and tensors (private ones too) and the entries of ``optimizer.state``
 under keys that are not parameters, in ``BUCKETS`` groups by name (as many on every rank):
-- each rank digests each group's values but ``params`` on the host (plain values: numbers, numpy's
-  scalars and small arrays, strings, None and sequences and dicts of them, by value; a tensor by its
-  shape and dtype; anything else by its type), one 62-bit number per group, copied to the device
+- each rank digests each group's values but ``params`` on the host (plain values: numbers of any kind,
+  numpy's scalars and small arrays, strings, enum members, dtypes, dataclasses, None and sequences,
+  sets and dicts of them, by value, never by an address; a tensor by its shape and dtype; anything
+  else by its type), one 62-bit number per group, copied to the device
   without a host wait (``DeviceLayer.copy_from_host``), and hashes its small tensors (up to
   ``SMALL`` elements: a learning rate kept as a tensor, ``betas`` as a tuple of tensors, a 0-dim
   statistic) where they are, without reading them: each element's exact bits (as float64, or
@@ -33,6 +34,13 @@ under keys that are not parameters, in ``BUCKETS`` groups by name (as many on ev
   are a warning, once, naming the few they may be (a timer or a record of each rank's loss differs
   harmlessly; a statistic the update reads does not, and the warning says so): ending a healthy job
   for its bookkeeping would be worse.
+A value changed between steps on some ranks only, in a way that may switch a branch of the update
+([Note: measure what will run] in optimizer_kinds.py), makes only those ranks measure the optimizer
+again: before measuring, each compares its groups with a mark (``before_measuring``, read at once),
+which meets the other ranks' comparison after their step (same size, same place in their order of
+collectives) and every rank raises, instead of the ranks waiting in two different collectives until
+the collective timeout. Not for an optimizer placed whole: there the other ranks' next collective
+gathers its matrices, and they still wait for the timeout.
 Not seen: a value every rank sets alike from what each holds (the number of elements it steps, equal
 across ranks by the padding), a container attribute, and a tensor of more than ``SMALL`` elements
 that keeps its shape. Costs per step of such an optimizer: a digest of its values on the host
@@ -43,8 +51,11 @@ torch's own optimizers set no group value from data and are not checked.
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import hashlib
 import logging
+import numbers
 import weakref
 from collections import deque
 from collections.abc import Iterator
@@ -62,10 +73,11 @@ log = logging.getLogger(__name__)
 
 
 class _Sent(NamedTuple):
-    copy: HostCopy  # per group: whether the ranks' values differ
+    copy: HostCopy  # per group, then the mark: whether the ranks' values differ
     optimizer: str  # its class's name
     step: int  # of this optimizer, counted from 1
     groups: list[dict[str, Any]]  # this rank's values after that step, for the error
+    measuring: bool  # sent before a measurement again ([Note: param groups agree]), not after a step
 
 
 class GroupAgreement:
@@ -82,21 +94,31 @@ class GroupAgreement:
         """Start the comparison of ``optimizer``'s groups after its step (every rank, at the same
         place); reads nothing. Then raises for the comparisons that are due."""
         step = self._steps[optimizer] = self._steps.get(optimizer, 0) + 1
+        self._sent.append(self._compare(optimizer, step, measuring=False))
+        self.raise_due()
+
+    def before_measuring(self, optimizer: torch.optim.Optimizer) -> None:
+        """Before ``optimizer`` is measured again for values changed since its last step: the same
+        comparison, marked, read at once (the measurement reads on the host anyway). Where only some
+        ranks measure, it meets the others' comparison after their step: every rank raises."""
+        self._sent.append(self._compare(optimizer, self._steps.get(optimizer, 0), measuring=True))
+        self.raise_due(everything=True)
+
+    def _compare(self, optimizer: torch.optim.Optimizer, step: int, measuring: bool) -> _Sent:
+        """One all-reduce MAX of each group's digest and tensor hash, and the mark, with their negations."""
         groups = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
         groups += _attribute_buckets(optimizer)
-        digests = [_digest(values) for values in groups]
-        host_words = torch.tensor(digests + [0] * len(groups), dtype=torch.int64, device="cpu")
-        words = DeviceLayer.copy_from_host(host_words, self._device)
+        rows = [[_digest(values) for values in groups] + [int(measuring)], [0] * (len(groups) + 1)]
+        words = DeviceLayer.copy_from_host(torch.tensor(rows, dtype=torch.int64, device="cpu"), self._device)
         for index, values in enumerate(groups):  # only where a group holds small tensors: no launch otherwise
             checksum = self._checksum(values)
             if checksum is not None:
-                words[len(groups) + index] = checksum
+                words[1, index] = checksum
         both = torch.cat([words, -words])
         collectives.all_reduce(both, self._comm, self._ctx, "param groups", op="max").wait()
         highest, lowest = both.view(2, 2, -1)
         differ = (highest != -lowest).any(dim=0)
-        self._sent.append(_Sent(DeviceLayer.copy_to_host(differ), type(optimizer).__name__, step, groups))
-        self.raise_due()
+        return _Sent(DeviceLayer.copy_to_host(differ), type(optimizer).__name__, step, groups, measuring)
 
     def _checksum(self, values: dict[str, Any]) -> torch.Tensor | None:
         """A hash of the small tensors among ``values`` at any depth (a learning rate kept as a tensor,
@@ -121,12 +143,15 @@ class GroupAgreement:
         for _ in range(due):
             sent = self._sent.popleft()
             differ = sent.copy.wait().tolist()  # host memory, landed: no device wait inside a step
-            groups = len(differ) - BUCKETS
+            groups = len(differ) - BUCKETS - 1
+            if differ[-1]:
+                self._sent.clear()
+                raise RuntimeError(_measured_apart(sent))
             if any(differ[:groups]):
                 self._sent.clear()
                 _raise_for(sent, differ.index(True))
             names = sorted(
-                name for bucket, apart in zip(sent.groups[groups:], differ[groups:]) if apart for name in bucket
+                name for bucket, apart in zip(sent.groups[groups:], differ[groups:-1]) if apart for name in bucket
             )
             if names and (sent.optimizer, tuple(names)) not in self._said:
                 self._said.add((sent.optimizer, tuple(names)))
@@ -144,6 +169,19 @@ def _raise_for(sent: _Sent, index: int) -> None:
         "metric: log it with sync_dist=True). The ranks would go on with different settings and a checkpoint "
         "would keep rank 0's. In the first case sharding_strategy='NO_SHARD' (every rank steps whole "
         "parameters, as DDP) works with it"
+    )
+
+
+def _measured_apart(sent: _Sent) -> str:
+    values = {k: v for k, v in sent.groups[0].items() if not torch.is_tensor(v) or v.numel() <= SMALL}
+    when = f"since its step {sent.step}" if sent.measuring else f"before its step {sent.step}"
+    return (
+        f"fsdp_custom: {sent.optimizer}'s param groups or attributes were changed between its steps on some ranks "
+        f"only: {'here' if sent.measuring else 'on other ranks'} a value that may switch a branch of its update "
+        f"changed {when}, so it is measured again there before it steps, and not on the "
+        f"{'other ranks' if sent.measuring else 'ranks where nothing changed, this one'} (group 0 here: {values}). "
+        "Change param group values and attributes on every rank alike (a scheduler fed each rank's own metric: "
+        "log it with sync_dist=True)"
     )
 
 
@@ -182,19 +220,36 @@ def _digest(values: dict[str, Any]) -> int:
 
 
 def _plain(value: Any) -> Any:
-    """``value`` as plain data whose ``repr`` is the same in every process: no addresses."""
+    """``value`` as plain data whose ``repr`` is the same in every process for equal values: no
+    addresses, no set order. Numbers of any kind (numpy's, ``Fraction``, ``Decimal``), enum members,
+    dtypes, devices and dataclasses by value; another object by its type only."""
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, (list, tuple)):
         return tuple(_plain(item) for item in value)
     if isinstance(value, dict):
-        return tuple(sorted((repr(_plain(k)), _plain(v)) for k, v in value.items()))
+        return tuple(sorted(((repr(_plain(k)), _plain(v)) for k, v in value.items()), key=_first))
+    if isinstance(value, (set, frozenset)):
+        return ("set", tuple(sorted(repr(_plain(item)) for item in value)))
     if torch.is_tensor(value):
         return ("tensor", tuple(value.shape), str(value.dtype))
     if all(hasattr(value, name) for name in ("tobytes", "shape", "dtype", "size")):  # numpy's scalars and arrays
+        if value.dtype.hasobject:  # its bytes are addresses
+            return ("array", tuple(value.shape), _plain(value.tolist()) if value.size <= SMALL else None)
         small = value.size <= SMALL  # np.float32(0.01) by its bytes
         return ("array", tuple(value.shape), str(value.dtype), value.tobytes().hex() if small else None)
+    if isinstance(value, enum.Enum):
+        return ("enum", type(value).__qualname__, value.name)
+    if isinstance(value, (numbers.Number, torch.dtype, torch.device)):  # Fraction(1, 20), torch.bfloat16
+        return (type(value).__qualname__, repr(value))
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = dataclasses.fields(value)
+        return (type(value).__qualname__, tuple((f.name, _plain(getattr(value, f.name))) for f in fields))
     return ("object", type(value).__qualname__)
+
+
+def _first(pair: tuple[str, Any]) -> str:
+    return pair[0]
 
 
 def _small_tensors(value: Any, place: str) -> Iterator[tuple[str, torch.Tensor]]:
@@ -208,7 +263,7 @@ def _small_tensors(value: Any, place: str) -> Iterator[tuple[str, torch.Tensor]]
             yield from _small_tensors(item, f"{place}[{index}]")
     elif isinstance(value, dict):
         for key, item in value.items():
-            yield from _small_tensors(item, f"{place}[{key!r}]")
+            yield from _small_tensors(item, f"{place}[{_plain(key)!r}]")
 
 
 def _exact_bits(value: torch.Tensor) -> torch.Tensor:

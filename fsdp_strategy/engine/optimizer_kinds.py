@@ -160,6 +160,11 @@ class OptimizerKinds:
             return UpdateKind.WHOLE_MATRIX
         return measured[shapes]
 
+    def measures_again(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``of`` will measure ``optimizer`` again: a value that may switch a branch changed since
+        its last step (on this rank: [Note: param groups agree] makes sure every rank does)."""
+        return self.known(optimizer) is None and bool(self._changed_since_step(optimizer))
+
     def stepped(self, optimizer: torch.optim.Optimizer) -> None:
         """After a step of a measured optimizer: its param group values then, to tell at the next step
         which ones were changed in between (by the user or a scheduler) from those its step changes."""

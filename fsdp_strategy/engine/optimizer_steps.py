@@ -175,6 +175,8 @@ class OptimizerSteps:
         placement.abandon(optimizer)  # a previous step of it that raised
 
         def ready() -> None:
+            if self._agreement is not None and self._kinds.measures_again(optimizer):
+                self._agreement.before_measuring(optimizer)  # only some ranks measuring: an error, not a hang
             if self._kinds.of(optimizer) is UpdateKind.WHOLE_MATRIX:
                 if split:
                     raise _refused_on_blocks(optimizer, split, UpdateKind.WHOLE_MATRIX)
