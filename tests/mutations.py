@@ -360,6 +360,14 @@ MUTATIONS = [
         ("tests/test_group_agreement.py::test_a_value_one_rank_changed_is_an_error_on_every_rank_however_it_is_kept",),
     ),
     Mutation(
+        "group_placed_whole_not_compared_before",
+        "an optimizer placed whole is not compared before its step (a rank measuring it again alone: a hang)",
+        "fsdp_strategy/engine/optimizer_steps.py",
+        "            elif self._agreement is not None and self._kinds.placed_whole(optimizer):\n",
+        "            elif False:\n",
+        ("tests/test_group_agreement.py::test_a_value_one_rank_changed_is_an_error_on_every_rank_however_it_is_kept",),
+    ),
+    Mutation(
         "group_values_by_type",
         "the agreement after a step compares a param group's Fraction, enum and other non-builtin values by type",
         "fsdp_strategy/engine/group_agreement.py",

@@ -40,6 +40,19 @@ class PlainSGD(torch.optim.Optimizer):
                     param.mul_(1 - float(group["lr"]) * group["weight_decay"]).sub_(param.grad * scale)
 
 
+class NormSGD(PlainSGD):
+    """Steps each parameter by its gradient over the gradient's norm: measured as reading each one whole,
+    so placed whole ([Note: whole-matrix placement])."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    param.mul_(1 - float(group["lr"]) * group["weight_decay"])
+                    param.sub_(param.grad / param.grad.norm().clamp_min(1e-12) * float(group["lr"]))
+
+
 def _next_up(tensor: torch.Tensor) -> None:
     tensor.copy_(torch.nextafter(tensor, torch.full_like(tensor, math.inf)))
 
@@ -74,6 +87,7 @@ AGREED = {  # name -> (the optimizer's settings, what every rank changes): no er
     ),
 }
 MEASURED_APART = {  # name -> (settings, what rank 1 changes): measured again on rank 1 only
+    "placed whole, weight decay raised from 0": (lambda: {"lr": 0.01, "placed_whole": True}, _weight_decay_raised),
     "weight decay raised from 0": (lambda: {"lr": 0.01}, _weight_decay_raised),
     "a tensor weight decay filled in place with its own value": (
         lambda: {"lr": 0.01, "weight_decay": torch.tensor(0.0)},
@@ -144,7 +158,9 @@ def _body(rank: int, world: int) -> dict:
         for name, (settings, change) in {**AGREED, **MEASURED_APART, **CASES}.items():
             model = shard_model(_mlp(), collective_timeout=20, **options)  # a hang ends in 20 s
             changed = change if name in AGREED or rank == 1 else None
-            error = _train(model, PlainSGD(model.parameters(), **settings()), changed, rank, world)
+            values = settings()
+            kind = NormSGD if values.pop("placed_whole", False) else PlainSGD
+            error = _train(model, kind(model.parameters(), **values), changed, rank, world)
             out[(wrapping, name)] = (error, full_state_dict(model, rank0_only=False))
             get_scheduler(model).close()
     return out
@@ -168,8 +184,8 @@ def test_a_value_one_rank_changed_is_an_error_on_every_rank_however_it_is_kept(t
                 for key, value in oracle[name].items():
                     torch.testing.assert_close(weights[key], value, rtol=1e-12, atol=1e-12)
             elif name in MEASURED_APART:
-                assert (
-                    "PlainSGD's param groups or attributes were changed between its steps on some ranks only" in error
-                )
+                kind = "NormSGD" if "placed whole" in name else "PlainSGD"
+                apart = "param groups or attributes were changed between its steps on some ranks only"
+                assert f"{kind}'s {apart}" in error, (wrapping, name, error)
             else:
                 assert f"PlainSGD's {changed}" in error, (wrapping, name, error)

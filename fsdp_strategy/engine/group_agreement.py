@@ -39,8 +39,9 @@ A value changed between steps on some ranks only, in a way that may switch a bra
 again: before measuring, each compares its groups with a mark (``before_measuring``, read at once),
 which meets the other ranks' comparison after their step (same size, same place in their order of
 collectives) and every rank raises, instead of the ranks waiting in two different collectives until
-the collective timeout. Not for an optimizer placed whole: there the other ranks' next collective
-gathers its matrices, and they still wait for the timeout.
+the collective timeout. An optimizer placed whole (whose next collective would gather its matrices)
+is compared before each step too (``before_placing``), for that comparison to meet: one all-reduce
+more per step, read like the one after it.
 Not seen: a value every rank sets alike from what each holds (the number of elements it steps, equal
 across ranks by the padding), a container attribute, and a tensor of more than ``SMALL`` elements
 that keeps its shape. Costs per step of such an optimizer: a digest of its values on the host
@@ -75,9 +76,9 @@ log = logging.getLogger(__name__)
 class _Sent(NamedTuple):
     copy: HostCopy  # per group, then the mark: whether the ranks' values differ
     optimizer: str  # its class's name
-    step: int  # of this optimizer, counted from 1
-    groups: list[dict[str, Any]]  # this rank's values after that step, for the error
-    measuring: bool  # sent before a measurement again ([Note: param groups agree]), not after a step
+    when: str  # "after its step 3", "before its step 4" (its steps counted from 1)
+    groups: list[dict[str, Any]]  # this rank's values then, for the error
+    measuring: bool  # sent before a measurement again ([Note: param groups agree])
 
 
 class GroupAgreement:
@@ -94,17 +95,27 @@ class GroupAgreement:
         """Start the comparison of ``optimizer``'s groups after its step (every rank, at the same
         place); reads nothing. Then raises for the comparisons that are due."""
         step = self._steps[optimizer] = self._steps.get(optimizer, 0) + 1
-        self._sent.append(self._compare(optimizer, step, measuring=False))
+        self._sent.append(self._compare(optimizer, f"after its step {step}", measuring=False))
         self.raise_due()
 
     def before_measuring(self, optimizer: torch.optim.Optimizer) -> None:
         """Before ``optimizer`` is measured again for values changed since its last step: the same
         comparison, marked, read at once (the measurement reads on the host anyway). Where only some
         ranks measure, it meets the others' comparison after their step: every rank raises."""
-        self._sent.append(self._compare(optimizer, self._steps.get(optimizer, 0), measuring=True))
+        self._sent.append(self._compare(optimizer, self._before_next(optimizer), measuring=True))
         self.raise_due(everything=True)
 
-    def _compare(self, optimizer: torch.optim.Optimizer, step: int, measuring: bool) -> _Sent:
+    def before_placing(self, optimizer: torch.optim.Optimizer) -> None:
+        """Before a step of ``optimizer`` placed whole that is not measured again here: the comparison
+        that meets a rank's ``before_measuring`` (the other ranks' next collective would gather its
+        matrices); reads nothing. Then raises for the comparisons that are due."""
+        self._sent.append(self._compare(optimizer, self._before_next(optimizer), measuring=False))
+        self.raise_due()
+
+    def _before_next(self, optimizer: torch.optim.Optimizer) -> str:
+        return f"before its step {self._steps.get(optimizer, 0) + 1}"
+
+    def _compare(self, optimizer: torch.optim.Optimizer, when: str, measuring: bool) -> _Sent:
         """One all-reduce MAX of each group's digest and tensor hash, and the mark, with their negations."""
         groups = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
         groups += _attribute_buckets(optimizer)
@@ -118,7 +129,7 @@ class GroupAgreement:
         collectives.all_reduce(both, self._comm, self._ctx, "param groups", op="max").wait()
         highest, lowest = both.view(2, 2, -1)
         differ = (highest != -lowest).any(dim=0)
-        return _Sent(DeviceLayer.copy_to_host(differ), type(optimizer).__name__, step, groups, measuring)
+        return _Sent(DeviceLayer.copy_to_host(differ), type(optimizer).__name__, when, groups, measuring)
 
     def _checksum(self, values: dict[str, Any]) -> torch.Tensor | None:
         """A hash of the small tensors among ``values`` at any depth (a learning rate kept as a tensor,
@@ -162,8 +173,8 @@ class GroupAgreement:
 def _raise_for(sent: _Sent, index: int) -> None:
     values = {k: v for k, v in sent.groups[index].items() if not torch.is_tensor(v) or v.numel() <= SMALL}
     raise RuntimeError(
-        f"fsdp_custom: {sent.optimizer}'s param group {index} holds other values on other ranks after its step "
-        f"{sent.step} (here: {values}). Either its step set them from the parameters this rank steps, which "
+        f"fsdp_custom: {sent.optimizer}'s param group {index} holds other values on other ranks {sent.when} "
+        f"(here: {values}). Either its step set them from the parameters this rank steps, which "
         "are not every parameter when they are sharded (a branch the measurement before its first step did not "
         "reach), or code between steps set them differently on each rank (a scheduler fed each rank's own "
         "metric: log it with sync_dist=True). The ranks would go on with different settings and a checkpoint "
@@ -174,21 +185,20 @@ def _raise_for(sent: _Sent, index: int) -> None:
 
 def _measured_apart(sent: _Sent) -> str:
     values = {k: v for k, v in sent.groups[0].items() if not torch.is_tensor(v) or v.numel() <= SMALL}
-    when = f"since its step {sent.step}" if sent.measuring else f"before its step {sent.step}"
+    here = "this rank measures it again" if sent.measuring else "this rank does not"
     return (
         f"fsdp_custom: {sent.optimizer}'s param groups or attributes were changed between its steps on some ranks "
-        f"only: {'here' if sent.measuring else 'on other ranks'} a value that may switch a branch of its update "
-        f"changed {when}, so it is measured again there before it steps, and not on the "
-        f"{'other ranks' if sent.measuring else 'ranks where nothing changed, this one'} (group 0 here: {values}). "
-        "Change param group values and attributes on every rank alike (a scheduler fed each rank's own metric: "
-        "log it with sync_dist=True)"
+        f"only (found {sent.when}): where a value that may switch a branch of its update changed, it is measured "
+        f"again before it steps, and the other ranks do not measure it ({here}; group 0 here: {values}). Change "
+        "param group values and attributes on every rank alike (a scheduler fed each rank's own metric: log it "
+        "with sync_dist=True)"
     )
 
 
 def _attributes_apart(sent: _Sent, names: list[str]) -> str:
     return (
         f"fsdp_custom: {sent.optimizer}'s attributes {names} (or one of them) hold other values on other ranks "
-        f"after its step {sent.step}. Harmless if its updates do not read them (a timer, a log of the loss); "
+        f"{sent.when}. Harmless if its updates do not read them (a timer, a log of the loss); "
         "if they do (a statistic of the gradients it steps, the closure's loss, which is each rank's own), the "
         "ranks train apart: sharding_strategy='NO_SHARD' (every rank steps whole parameters, as DDP) works "
         "with such an optimizer. Said once"

@@ -165,6 +165,10 @@ class OptimizerKinds:
         its last step (on this rank: [Note: param groups agree] makes sure every rank does)."""
         return self.known(optimizer) is None and bool(self._changed_since_step(optimizer))
 
+    def placed_whole(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether a measurement ever placed ``optimizer`` whole (the same on every rank)."""
+        return optimizer in self._placed_whole
+
     def stepped(self, optimizer: torch.optim.Optimizer) -> None:
         """After a step of a measured optimizer: its param group values then, to tell at the next step
         which ones were changed in between (by the user or a scheduler) from those its step changes."""
