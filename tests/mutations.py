@@ -355,8 +355,8 @@ MUTATIONS = [
         "group_measured_again_apart",
         "a rank that alone measures an optimizer again (a value changed there only) goes ahead unchecked (a hang)",
         "fsdp_strategy/engine/group_agreement.py",
-        "        rows = [[_digest(values) for values in groups] + [int(measuring)], [0] * (len(groups) + 1)]\n",
-        "        rows = [[_digest(values) for values in groups] + [0], [0] * (len(groups) + 1)]\n",
+        "[_digest(values) for values in buckets] + [len(groups), int(measuring)]",
+        "[_digest(values) for values in buckets] + [len(groups), 0]",
         ("tests/test_group_agreement.py::test_a_value_one_rank_changed_is_an_error_on_every_rank_however_it_is_kept",),
     ),
     Mutation(
@@ -365,6 +365,14 @@ MUTATIONS = [
         "fsdp_strategy/engine/optimizer_steps.py",
         "            elif self._agreement is not None and self._kinds.placed_whole(optimizer):\n",
         "            elif False:\n",
+        ("tests/test_group_agreement.py::test_a_value_one_rank_changed_is_an_error_on_every_rank_however_it_is_kept",),
+    ),
+    Mutation(
+        "group_count_not_compared",
+        "the agreement does not compare the number of param groups (one added on one rank: a less clear error)",
+        "fsdp_strategy/engine/group_agreement.py",
+        "[_digest(values) for values in buckets] + [len(groups), int(measuring)]",
+        "[_digest(values) for values in buckets] + [0, int(measuring)]",
         ("tests/test_group_agreement.py::test_a_value_one_rank_changed_is_an_error_on_every_rank_however_it_is_kept",),
     ),
     Mutation(

@@ -73,9 +73,29 @@ def _weight_decay_raised(optimizer: PlainSGD) -> None:
     optimizer.param_groups[0]["weight_decay"] = 0.01  # from 0: may switch a branch, so it is measured again
 
 
+LEFT_OUT: dict[int, nn.Parameter] = {}  # id of an optimizer -> the parameter it was built without
+
+
+def _optimizer(model: nn.Module, settings: dict) -> PlainSGD:
+    """A ``NormSGD`` for ``placed_whole``, else a ``PlainSGD``; ``leave_out``: without the last parameter."""
+    values = dict(settings)
+    kind = NormSGD if values.pop("placed_whole", False) else PlainSGD
+    params = list(model.parameters())
+    left_out = params.pop() if values.pop("leave_out", False) else None
+    optimizer = kind(params, **values)
+    LEFT_OUT[id(optimizer)] = left_out
+    return optimizer
+
+
+def _group_added(optimizer: PlainSGD) -> None:
+    """The last Linear's bias, which the optimizer was built without, as a group of its own."""
+    optimizer.add_param_group({"params": [LEFT_OUT[id(optimizer)]]})
+
+
 AGREED = {  # name -> (the optimizer's settings, what every rank changes): no error, one process's weights
     "unchanged": (lambda: {"lr": torch.tensor(0.01)}, None),
     "weight decay raised from 0 on every rank (measured again)": (lambda: {"lr": 0.01}, _weight_decay_raised),
+    "a param group added on every rank (measured again)": (lambda: {"lr": 0.01, "leave_out": True}, _group_added),
     "equal values kept as objects": (
         lambda: {
             "lr": 0.01,
@@ -87,6 +107,7 @@ AGREED = {  # name -> (the optimizer's settings, what every rank changes): no er
     ),
 }
 MEASURED_APART = {  # name -> (settings, what rank 1 changes): measured again on rank 1 only
+    "a param group added": (lambda: {"lr": 0.01, "leave_out": True}, _group_added),
     "placed whole, weight decay raised from 0": (lambda: {"lr": 0.01, "placed_whole": True}, _weight_decay_raised),
     "weight decay raised from 0": (lambda: {"lr": 0.01}, _weight_decay_raised),
     "a tensor weight decay filled in place with its own value": (
@@ -158,9 +179,7 @@ def _body(rank: int, world: int) -> dict:
         for name, (settings, change) in {**AGREED, **MEASURED_APART, **CASES}.items():
             model = shard_model(_mlp(), collective_timeout=20, **options)  # a hang ends in 20 s
             changed = change if name in AGREED or rank == 1 else None
-            values = settings()
-            kind = NormSGD if values.pop("placed_whole", False) else PlainSGD
-            error = _train(model, kind(model.parameters(), **values), changed, rank, world)
+            error = _train(model, _optimizer(model, settings()), changed, rank, world)
             out[(wrapping, name)] = (error, full_state_dict(model, rank0_only=False))
             get_scheduler(model).close()
     return out
@@ -173,7 +192,7 @@ def test_a_value_one_rank_changed_is_an_error_on_every_rank_however_it_is_kept(t
     oracle = {}
     for name, (settings, change) in AGREED.items():
         model = _mlp()
-        assert not _train(model, PlainSGD(model.parameters(), **settings()), change, None, 2)
+        assert not _train(model, _optimizer(model, settings()), change, None, 2)
         oracle[name] = model.state_dict()
     changed = f"param group 0 holds other values on other ranks after its step {CHANGED_BEFORE + 1}"
     for results in ranks:
@@ -185,7 +204,10 @@ def test_a_value_one_rank_changed_is_an_error_on_every_rank_however_it_is_kept(t
                     torch.testing.assert_close(weights[key], value, rtol=1e-12, atol=1e-12)
             elif name in MEASURED_APART:
                 kind = "NormSGD" if "placed whole" in name else "PlainSGD"
-                apart = "param groups or attributes were changed between its steps on some ranks only"
-                assert f"{kind}'s {apart}" in error, (wrapping, name, error)
+                apart = f"{kind}'s param groups or attributes were changed between its steps on some ranks only"
+                if "added" in name:
+                    apart = f"{kind} holds"
+                    assert "param group(s) here and another number on other ranks" in error, (wrapping, error)
+                assert apart in error, (wrapping, name, error)
             else:
                 assert f"PlainSGD's {changed}" in error, (wrapping, name, error)

@@ -16,23 +16,27 @@ under keys that are not parameters, in ``BUCKETS`` groups by name (as many on ev
 - each rank digests each group's values but ``params`` on the host (plain values: numbers of any kind,
   numpy's scalars and small arrays, strings, enum members, dtypes, dataclasses, None and sequences,
   sets and dicts of them, by value, never by an address; a tensor by its shape and dtype; anything
-  else by its type), one 62-bit number per group, copied to the device
-  without a host wait (``DeviceLayer.copy_from_host``), and hashes its small tensors (up to
+  else by its type), one 62-bit number per group (mixed with its index; group i added into word
+  i % ``GROUP_SLOTS``, so the words are as many on every rank whatever groups each holds, their
+  number one word more), copied to the device without a host wait
+  (``DeviceLayer.copy_from_host``), and hashes its small tensors (up to
   ``SMALL`` elements: a learning rate kept as a tensor, ``betas`` as a tuple of tensors, a 0-dim
   statistic) where they are, without reading them: each element's exact bits (as float64, or
   int64 for integers) mixed with its place (splitmix64's finalizer, on the device) and summed, so
   two values that differ agree only by a 64-bit collision, not by cancelling each other (a plain
   weighted sum did);
-- one all-reduce MAX over the shard group of these two words per group and their negations: they
-  agree where the maximum equals the minimum;
+- one all-reduce MAX over the shard group of these words (two per group slot and per attribute
+  bucket, the number of groups, a mark) and their negations: they agree where the maximum equals
+  the minimum;
 - the verdict goes to the host as a ``HostCopy`` and is read by the rule of ``LostEdits``
   ([Note: edits while gathered] in edits.py): on the CPU at once (after the step that set the
   value), on CUDA one step later (a host wait inside a step stalls the device: [Note: host and
   device] 4 in device.py), and at ``close``. Every rank reads the same agreed verdict at the same
   place. A param group that differs is an error on every rank, naming the optimizer, the group, the
-  step and this rank's values (a param group holds what the update reads). Attributes that differ
-  are a warning, once, naming the few they may be (a timer or a record of each rank's loss differs
-  harmlessly; a statistic the update reads does not, and the warning says so): ending a healthy job
+  step and this rank's values (a group added on some ranks only: their number) (a param group holds
+  what the update reads). Attributes that differ are a warning, once, naming the few they may be (a
+  timer or a record of each rank's loss differs harmlessly; a statistic the update reads does not,
+  and the warning says so): ending a healthy job
   for its bookkeeping would be worse.
 A value changed between steps on some ranks only, in a way that may switch a branch of the update
 ([Note: measure what will run] in optimizer_kinds.py), makes only those ranks measure the optimizer
@@ -45,8 +49,8 @@ more per step, read like the one after it.
 Not seen: a value every rank sets alike from what each holds (the number of elements it steps, equal
 across ranks by the padding), a container attribute, and a tensor of more than ``SMALL`` elements
 that keeps its shape. Costs per step of such an optimizer: a digest of its values on the host
-(microseconds), about 20 elementwise ops per small tensor value (its hash), an all-reduce of 32
-bytes per group (and 8 x 32 for the attributes) and a copy of one byte per group to the host.
+(microseconds), about 20 elementwise ops per small tensor value (its hash), an all-reduce of 832
+bytes and a copy of 26 bytes to the host.
 torch's own optimizers set no group value from data and are not checked.
 """
 
@@ -70,14 +74,16 @@ from fsdp_strategy.engine.device import DeviceLayer, HostCopy
 
 SMALL = 64  # elements of a tensor value compared by value (a hyperparameter); a larger one by its shape
 BUCKETS = 8  # groups of the optimizer's attributes compared apart (to name the ones that differ)
+GROUP_SLOTS = 16  # words for the param groups: group i in slot i % GROUP_SLOTS (as many on every rank)
 log = logging.getLogger(__name__)
 
 
 class _Sent(NamedTuple):
-    copy: HostCopy  # per group, then the mark: whether the ranks' values differ
+    copy: HostCopy  # per group slot, attribute bucket, then the number of groups and the mark: whether they differ
     optimizer: str  # its class's name
     when: str  # "after its step 3", "before its step 4" (its steps counted from 1)
-    groups: list[dict[str, Any]]  # this rank's values then, for the error
+    groups: list[dict[str, Any]]  # this rank's param group values then, for the error
+    buckets: list[dict[str, Any]]  # this rank's attributes then, in their buckets
     measuring: bool  # sent before a measurement again ([Note: param groups agree])
 
 
@@ -116,30 +122,40 @@ class GroupAgreement:
         return f"before its step {self._steps.get(optimizer, 0) + 1}"
 
     def _compare(self, optimizer: torch.optim.Optimizer, when: str, measuring: bool) -> _Sent:
-        """One all-reduce MAX of each group's digest and tensor hash, and the mark, with their negations."""
+        """One all-reduce MAX, of the same size on every rank whatever each holds, of the digests and
+        tensor hashes of the param groups (folded into ``GROUP_SLOTS`` words) and attribute buckets, the
+        number of groups and the mark, with their negations."""
         groups = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
-        groups += _attribute_buckets(optimizer)
-        rows = [[_digest(values) for values in groups] + [int(measuring)], [0] * (len(groups) + 1)]
+        buckets = _attribute_buckets(optimizer)
+        digests = [0] * GROUP_SLOTS + [_digest(values) for values in buckets] + [len(groups), int(measuring)]
+        for index, values in enumerate(groups):
+            slot = index % GROUP_SLOTS
+            digests[slot] = (digests[slot] + _digest({"group": index, "values": values})) % 2**62
+        rows = [digests, [0] * len(digests)]
         words = DeviceLayer.copy_from_host(torch.tensor(rows, dtype=torch.int64, device="cpu"), self._device)
-        for index, values in enumerate(groups):  # only where a group holds small tensors: no launch otherwise
-            checksum = self._checksum(values)
+        places = [(index % GROUP_SLOTS, f"[{index}]", values) for index, values in enumerate(groups)]
+        places += [(GROUP_SLOTS + index, "", values) for index, values in enumerate(buckets)]
+        for slot, place, values in places:  # only where a group holds small tensors: no launch otherwise
+            checksum = self._checksum(values, place)
             if checksum is not None:
-                words[1, index] = checksum
+                words[1, slot] += checksum
         both = torch.cat([words, -words])
         collectives.all_reduce(both, self._comm, self._ctx, "param groups", op="max").wait()
         highest, lowest = both.view(2, 2, -1)
         differ = (highest != -lowest).any(dim=0)
-        return _Sent(DeviceLayer.copy_to_host(differ), type(optimizer).__name__, when, groups, measuring)
+        name = type(optimizer).__name__
+        return _Sent(DeviceLayer.copy_to_host(differ), name, when, groups, buckets, measuring)
 
-    def _checksum(self, values: dict[str, Any]) -> torch.Tensor | None:
+    def _checksum(self, values: dict[str, Any], place: str) -> torch.Tensor | None:
         """A hash of the small tensors among ``values`` at any depth (a learning rate kept as a tensor,
         ``betas`` as a tuple of tensors), computed where they are, without reading them: per element,
         its exact bits mixed with its place, summed with wrap-around; None where there are none. A tensor
-        of more than ``SMALL`` elements counts by its shape only (the digest)."""
+        of more than ``SMALL`` elements counts by its shape only (the digest). ``place``: where ``values``
+        are (a param group's index)."""
         total = None
-        for place, value in _small_tensors(values, ""):
+        for where, value in _small_tensors(values, place):
             bits = DeviceLayer.copy_from_host(_exact_bits(value), self._device)
-            places = torch.arange(bits.numel(), device=self._device, dtype=torch.int64) + _digest({"place": place})
+            places = torch.arange(bits.numel(), device=self._device, dtype=torch.int64) + _digest({"place": where})
             term = _mix(_mix(bits) + _mix(places)).sum()
             total = term if total is None else total + term
         return total
@@ -154,26 +170,36 @@ class GroupAgreement:
         for _ in range(due):
             sent = self._sent.popleft()
             differ = sent.copy.wait().tolist()  # host memory, landed: no device wait inside a step
-            groups = len(differ) - BUCKETS - 1
-            if differ[-1]:
+            if differ[-2]:  # the number of groups
+                self._sent.clear()
+                _raise_for(sent, len(differ) - 2)
+            if differ[-1]:  # the mark
                 self._sent.clear()
                 raise RuntimeError(_measured_apart(sent))
-            if any(differ[:groups]):
+            if any(differ[:GROUP_SLOTS]):
                 self._sent.clear()
                 _raise_for(sent, differ.index(True))
-            names = sorted(
-                name for bucket, apart in zip(sent.groups[groups:], differ[groups:-1]) if apart for name in bucket
-            )
+            apart = differ[GROUP_SLOTS : GROUP_SLOTS + BUCKETS]
+            names = sorted(name for bucket, differs in zip(sent.buckets, apart) if differs for name in bucket)
             if names and (sent.optimizer, tuple(names)) not in self._said:
                 self._said.add((sent.optimizer, tuple(names)))
                 if self._comm.rank == 0:
                     log.warning(_attributes_apart(sent, names))
 
 
-def _raise_for(sent: _Sent, index: int) -> None:
-    values = {k: v for k, v in sent.groups[index].items() if not torch.is_tensor(v) or v.numel() <= SMALL}
+def _raise_for(sent: _Sent, slot: int) -> None:
+    """Raise for the param groups of ``slot`` (the number of groups where ``slot`` is past the slots)."""
+    indices = [index for index in range(len(sent.groups)) if index % GROUP_SLOTS == slot]
+    if slot >= GROUP_SLOTS or not indices:
+        raise RuntimeError(
+            f"fsdp_custom: {sent.optimizer} holds {len(sent.groups)} param group(s) here and another number on "
+            f"other ranks ({sent.when}): a param group was added on some ranks only (add_param_group). Add it on "
+            "every rank alike"
+        )
+    which = f"param group {indices[0]}" if len(indices) == 1 else f"one of the param groups {indices}"
+    values = {k: v for k, v in sent.groups[indices[0]].items() if not torch.is_tensor(v) or v.numel() <= SMALL}
     raise RuntimeError(
-        f"fsdp_custom: {sent.optimizer}'s param group {index} holds other values on other ranks {sent.when} "
+        f"fsdp_custom: {sent.optimizer}'s {which} holds other values on other ranks {sent.when} "
         f"(here: {values}). Either its step set them from the parameters this rank steps, which "
         "are not every parameter when they are sharded (a branch the measurement before its first step did not "
         "reach), or code between steps set them differently on each rank (a scheduler fed each rank's own "
