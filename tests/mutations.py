@@ -376,6 +376,14 @@ MUTATIONS = [
         ("tests/test_group_agreement.py::test_a_value_one_rank_changed_is_an_error_on_every_rank_however_it_is_kept",),
     ),
     Mutation(
+        "probe_copies_a_held_module",
+        "the probe deep-copies an optimizer that holds a module (a sharded model: the process crashed)",
+        "fsdp_strategy/engine/optimizer_copies.py",
+        "    if module is not None:  # a deep copy of a sharded model",
+        "    if False:  # a deep copy of a sharded model",
+        ("tests/test_optimizer_probe.py::test_the_probe_classifies_real_optimizers",),
+    ),
+    Mutation(
         "group_values_by_type",
         "the agreement after a step compares a param group's Fraction, enum and other non-builtin values by type",
         "fsdp_strategy/engine/group_agreement.py",

@@ -107,6 +107,10 @@ def test_the_probe_classifies_real_optimizers():
     wrapped = measure(wrapper, wrapper.param_groups[0])
     assert wrapped.kind is None and "wraps another optimizer" in wrapped.reason
     assert torch.equal(weight.detach(), before) and not wrapper.optimizer.state  # the user's tensors untouched
+    holder = po.Lion([nn.Parameter(torch.randn(4, 3))], lr=1e-3)
+    holder.model = nn.Linear(3, 2)  # a copy to measure would deep-copy it: a sharded model crashed the process
+    held = measure(holder, holder.param_groups[0])
+    assert held.kind is None and "holds a module (its attribute 'model')" in held.reason
     kron = OPTIMIZERS["Kron (draws random numbers)"][0]([nn.Parameter(torch.randn(2))])
     state = torch.random.get_rng_state()
     measure(kron, kron.param_groups[0])

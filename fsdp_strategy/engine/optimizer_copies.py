@@ -68,11 +68,12 @@ def torch_hooks(key: str) -> bool:
     return key.startswith("_optimizer_") and key.endswith("hooks")
 
 
-def _wrapped(optimizer: torch.optim.Optimizer) -> str | None:
-    """The attribute of ``optimizer`` that holds another optimizer (a wrapper: Lookahead, OrthoGrad), if any."""
+def _holding(optimizer: torch.optim.Optimizer, kind: type) -> str | None:
+    """The attribute of ``optimizer`` that holds a ``kind`` (another optimizer: a wrapper such as Lookahead or
+    OrthoGrad; a module), directly or in a list, tuple or dict, if any."""
     for key, value in vars(optimizer).items():
         values = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else [value]
-        if any(isinstance(v, torch.optim.Optimizer) for v in values):
+        if any(isinstance(v, kind) for v in values):
             return key
     return None
 
@@ -80,11 +81,17 @@ def _wrapped(optimizer: torch.optim.Optimizer) -> str | None:
 def _like(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     """A copy of ``optimizer`` without its param groups, state and hooks (its tensors not copied; its
     bound methods bound to the copy; what an LR scheduler set over ``step`` left out)."""
-    wrapped = _wrapped(optimizer)
+    wrapped = _holding(optimizer, torch.optim.Optimizer)
     if wrapped is not None:
         raise ProbeStopped(
             f"it wraps another optimizer (its attribute {wrapped!r}), which holds your parameters: a copy to "
             "measure would step them"
+        )
+    module = _holding(optimizer, torch.nn.Module)
+    if module is not None:  # a deep copy of a sharded model (its hooks, groups, freed storage) crashed the process
+        raise ProbeStopped(
+            f"it holds a module (its attribute {module!r}): a copy to measure would copy your sharded model, or "
+            "step it"
         )
     tensors = [t for group in optimizer.param_groups for t in group["params"]]
     tensors += [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
