@@ -329,7 +329,7 @@ MUTATIONS = [
     ),
     Mutation(
         "group_numbers_by_type",
-        "the agreement after a step compares numpy's scalars in a param group by their type only",
+        "the agreement after a step compares numpy arrays in a param group by their type only",
         "fsdp_strategy/engine/group_agreement.py",
         '    if all(hasattr(value, name) for name in ("tobytes", "shape", "dtype", "size")):',
         "    if False:",

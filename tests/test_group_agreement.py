@@ -1,7 +1,8 @@
 """A param group value one rank changed is an error on every rank, whatever the value is kept as
-([Note: param groups agree]): tensors inside a tuple (``betas``), numpy's scalars, ``Fraction``, enum
-members, integer tensors past 2^53, -0.0, and two tensor values whose changes would cancel in a sum of
-their bits; also where the change makes that rank alone measure the optimizer again. Values equal on
+([Note: param groups agree]): tensors inside a tuple (``betas``), numpy scalars and arrays, ``Fraction``,
+enum members, integer tensors past 2^53, -0.0, and two tensor values whose changes would cancel in a sum
+of their bits; also where the change makes that rank alone measure the optimizer again, or a param
+group is added on one rank only. Values equal on
 every rank (an object key, a numpy object array, dtype keys) are no error. Real gloo ranks, an optimizer
 that is not torch's own (the only ones compared), the default wrapping and per-Linear units; what every
 rank agrees on trains to one process's weights."""
@@ -131,6 +132,10 @@ CASES = {  # name -> (settings, what rank 1 changes): a value that differs, meas
     "two tensors whose bits change by +3 and -3": (
         lambda: {"lr": torch.tensor(0.01, dtype=torch.float64), "momentum": torch.tensor(0.5, dtype=torch.float64)},
         _cancelling,
+    ),
+    "betas a numpy array": (
+        lambda: {"lr": 0.01, "betas": np.array([0.9, 0.99])},
+        lambda optimizer: optimizer.param_groups[0]["betas"].__setitem__(1, 0.999),
     ),
     "a Fraction learning rate": (
         lambda: {"lr": Fraction(1, 100)},
