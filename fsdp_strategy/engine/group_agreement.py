@@ -61,6 +61,7 @@ import enum
 import hashlib
 import logging
 import numbers
+import operator
 import weakref
 from collections import deque
 from collections.abc import Iterator
@@ -264,7 +265,7 @@ def _plain(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return tuple(_plain(item) for item in value)
     if isinstance(value, dict):
-        return tuple(sorted(((repr(_plain(k)), _plain(v)) for k, v in value.items()), key=_first))
+        return tuple(sorted(((repr(_plain(k)), _plain(v)) for k, v in value.items()), key=operator.itemgetter(0)))
     if isinstance(value, (set, frozenset)):
         return ("set", tuple(sorted(repr(_plain(item)) for item in value)))
     if torch.is_tensor(value):
@@ -282,10 +283,6 @@ def _plain(value: Any) -> Any:
         fields = dataclasses.fields(value)
         return (type(value).__qualname__, tuple((f.name, _plain(getattr(value, f.name))) for f in fields))
     return ("object", type(value).__qualname__)
-
-
-def _first(pair: tuple[str, Any]) -> str:
-    return pair[0]
 
 
 def _small_tensors(value: Any, place: str) -> Iterator[tuple[str, torch.Tensor]]:

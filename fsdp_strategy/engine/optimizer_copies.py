@@ -90,8 +90,7 @@ def _like(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     module = _holding(optimizer, torch.nn.Module)
     if module is not None:  # a deep copy of a sharded model (its hooks, groups, freed storage) crashed the process
         raise ProbeStopped(
-            f"it holds a module (its attribute {module!r}): a copy to measure would copy your sharded model, or "
-            "step it"
+            f"it holds a module (its attribute {module!r}): a copy to measure would copy your sharded model, or step it"
         )
     tensors = [t for group in optimizer.param_groups for t in group["params"]]
     tensors += [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]

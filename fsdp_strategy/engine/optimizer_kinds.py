@@ -137,14 +137,14 @@ class OptimizerKinds:
         """Whether ``optimizer`` is one of torch's own, known to set no param group value from data."""
         return type(optimizer) in ELEMENTWISE or type(optimizer) in WHOLE_MATRIX
 
-    def of(self, optimizer: torch.optim.Optimizer) -> UpdateKind:
+    def of(self, optimizer: torch.optim.Optimizer, changed: list[str]) -> UpdateKind:
         """The kind of ``optimizer``, measured if need be: call it where its gradients exist, before it
-        changes a weight ([Note: measure what will run]). A refused one raises ``TypeError``."""
+        changes a weight ([Note: measure what will run]), with ``changes(optimizer)`` (measured again
+        where there are any). A refused one raises ``TypeError``."""
         kind = self.known(optimizer)
         if kind is not None:
             return kind
         shapes = self._shapes(optimizer)
-        changed = self._changed_since_step(optimizer)
         if changed:  # [Note: measure what will run]: measured again at the values it steps with now
             log.info(
                 "fsdp_custom: %s's %s changed since its last step: measured again", type(optimizer).__name__, changed
@@ -160,10 +160,11 @@ class OptimizerKinds:
             return UpdateKind.WHOLE_MATRIX
         return measured[shapes]
 
-    def measures_again(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Whether ``of`` will measure ``optimizer`` again: a value that may switch a branch changed since
-        its last step (on this rank: [Note: param groups agree] makes sure every rank does)."""
-        return self.known(optimizer) is None and bool(self._changed_since_step(optimizer))
+    def changes(self, optimizer: torch.optim.Optimizer) -> list[str]:
+        """The values that may switch a branch of a measured ``optimizer`` changed since its last step, for
+        which ``of`` measures it again (on this rank: [Note: param groups agree] makes sure every rank
+        does); none for a known one."""
+        return [] if self.known(optimizer) is not None else self._changed_since_step(optimizer)
 
     def placed_whole(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether a measurement ever placed ``optimizer`` whole (the same on every rank)."""

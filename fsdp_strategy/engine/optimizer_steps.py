@@ -175,11 +175,12 @@ class OptimizerSteps:
         placement.abandon(optimizer)  # a previous step of it that raised
 
         def ready() -> None:
-            if self._agreement is not None and self._kinds.measures_again(optimizer):
+            changed = self._kinds.changes(optimizer)
+            if self._agreement is not None and changed:
                 self._agreement.before_measuring(optimizer)  # only some ranks measuring: an error, not a hang
             elif self._agreement is not None and self._kinds.placed_whole(optimizer):
                 self._agreement.before_placing(optimizer)  # meets a rank's before_measuring
-            if self._kinds.of(optimizer) is UpdateKind.WHOLE_MATRIX:
+            if self._kinds.of(optimizer, changed) is UpdateKind.WHOLE_MATRIX:
                 if split:
                     raise _refused_on_blocks(optimizer, split, UpdateKind.WHOLE_MATRIX)
                 placement.before_update(optimizer)
